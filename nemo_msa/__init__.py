@@ -1,0 +1,31 @@
+"""nemo-msa: MSA block-sparse attention (MiniMax-M3 style) for Megatron-Core.
+
+Public API (CPU reference everywhere, kernels where the device has them):
+
+- :class:`MSAMicrobatch`: the per-microbatch layout (document map, pack/unpack, workspace),
+  memoized per batch tensor.
+- :func:`select_blocks`: index scorer + top-k block selection.
+- :func:`sparse_attention`: differentiable block-sparse attention.
+- :func:`require_msa_support`, :func:`check_runtime_arguments`: the support gate.
+- :func:`resolve_backend`, :func:`register_backend`: the backend registry.
+"""
+
+from nemo_msa.attention import sparse_attention
+from nemo_msa.backends import MSABackend, register_backend, resolve_backend
+from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.selection import select_blocks
+from nemo_msa.support import MSATopology, check_runtime_arguments, require_msa_support
+
+__all__ = [
+    "MSABackend",
+    "MSAMicrobatch",
+    "MSATopology",
+    "check_runtime_arguments",
+    "register_backend",
+    "require_msa_support",
+    "resolve_backend",
+    "select_blocks",
+    "sparse_attention",
+]
+
+__version__ = "0.1.0"

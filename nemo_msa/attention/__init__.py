@@ -1,0 +1,123 @@
+"""Sparse attention over selected key blocks: validation, autograd, backend dispatch."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nemo_msa.backends import MSABackend, resolve_backend
+from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.support import reject_cuda_graph_capture
+
+__all__ = ["sparse_attention", "validate_attention_inputs"]
+
+
+def validate_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q2k: torch.Tensor,
+    msa: MSAMicrobatch,
+    *,
+    require_bf16: bool = True,
+) -> None:
+    """Checks dtypes and shapes before any kernel runs.
+
+    Raises:
+        ValueError: a dtype other than bf16 (when required), or shapes that disagree; the
+            message names the tensors and their shapes.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if require_bf16 and x.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be torch.bfloat16; got {x.dtype}")
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be [tokens, heads, dim]; got shape {tuple(x.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on tokens or head dim"
+        )
+    if q.shape[0] != msa.num_tokens:
+        raise ValueError(
+            f"q has {q.shape[0]} tokens but the layout has num_tokens={msa.num_tokens}"
+        )
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
+        )
+    if q2k.dtype != torch.int32 or q2k.dim() != 3:
+        raise ValueError(
+            f"q2k must be int32 [kv_heads, tokens, top_k]; got {q2k.dtype} {tuple(q2k.shape)}"
+        )
+    if q2k.shape[0] != k.shape[1] or q2k.shape[1] != q.shape[0]:
+        raise ValueError(
+            f"q2k {tuple(q2k.shape)} must be [kv_heads={k.shape[1]}, tokens={q.shape[0]}, top_k]"
+        )
+    devices = {x.device for x in (q, k, v, q2k)} | {msa.device}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v, q2k and the layout must share one device; got {devices}")
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q2k, msa, softmax_scale, backend: MSABackend):
+        out, lse = backend.attention_forward(q, k, v, q2k, msa, softmax_scale)
+        ctx.save_for_backward(q, k, v, q2k, out, lse)
+        ctx.msa = msa
+        ctx.softmax_scale = softmax_scale
+        ctx.backend = backend
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, q2k, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.backend.attention_backward(
+            dout.contiguous(), q, k, v, out, lse, q2k, ctx.msa, ctx.softmax_scale
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q2k: torch.Tensor,
+    msa: MSAMicrobatch,
+    *,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+    return_lse: bool = False,
+):
+    """Block-sparse causal attention within documents (differentiable in q, k, v).
+
+    Args:
+        q: bf16 [T, Hq, d] compact queries.
+        k: bf16 [T, Hkv, d] compact keys; Hq is a multiple of Hkv.
+        v: bf16 [T, Hkv, d] compact values.
+        q2k: int32 [Hkv, T, top_k] document-local block ids per KV head and query, -1 unused
+            (from :func:`nemo_msa.select_blocks`).
+        msa: the batch layout.
+        softmax_scale: defaults to 1 / sqrt(d).
+        backend: backend name or "auto"/None (see nemo_msa.backends).
+        return_lse: also return the fp32 [Hq, T] log-sum-exp.
+
+    Returns:
+        bf16 [T, Hq, d] output (and the LSE when asked).
+
+    Raises:
+        ValueError: non-bf16 inputs or disagreeing shapes.
+        RuntimeError: called during CUDA-graph capture.
+    """
+    validate_attention_inputs(q, k, v, q2k, msa)
+    reject_cuda_graph_capture("sparse_attention")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    chosen = resolve_backend(backend, q.device)
+    out, lse = _SparseAttention.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), q2k.contiguous(), msa, scale, chosen
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,234 @@
+"""Reference sparse attention in plain PyTorch: forward, backward, and dense oracles.
+
+``out(p, hq) = sum_j softmax_j(q(p, hq) . k(j, g) * scale) v(j, g)`` over the keys j of the
+blocks that ``q2k[g, p]`` selects in the query's document, with j <= p and g = hq // (Hq / Hkv).
+
+Forward and backward work on the compact layout, chunked over queries, gathering the selected
+key blocks from the aligned workspace; dk/dv accumulate into workspace blocks with index_add_
+(deterministic on the CPU, and on CUDA under torch.use_deterministic_algorithms). Peak memory is
+O(chunk x Hkv x top_k x block x d), never [T, T].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nemo_msa.layout import MSAMicrobatch
+
+# Elements of one chunk's gathered K (or V) tile [C, Hkv, top_k * B, d]; bounds peak memory.
+_GATHER_ELEMENTS_PER_CHUNK = 1 << 24
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _chunk_size(msa: MSAMicrobatch, kv_heads: int, top_k: int, dim: int) -> int:
+    per_token = kv_heads * top_k * msa.block_size * dim
+    return max(1, _GATHER_ELEMENTS_PER_CHUNK // per_token)
+
+
+def _gather_blocks(
+    msa: MSAMicrobatch,
+    q2k: torch.Tensor,
+    start: int,
+    stop: int,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+):
+    """Gathers the selected blocks of a query chunk and their visibility mask.
+
+    Returns:
+        ``(k, v, visible, block_index)``: k and v [C, Hkv, top_k * B, d], visible bool
+        [C, Hkv, top_k * B], block_index int64 [C, Hkv, top_k] (workspace block ids, valid where
+        selected).
+    """
+    block = msa.block_size
+    selected = q2k[:, start:stop].permute(1, 0, 2).long()  # [C, Hkv, K]
+    chunk, kv_heads, top_k = selected.shape
+    first = msa.token_workspace_block_starts[start:stop]  # [C]
+    block_index = first[:, None, None] + selected.clamp(min=0)  # [C, Hkv, K]
+    heads = torch.arange(kv_heads, device=q2k.device)[None, :, None]
+    k = k_blocks[block_index, :, heads]  # [C, Hkv, K, B, d]
+    v = v_blocks[block_index, :, heads]
+    positions = msa.document_positions[start:stop].long()
+    key_positions = selected[..., None] * block + torch.arange(block, device=q2k.device)
+    visible = (selected[..., None] >= 0) & (key_positions <= positions[:, None, None, None])
+    dim = k.shape[-1]
+    return (
+        k.reshape(chunk, kv_heads, top_k * block, dim),
+        v.reshape(chunk, kv_heads, top_k * block, dim),
+        visible.reshape(chunk, kv_heads, top_k * block),
+        block_index,
+    )
+
+
+def _workspace_blocks(msa: MSAMicrobatch, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, Hkv, d] -> [NB, B, Hkv, d] in ``dtype``, zero past document ends."""
+    w = msa.to_workspace(x.to(dtype))
+    return w.view(msa.num_workspace_blocks, msa.block_size, *x.shape[1:])
+
+
+def sparse_attention_forward_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q2k: torch.Tensor,
+    msa: MSAMicrobatch,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse attention forward over selected blocks.
+
+    Args:
+        q: [T, Hq, d] float.
+        k: [T, Hkv, d] float, same dtype as q.
+        v: [T, Hkv, d] float, same dtype as q.
+        q2k: int32 [Hkv, T, top_k] document-local block ids (-1 = none).
+        msa: layout.
+        softmax_scale: multiplies q.k before the softmax.
+
+    Returns:
+        ``(out [T, Hq, d] in q's dtype, lse fp32-or-fp64 [Hq, T])``; a query with no visible
+        key gets zeros and lse = -inf.
+    """
+    tokens, q_heads, dim = q.shape
+    kv_heads, _, top_k = q2k.shape
+    group = q_heads // kv_heads
+    dtype = _compute_dtype(q)
+    k_blocks = _workspace_blocks(msa, k, dtype)
+    v_blocks = _workspace_blocks(msa, v, dtype)
+    out = torch.empty(tokens, q_heads, dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q_heads, tokens, dtype=dtype, device=q.device)
+    chunk = _chunk_size(msa, kv_heads, top_k, dim)
+    for start in range(0, tokens, chunk):
+        stop = min(tokens, start + chunk)
+        kc, vc, visible, _ = _gather_blocks(msa, q2k, start, stop, k_blocks, v_blocks)
+        qc = q[start:stop].to(dtype).view(stop - start, kv_heads, group, dim)
+        scores = torch.einsum("cgqd,cgnd->cgqn", qc, kc) * softmax_scale
+        scores = scores.masked_fill(~visible[:, :, None, :], -math.inf)
+        row_lse = torch.logsumexp(scores, dim=-1)  # [C, Hkv, G]
+        probs = torch.exp(scores - row_lse[..., None].nan_to_num(neginf=0.0))
+        oc = torch.einsum("cgqn,cgnd->cgqd", probs, vc)
+        out[start:stop] = oc.reshape(stop - start, q_heads, dim).to(q.dtype)
+        lse[:, start:stop] = row_lse.reshape(stop - start, q_heads).transpose(0, 1)
+    return out, lse
+
+
+def sparse_attention_backward_reference(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q2k: torch.Tensor,
+    msa: MSAMicrobatch,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse attention backward: recompute probabilities per chunk, accumulate dk/dv per block.
+
+    Args:
+        dout: [T, Hq, d] gradient of the output.
+        q, k, v, q2k, msa, softmax_scale: as in the forward.
+        out: [T, Hq, d] forward output.
+        lse: [Hq, T] forward log-sum-exp.
+
+    Returns:
+        ``(dq [T, Hq, d], dk [T, Hkv, d], dv [T, Hkv, d])`` in the inputs' dtypes.
+    """
+    tokens, q_heads, dim = q.shape
+    kv_heads, _, top_k = q2k.shape
+    group = q_heads // kv_heads
+    block = msa.block_size
+    dtype = _compute_dtype(q)
+    k_blocks = _workspace_blocks(msa, k, dtype)
+    v_blocks = _workspace_blocks(msa, v, dtype)
+    dk_blocks = torch.zeros_like(k_blocks)
+    dv_blocks = torch.zeros_like(v_blocks)
+    dq = torch.empty_like(q)
+    # delta = rowsum(dO * O): the softmax-Jacobian term, computed once.
+    delta = (dout.to(dtype) * out.to(dtype)).sum(-1)  # [T, Hq]
+    chunk = _chunk_size(msa, kv_heads, top_k, dim)
+    for start in range(0, tokens, chunk):
+        stop = min(tokens, start + chunk)
+        count = stop - start
+        kc, vc, visible, block_index = _gather_blocks(msa, q2k, start, stop, k_blocks, v_blocks)
+        qc = q[start:stop].to(dtype).view(count, kv_heads, group, dim)
+        doc = dout[start:stop].to(dtype).view(count, kv_heads, group, dim)
+        lse_c = lse[:, start:stop].transpose(0, 1).reshape(count, kv_heads, group).to(dtype)
+        scores = torch.einsum("cgqd,cgnd->cgqn", qc, kc) * softmax_scale
+        scores = scores.masked_fill(~visible[:, :, None, :], -math.inf)
+        probs = torch.exp(scores - lse_c[..., None].nan_to_num(neginf=0.0))
+        dprobs = torch.einsum("cgqd,cgnd->cgqn", doc, vc)
+        delta_c = delta[start:stop].view(count, kv_heads, group, 1)
+        dscores = probs * (dprobs - delta_c) * softmax_scale
+        dq[start:stop] = (
+            torch.einsum("cgqn,cgnd->cgqd", dscores, kc).reshape(count, q_heads, dim).to(q.dtype)
+        )
+        dk_c = torch.einsum("cgqn,cgqd->cgnd", dscores, qc).view(count, kv_heads, top_k, block, dim)
+        dv_c = torch.einsum("cgqn,cgqd->cgnd", probs, doc).view(count, kv_heads, top_k, block, dim)
+        # Unselected slots (-1) point at a real block but carry exact zeros.
+        for head in range(kv_heads):
+            rows = block_index[:, head].reshape(-1)
+            dk_blocks[:, :, head].index_add_(0, rows, dk_c[:, head].reshape(-1, block, dim))
+            dv_blocks[:, :, head].index_add_(0, rows, dv_c[:, head].reshape(-1, block, dim))
+    dk = msa.from_workspace(dk_blocks.view(msa.workspace_size, kv_heads, dim)).to(k.dtype)
+    dv = msa.from_workspace(dv_blocks.view(msa.workspace_size, kv_heads, dim)).to(v.dtype)
+    return dq, dk, dv
+
+
+def dense_document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    msa: MSAMicrobatch,
+    softmax_scale: float | None = None,
+    q2k: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense causal attention within documents, through plain autograd ops.
+
+    The oracle of the sparse op (pass ``q2k`` to restrict keys to the selected blocks) and the
+    dense path for small models (dense layers of a mixed pattern, the dense warm-up). Memory is
+    O(Hq x T x T): meant for tests and small sequences.
+
+    Args:
+        q: [T, Hq, d] float.
+        k: [T, Hkv, d] float.
+        v: [T, Hkv, d] float.
+        msa: layout.
+        softmax_scale: defaults to 1 / sqrt(d).
+        q2k: optional int32 [Hkv, T, top_k]; when given only the selected blocks are visible.
+
+    Returns:
+        [T, Hq, d] in q's dtype (computed in fp32, or fp64 for fp64 inputs).
+    """
+    tokens, q_heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = q_heads // kv_heads
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(dim)
+    dtype = _compute_dtype(q)
+    visible = document_causal_mask(msa)[None].expand(kv_heads, -1, -1)  # [Hkv, T, T]
+    if q2k is not None:
+        visible = visible & selected_key_mask(msa, q2k)
+    qf = q.to(dtype).view(tokens, kv_heads, group, dim)
+    scores = torch.einsum("tgqd,sgd->gqts", qf, k.to(dtype)) * scale
+    scores = scores.masked_fill(~visible[:, None], -math.inf)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0
+    out = torch.einsum("gqts,sgd->tgqd", probs, v.to(dtype))
+    return out.reshape(tokens, q_heads, dim).to(q.dtype)
+
+
+def document_causal_mask(msa: MSAMicrobatch) -> torch.Tensor:
+    """bool [T, T]: query i sees key j when both are in one document and j <= i."""
+    docs = msa.token_documents
+    positions = msa.document_positions
+    return (docs[:, None] == docs[None, :]) & (positions[None, :] <= positions[:, None])
+
+
+def selected_key_mask(msa: MSAMicrobatch, q2k: torch.Tensor) -> torch.Tensor:
+    """bool [Hkv, T, T]: key j lies in a block that query i selected for KV head g."""
+    key_blocks = (msa.document_positions.long() // msa.block_size)[None, None, :]  # [1, 1, T]
+    chosen = q2k.long()  # [Hkv, T, K]
+    return (chosen[..., None] == key_blocks[..., None, :]).any(dim=2)

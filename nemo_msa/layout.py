@@ -1,0 +1,422 @@
+"""The per-microbatch MSA layout: compact tokens, documents and the aligned workspace.
+
+One :class:`MSAMicrobatch` describes where every real token of a packed [batch, sequence] batch
+lives in three coordinate systems:
+
+- compact: the real tokens in row-major document order, ``[tokens, ...]``; documents are
+  contiguous, so key j of document d is compact row ``cu_seqlens[d] + j``;
+- document-local: ``document_positions`` (the position inside its document);
+- aligned workspace: each document starts at a multiple of ``block_size``, so block b of a
+  document is rows ``[start + block_size * b, start + block_size * (b + 1))``.
+
+Building a layout costs exactly one device-to-host synchronization. :meth:`MSAMicrobatch.build`
+memoizes the layout on the identity and ``_version`` of the source tensor (normally
+``packed_seq_ids``), so every attention layer and every virtual-pipeline chunk of a rank that
+receives the same batch tensor shares one layout; the entry dies with the tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from nemo_msa.document_map import (
+    document_map_from_source,
+    select_document_map_source,
+    summarize_document_map,
+)
+
+_SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
+
+
+def _check_forced_blocks(block_size: int, init_blocks: int, local_blocks: int) -> None:
+    if block_size not in _SUPPORTED_BLOCK_SIZES:
+        raise ValueError(
+            f"block_size={block_size} is not supported; expected one of {_SUPPORTED_BLOCK_SIZES}"
+        )
+    if init_blocks < 0:
+        raise ValueError(f"init_blocks={init_blocks}; expected >= 0")
+    if local_blocks < 0:
+        raise ValueError(f"local_blocks={local_blocks}; expected >= 0")
+
+
+class _LayoutMemo:
+    """Weak-identity memo: source tensor -> layout, valid while the tensor's _version holds.
+
+    Tensors hash by identity but compare elementwise, so a WeakKeyDictionary cannot hold them;
+    this keys a plain dict on ``id(tensor)`` and drops the entry from a weakref finalizer, so the
+    layout lives exactly as long as the batch tensor it describes.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, dict]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, tensor: torch.Tensor, key: tuple) -> MSAMicrobatch | None:
+        with self._lock:
+            entry = self._entries.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return None
+        layout = entry[1].get(key)
+        if layout is None or layout._source_version != tensor._version:
+            return None
+        return layout
+
+    def put(self, tensor: torch.Tensor, key: tuple, layout: MSAMicrobatch) -> None:
+        tensor_id = id(tensor)
+        with self._lock:
+            entry = self._entries.get(tensor_id)
+            if entry is None or entry[0]() is not tensor:
+                entry = (weakref.ref(tensor), {})
+                self._entries[tensor_id] = entry
+                weakref.finalize(tensor, self._drop, tensor_id, entry[0])
+            entry[1][key] = layout
+
+    def _drop(self, tensor_id: int, ref: weakref.ref) -> None:
+        with self._lock:
+            entry = self._entries.get(tensor_id)
+            if entry is not None and entry[0] is ref:
+                del self._entries[tensor_id]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+
+_MEMO = _LayoutMemo()
+_BUILD_COUNT = 0
+
+
+@dataclass(eq=False)
+class MSAMicrobatch:
+    """Layout of one packed microbatch, shared by every MSA layer that sees the same batch.
+
+    Attributes:
+        batch_size: b.
+        seq_len: s.
+        block_size: key-block size (128 in production).
+        forced_blocks: ``(init_blocks, local_blocks)`` the selection always keeps.
+        padding_mask: bool [b, s], True marks padding (Megatron's convention).
+        token_rows: int64 [T], flat index ``row * s + column`` of each real token.
+        token_documents: int32 [T], document index (0..D-1, row-major order) of each token.
+        document_positions: int32 [T], position of each token inside its document.
+        workspace_positions: int64 [T], row of each token in the aligned workspace.
+        document_workspace_starts: int64 [D], first workspace row of each document (a multiple
+            of ``block_size``).
+        cu_seqlens: int32 [D + 1], compact start of each document, then T.
+        num_tokens: T, host int.
+        num_documents: D, host int.
+        workspace_size: rows of the aligned workspace, host int (a multiple of block_size).
+        max_seqlen: longest document, host int.
+    """
+
+    batch_size: int
+    seq_len: int
+    block_size: int
+    forced_blocks: tuple[int, int]
+    padding_mask: torch.Tensor
+    token_rows: torch.Tensor
+    token_documents: torch.Tensor
+    document_positions: torch.Tensor
+    workspace_positions: torch.Tensor
+    document_workspace_starts: torch.Tensor
+    cu_seqlens: torch.Tensor
+    num_tokens: int
+    num_documents: int
+    workspace_size: int
+    max_seqlen: int
+    _source_version: int = field(default=-1, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build(
+        cls,
+        packed_seq_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        *,
+        batch_size: int | None = None,
+        seq_len: int | None = None,
+        device: torch.device | str | None = None,
+        block_size: int = 128,
+        init_blocks: int = 0,
+        local_blocks: int = 1,
+    ) -> MSAMicrobatch:
+        """Returns the layout of a batch, built once per source tensor (memoized).
+
+        The source is the first of ``packed_seq_ids``, ``attention_mask`` (2-D ids or bool 4-D
+        block-causal), ``padding_mask`` (True = padding) present; with none, every row is one
+        document of ``seq_len`` tokens. The memo keys on the source tensor's identity and
+        ``_version``: an in-place write to the tensor forces a rebuild, and the entry is dropped
+        when the tensor is freed.
+
+        Args:
+            packed_seq_ids: int [b, s] document ids, 0 = padding.
+            attention_mask: int [b, s] document ids, or bool [b, 1, s, s] (True = keep).
+            padding_mask: bool [b, s], True = padding.
+            batch_size: b; required with no source, checked otherwise.
+            seq_len: s; likewise.
+            device: device of the layout when there is no source.
+            block_size: key-block size.
+            init_blocks: forced sink blocks at each document start.
+            local_blocks: forced blocks ending at the query's own block.
+
+        Returns:
+            The shared layout.
+
+        Raises:
+            ValueError: for a malformed document map (see nemo_msa.document_map).
+        """
+        _check_forced_blocks(block_size, init_blocks, local_blocks)
+        source = select_document_map_source(packed_seq_ids, attention_mask, padding_mask)
+        key = (block_size, init_blocks, local_blocks, batch_size, seq_len, str(device))
+        if source.tensor is None:
+            memo_tensor = None
+            key = ("none", *key)
+        else:
+            memo_tensor = source.tensor
+            key = (source.name, *key[:3])
+            cached = _MEMO.get(memo_tensor, key)
+            if cached is not None:
+                return cached
+        if memo_tensor is None:
+            cached = _NO_SOURCE_CACHE.get(key)
+            if cached is not None:
+                return cached
+
+        document_map, bad_mask_row = document_map_from_source(source, batch_size, seq_len, device)
+        layout = cls._from_map(
+            document_map, bad_mask_row, block_size, (init_blocks, local_blocks), source.name
+        )
+        if memo_tensor is not None:
+            layout._source_version = memo_tensor._version
+            _MEMO.put(memo_tensor, key, layout)
+        else:
+            if len(_NO_SOURCE_CACHE) > 64:
+                _NO_SOURCE_CACHE.clear()
+            _NO_SOURCE_CACHE[key] = layout
+        return layout
+
+    @classmethod
+    def from_document_map(
+        cls,
+        document_map: torch.Tensor,
+        *,
+        block_size: int = 128,
+        init_blocks: int = 0,
+        local_blocks: int = 1,
+    ) -> MSAMicrobatch:
+        """Builds a layout from an int [b, s] document map, without memoizing it.
+
+        Args:
+            document_map: int [b, s]; 0 = padding, each positive id one contiguous run per row.
+            block_size: key-block size.
+            init_blocks: forced sink blocks.
+            local_blocks: forced local blocks.
+
+        Returns:
+            A new layout.
+        """
+        _check_forced_blocks(block_size, init_blocks, local_blocks)
+        source = select_document_map_source(packed_seq_ids=document_map)
+        document_map, bad = document_map_from_source(source, None, None)
+        return cls._from_map(
+            document_map, bad, block_size, (init_blocks, local_blocks), "document_map"
+        )
+
+    @classmethod
+    def _from_map(
+        cls,
+        document_map: torch.Tensor,
+        bad_mask_row: torch.Tensor,
+        block_size: int,
+        forced_blocks: tuple[int, int],
+        source_name: str,
+    ) -> MSAMicrobatch:
+        global _BUILD_COUNT
+        b, s = document_map.shape
+        summary, parts = summarize_document_map(document_map, bad_mask_row, block_size, source_name)
+        real, starts, local_positions = parts["real"], parts["starts"], parts["local_positions"]
+        tokens, documents = summary.num_tokens, summary.num_documents
+
+        # Stable argsort puts the real tokens first in their row-major order: a gather index with
+        # a size known on the host, so no further synchronization (unlike nonzero()).
+        token_rows = torch.argsort((~real).to(torch.int8), stable=True)[:tokens]
+        document_of_flat = torch.cumsum(starts.to(torch.int64), dim=0) - 1
+        token_documents = document_of_flat[token_rows].to(torch.int32)
+        document_positions = local_positions[token_rows]
+        compact_starts = torch.argsort((document_positions != 0).to(torch.int8), stable=True)
+        cu_seqlens = torch.cat(
+            [compact_starts[:documents], torch.tensor([tokens], device=document_map.device)]
+        )
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        blocks = (lengths + block_size - 1) // block_size
+        workspace_starts = (torch.cumsum(blocks, dim=0) - blocks) * block_size
+        workspace_positions = workspace_starts[token_documents.long()] + document_positions
+
+        _BUILD_COUNT += 1
+        return cls(
+            batch_size=b,
+            seq_len=s,
+            block_size=block_size,
+            forced_blocks=forced_blocks,
+            padding_mask=~real.reshape(b, s),
+            token_rows=token_rows,
+            token_documents=token_documents,
+            document_positions=document_positions.to(torch.int32),
+            workspace_positions=workspace_positions,
+            document_workspace_starts=workspace_starts,
+            cu_seqlens=cu_seqlens.to(torch.int32),
+            num_tokens=tokens,
+            num_documents=documents,
+            workspace_size=summary.num_workspace_blocks * block_size,
+            max_seqlen=summary.max_seqlen,
+        )
+
+    @staticmethod
+    def num_builds() -> int:
+        """How many layouts this process has built (memo hits do not count)."""
+        return _BUILD_COUNT
+
+    @staticmethod
+    def memo_size() -> int:
+        """How many source tensors currently hold a memoized layout."""
+        return len(_MEMO)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device(self) -> torch.device:
+        return self.token_rows.device
+
+    @property
+    def num_workspace_blocks(self) -> int:
+        return self.workspace_size // self.block_size
+
+    def cached(self, name: str, make):
+        """Returns a derived tensor computed once per layout (shared by all layers)."""
+        value = self._cache.get(name)
+        if value is None:
+            value = make()
+            self._cache[name] = value
+        return value
+
+    @property
+    def token_document_starts(self) -> torch.Tensor:
+        """int64 [T]: compact row of the first token of each token's document."""
+        return self.cached(
+            "token_document_starts",
+            lambda: self.cu_seqlens.long()[self.token_documents.long()],
+        )
+
+    @property
+    def token_workspace_block_starts(self) -> torch.Tensor:
+        """int64 [T]: workspace block index of block 0 of each token's document."""
+        return self.cached(
+            "token_workspace_block_starts",
+            lambda: self.document_workspace_starts[self.token_documents.long()]
+            // self.block_size,
+        )
+
+    @property
+    def workspace_documents(self) -> torch.Tensor:
+        """int64 [W]: document of each workspace row, -1 for rows past a document's end."""
+
+        def make() -> torch.Tensor:
+            rows = torch.full((self.workspace_size,), -1, dtype=torch.int64, device=self.device)
+            rows[self.workspace_positions] = self.token_documents.long()
+            return rows
+
+        return self.cached("workspace_documents", make)
+
+    @property
+    def workspace_positions_in_document(self) -> torch.Tensor:
+        """int64 [W]: document-local position of each workspace row, -1 past a document's end."""
+
+        def make() -> torch.Tensor:
+            rows = torch.full((self.workspace_size,), -1, dtype=torch.int64, device=self.device)
+            rows[self.workspace_positions] = self.document_positions.long()
+            return rows
+
+        return self.cached("workspace_positions_in_document", make)
+
+    # ------------------------------------------------------------------ data movement
+    def _check_bs(self, name: str, x: torch.Tensor) -> None:
+        if x.dim() < 2 or x.shape[0] != self.batch_size or x.shape[1] != self.seq_len:
+            raise ValueError(
+                f"{name} must be [batch={self.batch_size}, sequence={self.seq_len}, ...]; got "
+                f"shape {tuple(x.shape)}"
+            )
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """Gathers the real tokens: [b, s, ...] -> [T, ...] in row-major document order."""
+        self._check_bs("x", x)
+        return x.reshape(self.batch_size * self.seq_len, *x.shape[2:])[self.token_rows]
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """Scatters compact tokens back: [T, ...] -> [b, s, ...], zeros at padding."""
+        if x.dim() < 1 or x.shape[0] != self.num_tokens:
+            raise ValueError(
+                f"x must be [tokens={self.num_tokens}, ...]; got shape {tuple(x.shape)}"
+            )
+        out = x.new_zeros(self.batch_size * self.seq_len, *x.shape[1:])
+        out = out.index_copy(0, self.token_rows, x)
+        return out.reshape(self.batch_size, self.seq_len, *x.shape[1:])
+
+    def to_workspace(self, x: torch.Tensor) -> torch.Tensor:
+        """Places compact tokens in the aligned workspace: [T, ...] -> [W, ...], zero gaps."""
+        if x.dim() < 1 or x.shape[0] != self.num_tokens:
+            raise ValueError(
+                f"x must be [tokens={self.num_tokens}, ...]; got shape {tuple(x.shape)}"
+            )
+        out = x.new_zeros(self.workspace_size, *x.shape[1:])
+        return out.index_copy(0, self.workspace_positions, x)
+
+    def from_workspace(self, x: torch.Tensor) -> torch.Tensor:
+        """Reads compact tokens out of the workspace: [W, ...] -> [T, ...]."""
+        if x.dim() < 1 or x.shape[0] != self.workspace_size:
+            raise ValueError(
+                f"x must be [workspace={self.workspace_size}, ...]; got shape {tuple(x.shape)}"
+            )
+        return x[self.workspace_positions]
+
+    def position_ids(self) -> torch.Tensor:
+        """int64 [b, s]: per-document positions (restart at 0 for every document), 0 at padding.
+
+        These are the RoPE positions of packed documents.
+        """
+        return self.cached(
+            "position_ids", lambda: self.unpack(self.document_positions.long())
+        )
+
+    # ------------------------------------------------------------------ ops
+    def select_blocks(
+        self,
+        index_q: torch.Tensor,
+        index_k: torch.Tensor,
+        *,
+        top_k: int = 16,
+        score: str = "max",
+        backend: str | None = None,
+    ) -> torch.Tensor:
+        """Top-k key blocks per index head and query token (see nemo_msa.selection).
+
+        Args:
+            index_q: [T, H, d] index queries (bf16 or float).
+            index_k: [T, d] the shared index key head.
+            top_k: blocks per query (forced blocks count inside).
+            score: ``"max"`` (the contract) or ``"lse"``.
+            backend: backend name; None picks by device (nemo_msa.backends).
+
+        Returns:
+            int32 [H, T, top_k]: document-local block ids, ascending, -1 at the tail.
+        """
+        from nemo_msa.selection import select_blocks
+
+        return select_blocks(index_q, index_k, self, top_k=top_k, score=score, backend=backend)
+
+
+_NO_SOURCE_CACHE: dict[tuple, MSAMicrobatch] = {}

@@ -1,0 +1,217 @@
+"""Fused MSA block selection for SM90 in Triton: index scorer + running top-k in registers.
+
+One program owns ``BM`` query rows of one document block ``o`` and one index head. It streams
+the document's key blocks ``0..o`` (block ``o`` causally masked), reduces q.k to the per-block
+max and folds each block into a running top-k kept per row in registers. The score tensor
+[heads, blocks, tokens] is never written: the only extra memory is the doc-block map and two
+per-token non-finite flags, O(tokens).
+
+Ranking key. Each candidate becomes one int64 so that "take the max" implements the whole
+contract in one comparison::
+
+    key = order(score) << 31 | (2**31 - 1 - block)
+
+``order`` maps fp32 to an unsigned 32-bit code monotone in the float order; NaN gets code 1
+(below -inf, so NaN ranks last); forced blocks get 0xFFFFFFFF (above +inf). The low bits make
+ties go to the lower block id. Empty slots are -1, so any candidate displaces them.
+
+NaN detection: ``tl.max`` drops NaN where the reference's ``amax`` propagates it. Rather than a
+second reduction over every score tile, a block's score is flagged NaN when its query row or one
+of its visible keys holds a non-finite value (per-token flags computed once). For finite inputs
+this is exact; with +-inf inputs a block whose true max is +-inf ranks as NaN (out of contract).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nemo_msa.attention.triton_layout import INTERPRET, doc_blocks
+
+_FORCED_CODE = tl.constexpr(0xFFFFFFFF)
+_NAN_CODE = tl.constexpr(1)
+_LOW_MASK = tl.constexpr(0x7FFFFFFF)
+
+
+@triton.jit
+def _order_code(score):
+    """fp32 [R] -> int64 [R] code monotone in the float order (NaN handled by the caller)."""
+    ones32 = tl.full((1,), 0xFFFFFFFF, tl.int64)
+    top = tl.full((1,), 0x80000000, tl.int64)
+    bits = score.to(tl.int32, bitcast=True).to(tl.int64) & ones32
+    return tl.where(bits >= top, ones32 - bits, bits | top)
+
+
+@triton.jit
+def _insert(cur, cols, new_key, KP: tl.constexpr):
+    """Inserts new_key [R] into the running top-k cur [R, KP] (keys are unique per row)."""
+    mn = tl.min(cur, axis=1)
+    take = new_key > mn
+    first = tl.min(tl.where(cur == mn[:, None], cols[None, :], KP), axis=1)
+    hit = (cols[None, :] == first[:, None]) & take[:, None]
+    return tl.where(hit, new_key[:, None], cur)
+
+
+@triton.jit
+def _select_kernel(
+    q_ptr, k_ptr, qbad_ptr, kbad_ptr, out_ptr,
+    cu_ptr, block_doc_ptr, block_local_ptr,
+    stride_qt, stride_qh, stride_kt, stride_oh, stride_ot,
+    num_blocks_bound, top_k, init_blocks, local_blocks,
+    BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+    KP: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    SPLIT: tl.constexpr = BS // BM
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    # Reverse order: the last blocks of a document have the most candidates; start them first.
+    tile = num_blocks_bound * SPLIT - 1 - pid
+    blk = tile // SPLIT
+    sub = tile % SPLIT
+    doc = tl.load(block_doc_ptr + blk)
+    if doc < 0:
+        return
+    o = tl.load(block_local_ptr + blk)
+    start = tl.load(cu_ptr + doc)
+    length = tl.load(cu_ptr + doc + 1) - start
+
+    rows = tl.arange(0, BM)
+    pos = o * BS + sub * BM + rows
+    row_ok = pos < length
+    dk = tl.arange(0, D)
+    q = tl.load(q_ptr + (start + pos)[:, None].to(tl.int64) * stride_qt + h * stride_qh
+                + dk[None, :], mask=row_ok[:, None], other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    qbad = tl.load(qbad_ptr + (start + pos) * tl.num_programs(1) + h, mask=row_ok, other=0) != 0
+
+    cols = tl.arange(0, KP)
+    empty = tl.full((BM, KP), -1, tl.int64)
+    unused = tl.full((BM, KP), 0x7FFFFFFFFFFFFFFF, tl.int64)
+    cur = tl.where(cols[None, :] < top_k, empty, unused)
+    kn = tl.arange(0, BN)
+    nan_code = tl.full((BM,), _NAN_CODE, tl.int64)
+    forced_code = tl.full((BM,), _FORCED_CODE, tl.int64)
+
+    # Full blocks 0..o-1: every key visible to every row of the tile, no mask.
+    for b in range(0, o):
+        best = tl.full((BM,), float("-inf"), tl.float32)
+        kbad = 0
+        for c in tl.static_range(0, BS, BN):
+            krow = start + b * BS + c + kn
+            k = tl.load(k_ptr + krow[:, None].to(tl.int64) * stride_kt + dk[None, :])
+            if FP32_DOT:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k))
+            best = tl.maximum(best, tl.max(s, axis=1))
+            kbad = tl.maximum(kbad, tl.max(tl.load(kbad_ptr + krow).to(tl.int32), axis=0))
+        code = _order_code(best)
+        code = tl.where(qbad | (kbad != 0), nan_code, code)
+        forced = (b < init_blocks) | (b > o - local_blocks)
+        code = tl.where(forced, forced_code, code)
+        new_key = (code << 31) | (_LOW_MASK - b.to(tl.int64))
+        cur = _insert(cur, cols, new_key, KP)
+
+    # Own block o: keys j <= pos only.
+    best = tl.full((BM,), float("-inf"), tl.float32)
+    anybad = tl.zeros((BM,), tl.int32)
+    for c in tl.static_range(0, BS, BN):
+        j = o * BS + c + kn
+        kmask = j < length
+        k = tl.load(k_ptr + (start + j)[:, None].to(tl.int64) * stride_kt + dk[None, :],
+                    mask=kmask[:, None], other=0.0)
+        if FP32_DOT:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k))
+        vis = j[None, :] <= pos[:, None]
+        best = tl.maximum(best, tl.max(tl.where(vis, s, float("-inf")), axis=1))
+        kb = tl.load(kbad_ptr + start + j, mask=kmask, other=0).to(tl.int32)
+        anybad = tl.maximum(anybad, tl.max(tl.where(vis, kb[None, :], 0), axis=1))
+    code = _order_code(best)
+    code = tl.where(qbad | (anybad != 0), nan_code, code)
+    forced = (o < init_blocks) | (local_blocks > 0)
+    code = tl.where(forced, forced_code, code)
+    new_key = (code << 31) | (_LOW_MASK - o.to(tl.int64))
+    cur = _insert(cur, cols, new_key, KP)
+
+    # Canonical output: ascending block ids, -1 tail.
+    big = 0x7FFFFFFF
+    valid = (cur >= 0) & (cur != unused)
+    ids = tl.where(valid, (_LOW_MASK - (cur & _LOW_MASK)).to(tl.int32), big)
+    ids = tl.sort(ids, dim=1)
+    ids = tl.where(ids == big, -1, ids)
+    optr = out_ptr + h * stride_oh + (start + pos)[:, None].to(tl.int64) * stride_ot + cols[None, :]
+    tl.store(optr, ids, mask=row_ok[:, None] & (cols[None, :] < top_k))
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, top_k: int,
+                         init_blocks: int, local_blocks: int, score: str = "max",
+                         block_size: int | None = None) -> torch.Tensor:
+    """Selects ``top_k`` key blocks per (index head, query token) with one fused kernel.
+
+    Args:
+        index_q: bf16 or fp16 [T, H, d] index queries (d in {16, 32, 64, 128}).
+        index_k: same dtype [T, d]; the single shared index key head.
+        msa: the microbatch layout (``MSAMicrobatch``); its ``block_size`` is used unless
+            ``block_size`` is given.
+        top_k: blocks per query, 1..32.
+        init_blocks: number of forced sink blocks at the document start (>= 0).
+        local_blocks: number of forced blocks ending at the query's own block (>= 0).
+        score: block score; only ``"max"`` is implemented.
+        block_size: key block size in tokens (16, 32, 64 or 128); defaults to
+            ``msa.block_size``.
+
+    Returns:
+        int32 [H, T, top_k]: document-local block ids ascending, -1 at the tail.
+
+    Raises:
+        ValueError: on a bad argument; the message names it, its value and the expectation.
+    """
+    bs = int(block_size if block_size is not None else getattr(msa, "block_size", 128))
+    if score != "max":
+        raise ValueError(f"score={score!r}: the Triton selection implements 'max' only")
+    if index_q.dim() != 3:
+        raise ValueError(f"index_q must be [T, H, d], got shape {tuple(index_q.shape)}")
+    t, h, d = index_q.shape
+    if index_k.shape != (t, d):
+        raise ValueError(f"index_k must be [T={t}, d={d}] like index_q, got "
+                         f"{tuple(index_k.shape)}")
+    if index_q.dtype not in (torch.bfloat16, torch.float16) or index_k.dtype != index_q.dtype:
+        raise ValueError(f"index_q/index_k must share a bf16/fp16 dtype, got {index_q.dtype} "
+                         f"and {index_k.dtype}")
+    if d not in (16, 32, 64, 128):
+        raise ValueError(f"index head dim d={d}: expected one of 16, 32, 64, 128")
+    if bs not in (16, 32, 64, 128):
+        raise ValueError(f"block_size={bs}: expected one of 16, 32, 64, 128")
+    if not 1 <= top_k <= 32:
+        raise ValueError(f"top_k={top_k}: expected 1 <= top_k <= 32")
+    if init_blocks < 0 or local_blocks < 0 or init_blocks + local_blocks > top_k:
+        raise ValueError(f"init_blocks={init_blocks}, local_blocks={local_blocks}: expected "
+                         f"non-negative with a sum <= top_k={top_k}")
+    if t != getattr(msa, "num_tokens", t):
+        raise ValueError(f"index_q has T={t} tokens but msa.num_tokens={msa.num_tokens}")
+    out = torch.empty((h, t, top_k), dtype=torch.int32, device=index_q.device)
+    if t == 0:
+        return out
+    q = index_q if index_q.stride(-1) == 1 else index_q.contiguous()
+    k = index_k.contiguous()
+    blocks = doc_blocks(msa, bs)
+    qbad = (~torch.isfinite(q).all(dim=-1)).to(torch.int8).contiguous()  # [T, H]
+    kbad = (~torch.isfinite(k).all(dim=-1)).to(torch.int8).contiguous()  # [T]
+    bm = min(bs, 128)
+    bn = min(bs, 64) if d == 128 else bs
+    kp = max(_next_pow2(top_k), 2)
+    grid = (blocks.num_blocks_bound * (bs // bm), h)
+    _select_kernel[grid](
+        q, k, qbad, kbad, out, msa.cu_seqlens, blocks.block_doc, blocks.block_local,
+        q.stride(0), q.stride(1), k.stride(0), out.stride(0), out.stride(1),
+        blocks.num_blocks_bound, top_k, init_blocks, local_blocks,
+        BS=bs, BM=bm, BN=bn, D=d, KP=kp, FP32_DOT=INTERPRET,
+        num_warps=8 if bm * bn >= 128 * 64 else 4, num_stages=3,
+    )
+    return out

@@ -1,0 +1,209 @@
+"""The construction-time support gate and the runtime rejections of the MSA contract.
+
+``require_msa_support`` runs when an MSA attention layer is built, never at the first step: a
+configuration MSA cannot run fails before any batch is read. The runtime checks reject what the
+layer receives but does not implement (KV caches, THD input, sliding windows, cross-attention,
+non-causal masks, CUDA-graph capture).
+
+Config field names (Megatron TransformerConfig + the ``msa_*`` fields of
+nemo_msa.megatron.config): num_attention_heads, num_query_groups, kv_channels,
+msa_num_index_heads, msa_index_head_dim, msa_block_size, msa_topk, msa_init_blocks,
+msa_local_blocks, msa_score_type, msa_backend; plus the features refused here: fp8, fp4,
+apply_rope_fusion, fused_single_qkv_rope, context_parallel_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SUPPORTED_SCORE_TYPES = ("max", "lse")
+MAX_TOP_K = 32
+
+
+@dataclass(frozen=True)
+class MSATopology:
+    """What the MSA ops need to know about a layer's shape.
+
+    Attributes:
+        num_heads: query heads (whole layer, before tensor parallelism).
+        num_kv_heads: KV heads (Megatron's num_query_groups).
+        head_dim: per-head channels (Megatron's kv_channels).
+        num_index_heads: indexer query heads; head h serves KV head h.
+        index_head_dim: indexer channels.
+        block_size: key-block size.
+        top_k: blocks per query.
+        init_blocks: forced sink blocks.
+        local_blocks: forced local blocks (the own block and the ones before it).
+        score_type: ``"max"`` or ``"lse"``.
+    """
+
+    num_heads: int = 64
+    num_kv_heads: int = 4
+    head_dim: int = 128
+    num_index_heads: int = 4
+    index_head_dim: int = 128
+    block_size: int = 128
+    top_k: int = 16
+    init_blocks: int = 0
+    local_blocks: int = 1
+    score_type: str = "max"
+
+    @classmethod
+    def from_config(cls, config: Any) -> MSATopology:
+        """Reads a Megatron TransformerConfig carrying the ``msa_*`` fields."""
+        heads = config.num_attention_heads
+        groups = getattr(config, "num_query_groups", None) or heads
+        head_dim = getattr(config, "kv_channels", None) or config.hidden_size // heads
+        return cls(
+            num_heads=heads,
+            num_kv_heads=groups,
+            head_dim=head_dim,
+            num_index_heads=getattr(config, "msa_num_index_heads", groups),
+            index_head_dim=getattr(config, "msa_index_head_dim", head_dim),
+            block_size=getattr(config, "msa_block_size", 128),
+            top_k=getattr(config, "msa_topk", 16),
+            init_blocks=getattr(config, "msa_init_blocks", 0),
+            local_blocks=getattr(config, "msa_local_blocks", 1),
+            score_type=getattr(config, "msa_score_type", "max"),
+        )
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field MSA cannot run."""
+        checks = (
+            ("num_attention_heads", self.num_heads, self.num_heads > 0, "> 0"),
+            ("num_query_groups", self.num_kv_heads,
+             self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
+             f"a divisor of num_attention_heads={self.num_heads}"),
+            ("kv_channels", self.head_dim, self.head_dim in SUPPORTED_HEAD_DIMS,
+             f"one of {SUPPORTED_HEAD_DIMS}"),
+            ("msa_num_index_heads", self.num_index_heads,
+             self.num_index_heads == self.num_kv_heads,
+             f"equal to num_query_groups={self.num_kv_heads} (index head h serves KV head h)"),
+            ("msa_index_head_dim", self.index_head_dim,
+             self.index_head_dim in SUPPORTED_HEAD_DIMS, f"one of {SUPPORTED_HEAD_DIMS}"),
+            ("msa_block_size", self.block_size, self.block_size in (16, 32, 64, 128, 256),
+             "one of (16, 32, 64, 128, 256)"),
+            ("msa_topk", self.top_k, 1 <= self.top_k <= MAX_TOP_K, f"1..{MAX_TOP_K}"),
+            ("msa_init_blocks", self.init_blocks, self.init_blocks >= 0, ">= 0"),
+            ("msa_local_blocks", self.local_blocks, self.local_blocks >= 0, ">= 0"),
+            ("msa_init_blocks + msa_local_blocks", self.init_blocks + self.local_blocks,
+             self.init_blocks + self.local_blocks <= self.top_k,
+             f"<= msa_topk={self.top_k} (forced blocks count inside the top-k)"),
+            ("msa_score_type", self.score_type, self.score_type in SUPPORTED_SCORE_TYPES,
+             f"one of {SUPPORTED_SCORE_TYPES}"),
+        )
+        for field_name, value, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"MSA cannot run {field_name}={value!r}; expected {expected}")
+
+
+def require_msa_support(config: Any, backend: str | None = None) -> MSATopology:
+    """The construction gate: call it when an MSA attention layer is built.
+
+    Args:
+        config: a Megatron TransformerConfig (or any object with its field names and the
+            ``msa_*`` fields).
+        backend: the requested backend name (``msa_backend``), checked against the registry.
+
+    Returns:
+        The validated topology.
+
+    Raises:
+        NotImplementedError: FP8/FP4, fused RoPE (apply_rope_fusion, fused_single_qkv_rope), or
+            context parallelism > 1.
+        ValueError: a topology, score type or backend MSA cannot run; names field and value.
+    """
+    if getattr(config, "fp8", None):
+        raise NotImplementedError(
+            f"MSA attention does not support FP8 (config.fp8={config.fp8!r}): its kernels read "
+            "bf16 q/k/v"
+        )
+    if getattr(config, "fp4", None):
+        raise NotImplementedError(
+            f"MSA attention does not support FP4 (config.fp4={config.fp4!r}): its kernels read "
+            "bf16 q/k/v"
+        )
+    for flag in ("apply_rope_fusion", "fused_single_qkv_rope"):
+        if getattr(config, flag, False):
+            raise NotImplementedError(
+                f"MSA attention does not support {flag}=True: fused RoPE applies row-0 "
+                "positions, which is wrong for packed documents; set it to False"
+            )
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if cp > 1:
+        raise NotImplementedError(
+            f"MSA attention does not support context parallelism yet "
+            f"(context_parallel_size={cp}); expected 1"
+        )
+    topology = MSATopology.from_config(config)
+    topology.validate()
+    from nemo_msa.backends import AUTO, get_backend
+
+    if backend is not None and backend != AUTO:
+        get_backend(backend)  # ValueError for an unknown name
+    return topology
+
+
+def reject_cuda_graph_capture(op: str) -> None:
+    """MSA derives its layout on the host once per microbatch, which graph capture forbids."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{op} cannot run under CUDA-graph capture: the MSA layout needs one host "
+            "synchronization per microbatch; disable CUDA graphs for MSA layers"
+        )
+
+
+def check_runtime_arguments(
+    *,
+    inference_context: Any = None,
+    inference_params: Any = None,
+    key_value_states: Any = None,
+    packed_seq_params: Any = None,
+    window_size: Any = None,
+    attn_mask_type: Any = None,
+    rotary_pos_cos_sin: Any = None,
+) -> None:
+    """Rejects what an MSA attention layer receives but does not implement.
+
+    Raises:
+        NotImplementedError: KV cache / inference, THD input (packed_seq_params), sliding
+            windows, cross-attention (key_value_states), or a non-causal mask type.
+        RuntimeError: called during CUDA-graph capture.
+    """
+    if inference_context is not None or inference_params is not None:
+        raise NotImplementedError(
+            "MSA attention has no KV-cache / inference path (inference_context given); it is a "
+            "training attention"
+        )
+    if key_value_states is not None:
+        raise NotImplementedError(
+            "MSA attention is self-attention only; key_value_states (cross-attention) was given"
+        )
+    if packed_seq_params is not None:
+        raise NotImplementedError(
+            "MSA attention takes BSHD input with packed_seq_ids; THD input "
+            "(packed_seq_params) is not supported"
+        )
+    if window_size is not None and tuple(window_size) != (-1, 0) and tuple(window_size) != (
+        -1,
+        -1,
+    ):
+        raise NotImplementedError(
+            f"MSA attention does not support sliding windows (window_size={window_size!r})"
+        )
+    if attn_mask_type is not None:
+        name = getattr(attn_mask_type, "name", str(attn_mask_type))
+        if name not in ("causal", "padding_causal"):
+            raise NotImplementedError(
+                f"MSA attention is causal; attn_mask_type={name} is not supported"
+            )
+    if rotary_pos_cos_sin is not None:
+        raise NotImplementedError(
+            "MSA attention applies RoPE with per-document positions; precomputed "
+            "rotary_pos_cos_sin (fused RoPE) is not supported"
+        )
+    reject_cuda_graph_capture("MSA attention")
