@@ -60,7 +60,6 @@ def select_blocks_reference(
     key_documents = msa.workspace_documents  # [W], -1 past ends
     # Block-level facts: every block holds at least its first row, which is real.
     block_documents = key_documents[::block]  # [NB]
-    block_local = msa.workspace_positions_in_document[::block] // block  # [NB]
     # Rows past a document end are never visible (masked_fill keeps this free of host syncs).
     key_bias = torch.zeros(msa.workspace_size, dtype=dtype, device=device).masked_fill(
         key_documents < 0, -math.inf
