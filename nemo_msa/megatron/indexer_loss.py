@@ -1,0 +1,326 @@
+"""The indexer's distillation loss, its autograd scaler and its logging.
+
+Top-k selection has no gradient, so the indexer learns by distillation (MiniMax-M3 recipe, and
+Megatron-Core's DSA indexer loss): for every query token t and KV head g,
+
+- target ``P_g(t, b)``: the main attention's probability mass on key block b, summed over the
+  query heads of group g and divided by their number (so it sums to 1), no gradient;
+- prediction ``Q_g(t, b) = softmax_b(score_g(t, b) / sqrt(d_idx))`` over the candidate blocks of
+  the query's document, score as in the selection (``"max"`` or ``"lse"`` of index_q . index_k
+  over the block's causally visible keys);
+- loss ``coeff * mean_{t, g} KL(P_g(t) || Q_g(t))``.
+
+The indexer's input is detached by the indexer, and the target carries no gradient, so the loss
+trains only the indexer. The target is the dense attention distribution whether the layer runs
+sparse or dense, computed in query chunks with memory O(heads x chunk x tokens).
+
+The loss is attached to the attention output with :class:`MSAIndexerLossAutoScaler` (identity in
+the forward; in the backward it injects ``d loss = scale``), so Megatron's pipeline schedules
+back-propagate it with the main loss. The schedules set the scale through
+``config.experimental_attention_variant_loss_scale_func`` (``MSATransformerConfig`` points it at
+:meth:`MSAIndexerLossAutoScaler.set_loss_scale`), exactly as for DSA.
+
+With tensor parallelism each rank computes the KL of its own KV/index heads divided by the
+*global* head count, so the per-rank losses sum to the full loss and the gradients are exact
+(see nemo_msa.megatron.indexer for the replicated parameters).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "MSAIndexerLossAutoScaler",
+    "MSAIndexerMetrics",
+    "compute_indexer_loss",
+]
+
+_EPS = 1e-10
+
+
+def _index_block_log_probs(
+    index_q: torch.Tensor,
+    index_k_ws: torch.Tensor,
+    visible: torch.Tensor,
+    block_size: int,
+    index_scale: float,
+    score_type: str,
+) -> torch.Tensor:
+    """log Q [C, H, NB] for a query chunk; -inf on blocks that hold no visible key."""
+    scores = torch.einsum("chd,wd->chw", index_q.float(), index_k_ws.float()) * index_scale
+    scores = scores.masked_fill(~visible[:, None, :], -math.inf)
+    chunk, heads, width = scores.shape
+    blocks = scores.view(chunk, heads, width // block_size, block_size)
+    if score_type == "max":
+        block_scores = blocks.amax(dim=-1)
+    else:
+        block_scores = torch.logsumexp(blocks, dim=-1)
+    return torch.log_softmax(block_scores, dim=-1)
+
+
+def _chunk_kl(
+    index_q: torch.Tensor,
+    index_k_ws: torch.Tensor,
+    visible: torch.Tensor,
+    target: torch.Tensor,
+    block_size: int,
+    index_scale: float,
+    score_type: str,
+) -> torch.Tensor:
+    log_q = _index_block_log_probs(
+        index_q, index_k_ws, visible, block_size, index_scale, score_type
+    )
+    has_mass = target > 0
+    # Blocks without target mass contribute 0 (and must not turn 0 * -inf into NaN).
+    terms = torch.where(
+        has_mass, target * (torch.log(target.clamp_min(_EPS)) - log_q), torch.zeros_like(log_q)
+    )
+    return terms.sum()
+
+
+def compute_indexer_loss(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    msa,
+    *,
+    softmax_scale: float,
+    num_index_heads_total: int,
+    loss_coeff: float,
+    score_type: str = "max",
+    q2k: torch.Tensor | None = None,
+    query_chunk: int = 1024,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's share of the indexer KL loss of one layer and microbatch.
+
+    Args:
+        index_q: [T, H_local, d_idx] index queries (with gradient).
+        index_k: [T, d_idx] the shared index key (with gradient).
+        query: [T, Hq_local, d] main-attention queries after RoPE (detached here).
+        key: [T, H_local, d] main-attention keys after RoPE (detached here).
+        msa: the microbatch layout.
+        softmax_scale: the main attention's scale.
+        num_index_heads_total: index heads of the whole layer (all TP ranks).
+        loss_coeff: msa_indexer_loss_coeff.
+        score_type: "max" or "lse", as the selection.
+        q2k: optional int32 [H_local, T, top_k] selected blocks, for the selection recall.
+        query_chunk: query tokens per chunk.
+
+    Returns:
+        ``(loss, stats)``: loss is a scalar fp32 tensor, ``coeff * sum_local KL / (T * H)``;
+        stats holds detached fp32 scalars ``kl`` (the same without coeff), ``recall_mass`` and
+        ``recall_count`` (sum over local heads and tokens of the target mass inside the selected
+        blocks, and how many (token, head) pairs that sums; absent without q2k).
+    """
+    tokens, heads, index_dim = index_q.shape
+    q_heads = query.shape[1]
+    group = q_heads // key.shape[1]
+    block = msa.block_size
+    nblocks = msa.num_workspace_blocks
+    index_scale = 1.0 / math.sqrt(index_dim)
+    device = index_q.device
+
+    with torch.no_grad():
+        key_ws = msa.to_workspace(key.detach().float())  # [W, G, d]
+        key_documents = msa.workspace_documents  # [W], -1 past document ends
+        key_positions = msa.workspace_positions_in_document  # [W]
+        documents = msa.token_documents.long()
+        positions = msa.document_positions.long()
+        first_block = msa.token_workspace_block_starts  # [T]
+    # Differentiable placement of index_k into the workspace (index_copy has a gradient).
+    index_k_ws = msa.to_workspace(index_k)
+
+    kl_total = torch.zeros((), dtype=torch.float32, device=device)
+    recall_mass = torch.zeros((), dtype=torch.float32, device=device)
+    for start in range(0, tokens, query_chunk):
+        stop = min(tokens, start + query_chunk)
+        count = stop - start
+        with torch.no_grad():
+            visible = (key_documents[None, :] == documents[start:stop, None]) & (
+                key_positions[None, :] <= positions[start:stop, None]
+            )  # [C, W]; every query sees at least itself
+            qc = query[start:stop].detach().float().view(count, heads, group, -1)
+            scores = torch.einsum("cgqd,wgd->cgqw", qc, key_ws) * softmax_scale
+            scores = scores.masked_fill(~visible[:, None, None, :], -math.inf)
+            probs = torch.softmax(scores, dim=-1).sum(dim=2) / group  # [C, G, W]
+            target = probs.view(count, heads, nblocks, block).sum(dim=-1)  # [C, G, NB]
+        args = (index_q[start:stop], index_k_ws, visible, target, block, index_scale, score_type)
+        if torch.is_grad_enabled() and (index_q.requires_grad or index_k.requires_grad):
+            # Recompute the [C, H, W] index scores in the backward instead of keeping them.
+            kl_total = kl_total + checkpoint(_chunk_kl, *args, use_reentrant=False)
+        else:
+            kl_total = kl_total + _chunk_kl(*args)
+        if q2k is not None:
+            with torch.no_grad():
+                selected = q2k[:, start:stop].long()  # [G, C, K]
+                block_ids = first_block[start:stop][None, :, None] + selected.clamp(min=0)
+                mass = target.permute(1, 0, 2).gather(-1, block_ids)  # [G, C, K]
+                recall_mass += torch.where(selected >= 0, mass, 0.0).sum()
+
+    denominator = float(tokens * num_index_heads_total)
+    kl = kl_total / denominator
+    stats = {"kl": kl.detach()}
+    if q2k is not None:
+        stats["recall_mass"] = recall_mass
+        stats["recall_count"] = torch.tensor(
+            float(tokens * heads), dtype=torch.float32, device=device
+        )
+    return kl * loss_coeff, stats
+
+
+class MSAIndexerLossAutoScaler(torch.autograd.Function):
+    """Attaches the indexer loss to an activation: identity forward, ``d loss = scale`` backward.
+
+    ``main_loss_backward_scale`` is what Megatron's schedules set per microbatch (the loss scale
+    divided by the number of microbatches) through ``set_loss_scale``; it is 1 until then, which
+    is right for a loop that calls ``loss.backward()`` on one microbatch itself.
+    """
+
+    main_loss_backward_scale: torch.Tensor | None = None
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, indexer_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(indexer_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (indexer_loss,) = ctx.saved_tensors
+        scale = MSAIndexerLossAutoScaler.main_loss_backward_scale
+        if scale is None:
+            grad_loss = torch.ones_like(indexer_loss)
+        else:
+            grad_loss = torch.ones_like(indexer_loss) * scale.to(indexer_loss.device)
+        return grad_output, grad_loss
+
+    @staticmethod
+    def set_loss_scale(scale: torch.Tensor) -> None:
+        """Sets the backward scale of every attached indexer loss (called by the schedules).
+
+        Args:
+            scale: scalar tensor.
+
+        Raises:
+            TypeError: ``scale`` is not a tensor.
+        """
+        if not isinstance(scale, torch.Tensor):
+            raise TypeError(
+                f"MSAIndexerLossAutoScaler.set_loss_scale needs a torch.Tensor; got {type(scale)}"
+            )
+        scale = scale.detach().float()
+        if MSAIndexerLossAutoScaler.main_loss_backward_scale is None:
+            MSAIndexerLossAutoScaler.main_loss_backward_scale = scale.clone()
+        else:
+            MSAIndexerLossAutoScaler.main_loss_backward_scale.copy_(scale)
+
+    @staticmethod
+    def reset() -> None:
+        """Forgets the scale (back to 1)."""
+        MSAIndexerLossAutoScaler.main_loss_backward_scale = None
+
+
+class MSAIndexerMetrics:
+    """Per-layer accumulator of the indexer loss and the selection recall, for logging.
+
+    Layers record every training microbatch; :meth:`pop` reduces over tensor-, pipeline- and
+    data-parallel ranks and resets. Process-wide like Megatron's DSA/MoE loss trackers.
+    Selection recall = mean over (token, KV head) of the main attention's block mass that the
+    selected blocks cover (1.0 means the sparse layer sees everything dense attention would
+    weigh).
+    """
+
+    # layer_number -> fp32 [4]: kl (TP-partial), recall mass (TP-partial), recall count
+    # (TP-partial), microbatches (same on every TP rank).
+    _values: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def record(cls, layer_number: int, stats: dict[str, torch.Tensor]) -> None:
+        """Adds one microbatch of one layer."""
+        kl = stats["kl"].detach().float()
+        row = torch.stack(
+            [
+                kl,
+                stats.get("recall_mass", torch.zeros_like(kl)).float(),
+                stats.get("recall_count", torch.zeros_like(kl)).float(),
+                torch.ones_like(kl),
+            ]
+        )
+        if layer_number in cls._values:
+            cls._values[layer_number] += row
+        else:
+            cls._values[layer_number] = row
+
+    @classmethod
+    def reset(cls) -> None:
+        """Drops everything recorded."""
+        cls._values = {}
+
+    @classmethod
+    def pop(cls, num_layers: int | None = None, reduce: bool = True) -> dict[str, float]:
+        """Reduced metrics of everything recorded since the last pop, then reset.
+
+        Every rank of the model must call it (it runs collectives when ``reduce`` and
+        torch.distributed is initialized).
+
+        Args:
+            num_layers: total layers of the model (default: the largest recorded layer number,
+                which must then be the same on all ranks; pass it with pipelining).
+            reduce: all-reduce over TP (sum of shares), PP (layers live on one stage) and DP
+                (average).
+
+        Returns:
+            ``{"indexer_loss": mean KL over MSA layers and microbatches (without the
+            coefficient), "selection_recall": mean recall, "indexer_loss/layer_<n>": ...,
+            "selection_recall/layer_<n>": ...}``; empty when no rank recorded anything.
+        """
+        values = cls._values
+        cls._values = {}
+        if num_layers is None:
+            num_layers = max(values) if values else 0
+        device = next(iter(values.values())).device if values else torch.device("cpu")
+        table = torch.zeros(num_layers, 4, dtype=torch.float32, device=device)
+        for layer_number, row in values.items():
+            table[layer_number - 1] += row.to(device)
+        if reduce and torch.distributed.is_available() and torch.distributed.is_initialized():
+            table = _reduce_table(table)
+        present = table[:, 3] > 0
+        if not bool(present.any()):
+            return {}
+        micro = table[:, 3].clamp_min(1.0)
+        kl = table[:, 0] / micro
+        recall = table[:, 1] / table[:, 2].clamp_min(1.0)
+        has_recall = present & (table[:, 2] > 0)
+        out = {"indexer_loss": float(kl[present].mean())}
+        if bool(has_recall.any()):
+            out["selection_recall"] = float(recall[has_recall].mean())
+        for index in torch.nonzero(present).flatten().tolist():
+            out[f"indexer_loss/layer_{index + 1}"] = float(kl[index])
+            if bool(has_recall[index]):
+                out[f"selection_recall/layer_{index + 1}"] = float(recall[index])
+        return out
+
+
+def _reduce_table(table: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return table
+    dist = torch.distributed
+    shares, micro = table[:, :3].contiguous(), table[:, 3:].contiguous()
+    dist.all_reduce(shares, group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_reduce(
+        micro, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
+    )
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    dist.all_reduce(shares, group=pp_group)
+    dist.all_reduce(micro, group=pp_group)
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=False)
+    if dist.get_world_size(dp_group) > 1:
+        # Average the per-layer ratios' ingredients across data-parallel replicas.
+        dist.all_reduce(shares, group=dp_group)
+        dist.all_reduce(micro, group=dp_group)
+    return torch.cat([shares, micro], dim=1)

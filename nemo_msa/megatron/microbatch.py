@@ -1,0 +1,154 @@
+"""One MSAMicrobatch per microbatch per rank: the layer-side lookup and the data-side cache.
+
+How the document map reaches every layer (docs/adr/0005-document-map-to-layers.md): the loader's
+``packed_seq_ids`` [b, s] (int, 0 = padding) is passed to ``GPTModel.forward`` as
+``attention_mask``; Megatron hands ``attention_mask`` unchanged to every TransformerLayer and its
+self-attention, where :func:`layout_for_layer` turns it into the shared layout.
+:meth:`nemo_msa.MSAMicrobatch.build` memoizes on the tensor's identity and ``_version``, so all
+layers of a chunk that receive the same tensor object share one layout (one host sync).
+
+With the interleaved (virtual-pipeline) schedule every model chunk calls the user's
+``forward_step_func`` with its own data iterator, and a per-chunk ``get_batch`` would produce a
+different tensor object per chunk (and a new layout each time). :class:`SharedMicrobatchIterators`
+fixes that on the data side: it reads each microbatch once from the real iterator, moves its
+tensors to the device once, and hands the *same* objects to every chunk's iterator::
+
+    shared = SharedMicrobatchIterators(train_iterator, num_chunks=len(model), device=device)
+    forward_backward_func(..., data_iterator=shared.iterators(), model=model, ...)
+
+    def forward_step(data_iterator, model_chunk):
+        batch = next(data_iterator)            # same dict object for every chunk
+        output = model_chunk(batch["tokens"], batch["position_ids"],
+                             attention_mask=batch["packed_seq_ids"], labels=batch["labels"])
+        ...
+
+Every pipeline stage (not only the first and last) must receive ``packed_seq_ids``, because its
+MSA layers need the document map.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["SharedMicrobatchIterators", "layout_for_layer", "move_to_device"]
+
+
+def move_to_device(batch: Any, device: torch.device | str | None) -> Any:
+    """Moves every tensor of a (nested dict/list/tuple) batch to ``device``; None = unchanged.
+
+    ``Tensor.to`` returns the tensor itself when it is already there, so a batch already on the
+    device keeps its tensor identities (and the layouts memoized on them).
+    """
+    if device is None:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {key: move_to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [move_to_device(value, device) for value in batch]
+        return type(batch)(moved) if isinstance(batch, list) else tuple(moved)
+    return batch
+
+
+class SharedMicrobatchIterators:
+    """Per-chunk iterators that return the same microbatch objects to every model chunk.
+
+    Args:
+        data_iterator: yields one microbatch per ``next`` (a dict/tuple of tensors).
+        num_chunks: model chunks on this rank (the virtual pipeline size; 1 without VPP).
+        device: where to move the tensors once (None: leave them).
+
+    The k-th ``next`` of every chunk's iterator returns the k-th microbatch; a microbatch is
+    released once every chunk has taken it, so the buffer holds only the microbatches in flight.
+    """
+
+    def __init__(
+        self, data_iterator: Iterator, num_chunks: int, device: torch.device | str | None = None
+    ) -> None:
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ValueError(f"num_chunks={num_chunks!r}; expected an int >= 1")
+        self._source = data_iterator
+        self._device = device
+        self._num_chunks = num_chunks
+        self._buffer: deque[Any] = deque()
+        self._first = 0  # index of the microbatch at the head of the buffer
+        self._positions = [0] * num_chunks
+        self.num_fetched = 0
+
+    def _take(self, chunk: int) -> Any:
+        position = self._positions[chunk]
+        while position >= self._first + len(self._buffer):
+            batch = next(self._source)  # StopIteration propagates to the caller
+            self._buffer.append(move_to_device(batch, self._device))
+            self.num_fetched += 1
+        batch = self._buffer[position - self._first]
+        self._positions[chunk] = position + 1
+        while self._buffer and min(self._positions) > self._first:
+            self._buffer.popleft()
+            self._first += 1
+        return batch
+
+    def iterator(self, chunk: int) -> Iterator:
+        """The iterator of model chunk ``chunk``."""
+        if not 0 <= chunk < self._num_chunks:
+            raise ValueError(f"chunk={chunk}; expected 0..{self._num_chunks - 1}")
+        while True:
+            try:
+                yield self._take(chunk)
+            except StopIteration:
+                return
+
+    def iterators(self) -> list[Iterator]:
+        """One iterator per chunk, in chunk order (Megatron's ``data_iterator`` list)."""
+        return [self.iterator(chunk) for chunk in range(self._num_chunks)]
+
+
+def layout_for_layer(
+    attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, device: torch.device, config
+) -> Any:
+    """The microbatch layout an MSA layer uses, from the ``attention_mask`` it receives.
+
+    Args:
+        attention_mask: None (one document per row); int [b, s] document ids (the loader's
+            packed_seq_ids; 0 = padding); or bool [b, 1, s, s] block-causal (True = keep).
+        batch_size: b of the activations.
+        seq_len: full sequence length s of the activations (before sequence-parallel split).
+        device: the activations' device.
+        config: the MSATransformerConfig (block size and forced blocks).
+
+    Returns:
+        The shared :class:`nemo_msa.MSAMicrobatch` (memoized on the mask tensor).
+
+    Raises:
+        ValueError: the mask lives on another device than the activations (moving it here would
+            create a new tensor per layer and defeat the per-microbatch layout), or its shape
+            disagrees with the activations.
+    """
+    from nemo_msa import MSAMicrobatch
+
+    if attention_mask is not None:
+        if attention_mask.device != torch.device(device):
+            raise ValueError(
+                f"attention_mask (the document map) is on {attention_mask.device} but the "
+                f"activations are on {device}; move the batch to the device once per microbatch "
+                "(nemo_msa.megatron.SharedMicrobatchIterators does)"
+            )
+        if attention_mask.dim() == 2 and tuple(attention_mask.shape) != (batch_size, seq_len):
+            raise ValueError(
+                f"attention_mask (document ids) has shape {tuple(attention_mask.shape)}; "
+                f"expected [batch={batch_size}, sequence={seq_len}]"
+            )
+    return MSAMicrobatch.build(
+        attention_mask=attention_mask,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        device=device,
+        block_size=config.msa_block_size,
+        init_blocks=config.msa_init_blocks,
+        local_blocks=config.msa_local_blocks,
+    )

@@ -1,0 +1,283 @@
+"""MSA self-attention as a Megatron-Core attention module.
+
+:class:`MSASelfAttention` is Megatron's ``SelfAttention`` (same ``linear_qkv``, optional
+``q_layernorm``/``k_layernorm``, ``linear_proj``, same parameter names and sharded state dict)
+with a forward for packed documents:
+
+1. the layout of the microbatch from ``attention_mask`` (the loader's packed_seq_ids, see
+   nemo_msa.megatron.microbatch), built once per microbatch and shared by every layer;
+2. q/k/v from ``linear_qkv`` (+ q/k norms), gathered to compact tokens [T, heads, dim];
+3. RoPE at *document* positions (packed documents restart at 0): the rotary table GPTModel
+   passes in is indexed per token, so partial RoPE (``rotary_percent``), the base and
+   interleaving are Megatron's own;
+4. MSA layers: the indexer (index_q/index_k on the detached input), block selection, and block-
+   sparse core attention; dense layers of a mixed pattern (no indexer) and the dense warm-up:
+   document-causal dense attention;
+5. the indexer loss (training, coefficient > 0), attached to the core output by the autograd
+   scaler;
+6. scatter back to [s, b, heads * dim] and ``linear_proj``; returns ``(output, bias)``.
+
+Construction refuses what MSA cannot run (nemo_msa.support.require_msa_support plus the
+Megatron-side checks here), never the first step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_size
+
+from nemo_msa.megatron.indexer_loss import (
+    MSAIndexerLossAutoScaler,
+    MSAIndexerMetrics,
+    compute_indexer_loss,
+)
+from nemo_msa.megatron.microbatch import layout_for_layer
+from nemo_msa.megatron.phase import dense_warmup_active
+
+__all__ = ["MSASelfAttention", "MSASelfAttentionSubmodules", "check_msa_layer_config"]
+
+
+@dataclass
+class MSASelfAttentionSubmodules(SelfAttentionSubmodules):
+    """Megatron's self-attention submodules plus the indexer.
+
+    Attributes:
+        indexer: the :class:`nemo_msa.megatron.indexer.MSAIndexer` spec for an MSA layer; None
+            for a dense (document-causal) layer of a mixed pattern.
+    """
+
+    indexer: ModuleSpec | type | None = None
+
+
+def check_msa_layer_config(
+    config: TransformerConfig, tp_size: int, cp_size: int, sparse: bool
+) -> None:
+    """The construction gate of MSA and dense-document layers (Megatron side).
+
+    Raises:
+        NotImplementedError: FP8/FP4, fused RoPE, context parallelism, output gate, MLA,
+            sliding windows.
+        ValueError: a topology/score type MSA cannot run, TP that splits a KV head from its
+            index head, a config without the msa_* fields.
+    """
+    from nemo_msa.support import require_msa_support
+
+    if not hasattr(config, "msa_block_size"):
+        raise ValueError(
+            f"config is a {type(config).__name__} without the msa_* fields; build MSA layers "
+            "from nemo_msa.megatron.MSATransformerConfig"
+        )
+    if cp_size > 1:
+        raise NotImplementedError(
+            f"MSA attention does not support context parallelism yet (context parallel size "
+            f"{cp_size}); expected 1"
+        )
+    # FP8/FP4, fused RoPE, CP, topology, score type and backend name.
+    require_msa_support(config, getattr(config, "msa_backend", None))
+    if getattr(config, "attention_output_gate", False):
+        raise NotImplementedError("MSA attention does not support attention_output_gate=True")
+    if getattr(config, "multi_latent_attention", False):
+        raise NotImplementedError(
+            "MSA attention is GQA self-attention; multi_latent_attention=True is not supported"
+        )
+    if getattr(config, "window_size", None) is not None:
+        raise NotImplementedError(
+            f"MSA attention does not support sliding windows (window_size={config.window_size})"
+        )
+    groups = config.num_query_groups or config.num_attention_heads
+    if tp_size > groups or groups % tp_size != 0:
+        raise ValueError(
+            f"tensor parallel size {tp_size} with num_query_groups={groups}: MSA needs every "
+            "rank to hold whole KV heads with their index heads (num_query_groups divisible by "
+            "the TP size, TP <= num_query_groups)"
+        )
+    if sparse and config.msa_num_index_heads != groups:
+        raise ValueError(
+            f"msa_num_index_heads={config.msa_num_index_heads}; expected num_query_groups="
+            f"{groups} (index head h serves KV head h)"
+        )
+
+
+class MSASelfAttention(SelfAttention):
+    """MSA block-sparse self-attention (MiniMax-M3 style), or its dense-document sibling.
+
+    Args:
+        config: an MSATransformerConfig.
+        submodules: linear_qkv, core_attention (MSACoreAttention), linear_proj, optional
+            q_layernorm/k_layernorm, and ``indexer`` (None for a dense layer).
+        layer_number: global 1-based layer number.
+        attn_mask_type: causal (MSA is causal; the document map comes in ``attention_mask``).
+        cp_comm_type: unused (CP is refused).
+        pg_collection: process groups (``tp``, ``cp``).
+        pp_layer_offset: Megatron's pipeline layer offset.
+        name: module name.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MSASelfAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        pp_layer_offset: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        sparse = submodules.indexer is not None
+        check_msa_layer_config(
+            config, get_pg_size(pg_collection.tp), get_pg_size(pg_collection.cp), sparse
+        )
+        super().__init__(
+            config=config,
+            submodules=submodules,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+            pp_layer_offset=pp_layer_offset,
+            name=name,
+        )
+        self.is_msa_layer = sparse
+        self.indexer = (
+            build_module(
+                submodules.indexer,
+                config=config,
+                layer_number=layer_number,
+                pg_collection=pg_collection,
+            )
+            if sparse
+            else None
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _token_rotary_freqs(self, rotary_pos_emb, msa) -> torch.Tensor | None:
+        """Per-token RoPE angles [T, 1, rot_dim] at document positions, or None."""
+        if rotary_pos_emb is None:
+            return None
+        if isinstance(rotary_pos_emb, tuple):
+            q_emb, k_emb = rotary_pos_emb
+            if q_emb is not k_emb:
+                raise NotImplementedError(
+                    "MSA attention needs one rotary table for queries and keys"
+                )
+            rotary_pos_emb = q_emb
+        table = rotary_pos_emb.reshape(rotary_pos_emb.shape[0], rotary_pos_emb.shape[-1])
+        if table.shape[0] < msa.max_seqlen:
+            raise ValueError(
+                f"the rotary table covers {table.shape[0]} positions but a document has "
+                f"{msa.max_seqlen} tokens"
+            )
+        return table[msa.document_positions.long()].unsqueeze(1)
+
+    def _compact_qkv(self, hidden_states: torch.Tensor, msa):
+        query, key, value = self.get_query_key_value_tensors(hidden_states, None)
+        # [s, b, heads, dim] -> [b, s, heads, dim] -> compact [T, heads, dim]
+        return tuple(msa.pack(x.transpose(0, 1)) for x in (query, key, value))
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        key_value_states: torch.Tensor | None = None,
+        inference_context=None,
+        rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+        rotary_pos_cos_sin: torch.Tensor | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+        sequence_len_offset: int | None = None,
+        *,
+        inference_params=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """MSA (or dense-document) self-attention of one microbatch.
+
+        Args:
+            hidden_states: [s_local, b, hidden] (s_local = s / tp under sequence parallelism).
+            attention_mask: the document map: int [b, s] document ids (0 = padding), bool
+                [b, 1, s, s] block-causal (True = keep), or None (one document per row).
+            key_value_states, inference_context, rotary_pos_cos, rotary_pos_sin,
+            rotary_pos_cos_sin, attention_bias, packed_seq_params, sequence_len_offset,
+            inference_params: Megatron's arguments; MSA refuses all but None.
+            rotary_pos_emb: GPTModel's rotary table [S, 1, 1, rot_dim] (or None).
+
+        Returns:
+            ``(output [s_local, b, hidden], bias or None)`` as Megatron's attention.
+        """
+        from nemo_msa.support import check_runtime_arguments
+
+        check_runtime_arguments(
+            inference_context=inference_context,
+            inference_params=inference_params,
+            key_value_states=key_value_states,
+            packed_seq_params=packed_seq_params,
+            attn_mask_type=self.attn_mask_type,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+        )
+        if attention_bias is not None or rotary_pos_cos is not None or rotary_pos_sin is not None:
+            raise NotImplementedError(
+                "MSA attention does not take attention_bias or precomputed rotary cos/sin"
+            )
+        seq_local, batch = hidden_states.shape[0], hidden_states.shape[1]
+        seq = seq_local * self.world_size if self.config.sequence_parallel else seq_local
+        msa = layout_for_layer(attention_mask, batch, seq, hidden_states.device, self.config)
+
+        query, key, value = self._compact_qkv(hidden_states, msa)
+        freqs = self._token_rotary_freqs(rotary_pos_emb, msa)
+        if freqs is not None:
+            cp_group = self.pg_collection.cp
+            query = apply_rotary_pos_emb(query, freqs, config=self.config, cp_group=cp_group)
+            key = apply_rotary_pos_emb(key, freqs, config=self.config, cp_group=cp_group)
+
+        q2k = index_q = index_k = None
+        if self.is_msa_layer:
+            index_q, index_k = self.indexer(hidden_states, msa, freqs)
+            if not dense_warmup_active(self.config):
+                q2k = msa.select_blocks(
+                    index_q.detach(),
+                    index_k.detach(),
+                    top_k=self.config.msa_topk,
+                    score=self.config.msa_score_type,
+                    backend=self.config.msa_backend,
+                )
+        core = self.core_attention(query, key, value, msa, q2k=q2k)
+
+        if (
+            self.is_msa_layer
+            and self.training
+            and torch.is_grad_enabled()
+            and self.config.msa_indexer_loss_coeff > 0
+        ):
+            loss, stats = compute_indexer_loss(
+                index_q,
+                index_k,
+                query,
+                key,
+                msa,
+                softmax_scale=self.core_attention.softmax_scale,
+                num_index_heads_total=self.config.msa_num_index_heads,
+                loss_coeff=self.config.msa_indexer_loss_coeff,
+                score_type=self.config.msa_score_type,
+                q2k=q2k if self.config.msa_log_selection_recall else None,
+                query_chunk=self.config.msa_indexer_loss_query_chunk,
+            )
+            MSAIndexerMetrics.record(self.layer_number, stats)
+            core = MSAIndexerLossAutoScaler.apply(core, loss)
+
+        # compact [T, heads, dim] -> [b, s, heads, dim] -> [s, b, heads * dim]
+        context = msa.unpack(core).transpose(0, 1)
+        context = context.reshape(context.shape[0], context.shape[1], -1)
+        output, bias = self.linear_proj(context)
+        return output, bias
