@@ -12,7 +12,8 @@ contract in one comparison::
     key = order(score) << 31 | (2**31 - 1 - block)
 
 ``order`` maps fp32 to an unsigned 32-bit code monotone in the float order; NaN gets code 1
-(below -inf, so NaN ranks last); forced blocks get 0xFFFFFFFF (above +inf). The low bits make
+(below -inf, so NaN ranks last); forced blocks get 0xFFFFFFF0 (above +inf; not all ones, which
+would make block 0 collide with the unused-slot sentinel INT64_MAX). The low bits make
 ties go to the lower block id. Empty slots are -1, so any candidate displaces them.
 
 NaN detection: ``tl.max`` drops NaN where the reference's ``amax`` propagates it. Rather than a
@@ -29,9 +30,13 @@ import triton.language as tl
 
 from nemo_msa.attention.triton_layout import INTERPRET, doc_blocks
 
-_FORCED_CODE = tl.constexpr(0xFFFFFFFF)
+_FORCED_CODE = tl.constexpr(0xFFFFFFF0)
 _NAN_CODE = tl.constexpr(1)
 _LOW_MASK = tl.constexpr(0x7FFFFFFF)
+
+# Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003): query rows per program, keys
+# per inner tile at d = 128, warps, stages.
+CONFIG = {"bm": 128, "bn": 64, "num_warps": 8, "num_stages": 3}
 
 
 @triton.jit
@@ -93,6 +98,7 @@ def _select_kernel(
     kn = tl.arange(0, BN)
     nan_code = tl.full((BM,), _NAN_CODE, tl.int64)
     forced_code = tl.full((BM,), _FORCED_CODE, tl.int64)
+    zero_row = tl.zeros((BM,), tl.int64)
 
     # Full blocks 0..o-1: every key visible to every row of the tile, no mask.
     for b in range(0, o):
@@ -110,7 +116,7 @@ def _select_kernel(
         code = tl.where(qbad | (kbad != 0), nan_code, code)
         forced = (b < init_blocks) | (b > o - local_blocks)
         code = tl.where(forced, forced_code, code)
-        new_key = (code << 31) | (_LOW_MASK - b.to(tl.int64))
+        new_key = (code << 31) | (zero_row + (_LOW_MASK - b))
         cur = _insert(cur, cols, new_key, KP)
 
     # Own block o: keys j <= pos only.
@@ -132,13 +138,14 @@ def _select_kernel(
     code = tl.where(qbad | (anybad != 0), nan_code, code)
     forced = (o < init_blocks) | (local_blocks > 0)
     code = tl.where(forced, forced_code, code)
-    new_key = (code << 31) | (_LOW_MASK - o.to(tl.int64))
+    new_key = (code << 31) | (zero_row + (_LOW_MASK - o))
     cur = _insert(cur, cols, new_key, KP)
 
     # Canonical output: ascending block ids, -1 tail.
     big = 0x7FFFFFFF
     valid = (cur >= 0) & (cur != unused)
-    ids = tl.where(valid, (_LOW_MASK - (cur & _LOW_MASK)).to(tl.int32), big)
+    low = tl.full((BM, KP), _LOW_MASK, tl.int64)
+    ids = tl.where(valid, (low - (cur & low)).to(tl.int32), big)
     ids = tl.sort(ids, dim=1)
     ids = tl.where(ids == big, -1, ids)
     optr = out_ptr + h * stride_oh + (start + pos)[:, None].to(tl.int64) * stride_ot + cols[None, :]
@@ -203,8 +210,8 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     blocks = doc_blocks(msa, bs)
     qbad = (~torch.isfinite(q).all(dim=-1)).to(torch.int8).contiguous()  # [T, H]
     kbad = (~torch.isfinite(k).all(dim=-1)).to(torch.int8).contiguous()  # [T]
-    bm = min(bs, 128)
-    bn = min(bs, 64) if d == 128 else bs
+    bm = min(bs, CONFIG["bm"])
+    bn = min(bs, CONFIG["bn"]) if d == 128 else bs
     kp = max(_next_pow2(top_k), 2)
     grid = (blocks.num_blocks_bound * (bs // bm), h)
     _select_kernel[grid](
@@ -212,6 +219,7 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
         q.stride(0), q.stride(1), k.stride(0), out.stride(0), out.stride(1),
         blocks.num_blocks_bound, top_k, init_blocks, local_blocks,
         BS=bs, BM=bm, BN=bn, D=d, KP=kp, FP32_DOT=INTERPRET,
-        num_warps=8 if bm * bn >= 128 * 64 else 4, num_stages=3,
+        num_warps=CONFIG["num_warps"] if bm * bn >= 64 * 64 else 4,
+        num_stages=CONFIG["num_stages"],
     )
     return out

@@ -1,0 +1,240 @@
+"""MSA sparse attention backward for SM90 in Triton; deterministic, no atomics.
+
+Two kernels:
+
+* ``dq`` (query-outer, like the forward): one program per (token, KV head) recomputes the
+  probabilities of its ``top_k`` blocks for the ``G`` heads of the group and accumulates
+  ``dq = scale * dS K``. It also computes ``delta = rowsum(dO * O)`` and stores it for the
+  second kernel.
+* ``dk, dv`` (KV-outer): one program per (KV head, key block, key chunk) walks the list of
+  query tokens that selected the block (a CSR built with one stable sort, so the list and the
+  summation order are fixed) in tiles of ``QT`` tokens x ``G`` heads (M = 64 rows at G = 16) and
+  accumulates ``dv += P^T dO`` and ``dk += scale * dS^T Q`` in registers. Every key row belongs
+  to exactly one program, so dk/dv are written once, without atomics; the result is bitwise
+  reproducible run to run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from nemo_msa.attention.triton_fwd import LOG2E, _next_pow2, check_attention_inputs
+from nemo_msa.attention.triton_layout import INTERPRET, block_query_csr, doc_blocks
+
+# Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003). dq: keys per tile, warps,
+# stages. dkdv: keys per program (a block is split into bs / kv_bn programs), rows per query
+# tile (tokens x padded group), warps, stages.
+CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2,
+          "kv_bn": 64, "kv_rows": 64, "kv_warps": 8, "kv_stages": 2}
+
+
+@triton.jit
+def _dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
+    tok_start_ptr, tok_pos_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
+    stride_sg, stride_st, stride_lh,
+    scale, scale_log2,
+    TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
+    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    start = tl.load(tok_start_ptr + t)
+    p = tl.load(tok_pos_ptr + t)
+    rows = tl.arange(0, GP)
+    hmask = rows < G
+    heads = g * G + rows
+    dd = tl.arange(0, D)
+    q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + dd[None, :],
+                mask=hmask[:, None], other=0.0)
+    do = tl.load(do_ptr + t64 * stride_dot + heads[:, None] * stride_doh + dd[None, :],
+                 mask=hmask[:, None], other=0.0)
+    o = tl.load(o_ptr + t64 * stride_ot + heads[:, None] * stride_oh + dd[None, :],
+                mask=hmask[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    tl.store(delta_ptr + heads * stride_lh + t, delta, mask=hmask)
+    lse2 = tl.load(lse_ptr + heads * stride_lh + t, mask=hmask, other=0.0) * 1.4426950408889634
+    if FP32_DOT:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    dq = tl.zeros((GP, D), tl.float32)
+    kn = tl.arange(0, BN)
+    for s in range(TOPK):
+        b = tl.load(q2k_ptr + g * stride_sg + t64 * stride_st + s)
+        for c in tl.static_range(0, BS, BN):
+            j = b * BS + c + kn
+            kmask = (j <= p) & (b >= 0)
+            rows_k = (start + j).to(tl.int64)
+            k = tl.load(k_ptr + rows_k[:, None] * stride_kt + g * stride_kh + dd[None, :],
+                        mask=kmask[:, None], other=0.0)
+            v = tl.load(v_ptr + rows_k[:, None] * stride_vt + g * stride_vh + dd[None, :],
+                        mask=kmask[:, None], other=0.0)
+            if FP32_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            sc = tl.dot(q, tl.trans(k)) * scale_log2
+            pr = tl.where(kmask[None, :] & hmask[:, None], tl.exp2(sc - lse2[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = pr * (dp - delta[:, None])
+            if FP32_DOT:
+                dq += tl.dot(ds, k)
+            else:
+                dq += tl.dot(ds.to(k.dtype), k)
+    dq = dq * scale
+    tl.store(dq_ptr + t64 * stride_dqt + heads[:, None] * stride_dqh + dd[None, :],
+             dq.to(dq_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
+def _dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    offsets_ptr, list_ptr, order_ptr, block_doc_ptr, block_local_ptr, cu_ptr, tok_pos_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+    num_blocks_bound, scale, scale_log2,
+    G: tl.constexpr, GP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
+    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    CHUNKS: tl.constexpr = BS // BN
+    BM: tl.constexpr = QT * GP
+    seg = tl.load(order_ptr + tl.program_id(0) // CHUNKS)
+    c = tl.program_id(0) % CHUNKS
+    g = seg // num_blocks_bound
+    blk = seg % num_blocks_bound
+    doc = tl.load(block_doc_ptr + blk)
+    if doc < 0:
+        return
+    b = tl.load(block_local_ptr + blk)
+    start = tl.load(cu_ptr + doc)
+    length = tl.load(cu_ptr + doc + 1) - start
+    kn = tl.arange(0, BN)
+    j = b * BS + c * BN + kn
+    kvalid = j < length
+    rows_k = (start + j).to(tl.int64)
+    dd = tl.arange(0, D)
+    k = tl.load(k_ptr + rows_k[:, None] * stride_kt + g * stride_kh + dd[None, :],
+                mask=kvalid[:, None], other=0.0)
+    v = tl.load(v_ptr + rows_k[:, None] * stride_vt + g * stride_vh + dd[None, :],
+                mask=kvalid[:, None], other=0.0)
+    if FP32_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros((BN, D), tl.float32)
+    dv = tl.zeros((BN, D), tl.float32)
+    lo = tl.load(offsets_ptr + seg)
+    hi = tl.load(offsets_ptr + seg + 1)
+    r = tl.arange(0, BM)
+    r_tok = r // GP
+    r_head = r % GP
+    heads = g * G + r_head
+    for e in range(lo, hi, QT):
+        ent = e + r_tok
+        rmask = (ent < hi) & (r_head < G)
+        tok = tl.load(list_ptr + ent, mask=rmask, other=0).to(tl.int64)
+        pos = tl.load(tok_pos_ptr + tok, mask=rmask, other=-1)
+        qoff = tok[:, None] * stride_qt + heads[:, None] * stride_qh + dd[None, :]
+        q = tl.load(q_ptr + qoff, mask=rmask[:, None], other=0.0)
+        do = tl.load(do_ptr + tok[:, None] * stride_dot + heads[:, None] * stride_doh
+                     + dd[None, :], mask=rmask[:, None], other=0.0)
+        lse2 = tl.load(lse_ptr + heads * stride_lh + tok, mask=rmask, other=0.0)
+        lse2 = lse2 * 1.4426950408889634
+        delta = tl.load(delta_ptr + heads * stride_lh + tok, mask=rmask, other=0.0)
+        if FP32_DOT:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        vis = (j[None, :] <= pos[:, None]) & rmask[:, None]
+        sc = tl.dot(q, tl.trans(k)) * scale_log2
+        pr = tl.where(vis, tl.exp2(sc - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = pr * (dp - delta[:, None])
+        if FP32_DOT:
+            dv += tl.dot(tl.trans(pr), do)
+            dk += tl.dot(tl.trans(ds), q)
+        else:
+            dv += tl.dot(tl.trans(pr.to(do.dtype)), do)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    dk = dk * scale
+    tl.store(dk_ptr + rows_k[:, None] * stride_dkt + g * stride_dkh + dd[None, :],
+             dk.to(dk_ptr.dtype.element_ty), mask=kvalid[:, None])
+    tl.store(dv_ptr + rows_k[:, None] * stride_dvt + g * stride_dvh + dd[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=kvalid[:, None])
+
+
+def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                              q2k: torch.Tensor, msa, softmax_scale: float | None = None, *,
+                              block_size: int | None = None):
+    """Gradients of the sparse MSA attention; deterministic (no atomics).
+
+    Args:
+        dout: [T, Hq, d] gradient of the output, q's dtype.
+        q: bf16/fp16 [T, Hq, d] queries.
+        k: same dtype [T, Hkv, d] keys.
+        v: same dtype [T, Hkv, d] values.
+        out: [T, Hq, d] forward output, q's dtype.
+        lse: fp32 [Hq, T] forward natural log-sum-exp.
+        q2k: int32 [Hkv, T, top_k] selected document-local block ids, -1 = none.
+        msa: the microbatch layout (see :func:`triton_attention_forward`).
+        softmax_scale: the forward's scale; ``1 / sqrt(d)`` when None.
+        block_size: key block size; defaults to ``msa.block_size``.
+
+    Returns:
+        ``(dq, dk, dv)`` with q's, k's and v's shapes and dtypes.
+
+    Raises:
+        ValueError: on a bad argument (the message names it, its value and the expectation).
+    """
+    bs = int(block_size if block_size is not None else getattr(msa, "block_size", 128))
+    t, hq, hkv, d, grp, top_k = check_attention_inputs(q, k, v, q2k, msa, bs)
+    for name, x in (("dout", dout), ("out", out)):
+        if x.shape != q.shape:
+            raise ValueError(f"{name} shape {tuple(x.shape)} must equal q's {tuple(q.shape)}")
+    if lse.shape != (hq, t) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be fp32 [Hq={hq}, T={t}], got {lse.dtype} "
+                         f"{tuple(lse.shape)}")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if t == 0:
+        return dq, dk, dv
+    blocks = doc_blocks(msa, bs)
+    q_, k_, v_, do_, o_ = (x if x.stride(-1) == 1 else x.contiguous()
+                           for x in (q, k, v, dout, out))
+    lse_ = lse.contiguous()
+    q2k_ = q2k.contiguous()
+    delta = torch.empty_like(lse_)
+    gp = max(16, _next_pow2(grp))
+    bn = min(bs, CONFIG["dq_bn"]) if d == 128 else bs
+    _dq_kernel[(t, hkv)](
+        q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks.token_start, blocks.token_pos,
+        q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
+        do_.stride(0), do_.stride(1), o_.stride(0), o_.stride(1), dq.stride(0), dq.stride(1),
+        q2k_.stride(0), q2k_.stride(1), lse_.stride(0),
+        scale, scale * LOG2E,
+        TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
+        num_warps=CONFIG["dq_warps"], num_stages=CONFIG["dq_stages"],
+    )
+    csr = block_query_csr(q2k_, blocks, msa)
+    qt = max(1, CONFIG["kv_rows"] // gp)
+    bn_kv = min(bs, CONFIG["kv_bn"])
+    grid = (hkv * blocks.num_blocks_bound * (bs // bn_kv),)
+    _dkdv_kernel[grid](
+        q_, k_, v_, do_, lse_, delta, dk, dv,
+        csr.offsets, csr.tokens, csr.order, blocks.block_doc, blocks.block_local,
+        msa.cu_seqlens, blocks.token_pos,
+        q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
+        do_.stride(0), do_.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        lse_.stride(0),
+        blocks.num_blocks_bound, scale, scale * LOG2E,
+        G=grp, GP=gp, QT=qt, BS=bs, BN=bn_kv, D=d, FP32_DOT=INTERPRET,
+        num_warps=CONFIG["kv_warps"] if d == 128 else 4, num_stages=CONFIG["kv_stages"],
+    )
+    return dq, dk, dv

@@ -1,0 +1,170 @@
+"""MSA sparse attention forward for SM90 in Triton (query-outer, GQA-group tiles).
+
+Schedule. One program owns one query token and one KV head ``g``: the ``G = Hq / Hkv`` query
+heads of the group share the token's ``top_k`` selected blocks (q2k is per KV head), so the
+program's tile is [G (padded to >= 16), d] and it streams the selected key blocks with an
+online softmax. Every selected key is read once per (token, KV head); there is no union
+overhead. Consecutive program ids are consecutive tokens of the same document block, which
+select overlapping blocks (always their own), so repeated block reads hit L2. ADR 0003 records
+the alternatives measured and why this one stayed.
+
+Masking. Key ``j`` (document-local) of block ``b`` is visible to the query at position ``p``
+iff ``b >= 0`` and ``j <= p``; ``j <= p`` also keeps the reads inside the document, so q2k
+entries that are -1 or point past the own block cost a masked tile and contribute nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from nemo_msa.attention.triton_layout import INTERPRET, doc_blocks
+
+LOG2E = 1.4426950408889634
+
+# Launch parameters for d = 128 (keys per inner tile, warps, pipeline depth); scripts/bench_msa.py
+# sweeps them (ADR 0003). Smaller head dims use a whole block per tile.
+CONFIG = {"bn": 64, "num_warps": 4, "num_stages": 3}
+
+
+@triton.jit
+def _fwd_kernel(
+    q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, tok_start_ptr, tok_pos_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_sg, stride_st, stride_lh,
+    scale_log2,
+    TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
+    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    start = tl.load(tok_start_ptr + t)
+    p = tl.load(tok_pos_ptr + t)
+    rows = tl.arange(0, GP)
+    hmask = rows < G
+    heads = g * G + rows
+    dd = tl.arange(0, D)
+    t64 = t.to(tl.int64)
+    q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + dd[None, :],
+                mask=hmask[:, None], other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    m_i = tl.full((GP,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, D), tl.float32)
+    kn = tl.arange(0, BN)
+    for s in range(TOPK):
+        b = tl.load(q2k_ptr + g * stride_sg + t64 * stride_st + s)
+        for c in tl.static_range(0, BS, BN):
+            j = b * BS + c + kn
+            kmask = (j <= p) & (b >= 0)
+            rows_k = (start + j).to(tl.int64)
+            k = tl.load(k_ptr + rows_k[:, None] * stride_kt + g * stride_kh + dd[None, :],
+                        mask=kmask[:, None], other=0.0)
+            v = tl.load(v_ptr + rows_k[:, None] * stride_vt + g * stride_vh + dd[None, :],
+                        mask=kmask[:, None], other=0.0)
+            if FP32_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            sc = tl.dot(q, tl.trans(k)) * scale_log2
+            sc = tl.where(kmask[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            # A row that has seen no visible key yet keeps m = -inf; shift by 0 instead.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            pr = tl.exp2(sc - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            if FP32_DOT:
+                acc = acc * alpha[:, None] + tl.dot(pr, v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+            m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + dd[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    lse2 = m_i + tl.log2(tl.where(empty, 1.0, l_i))
+    lse = tl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
+    tl.store(lse_ptr + heads * stride_lh + t, lse, mask=hmask)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def check_attention_inputs(q, k, v, q2k, msa, block_size):
+    """Validates the shared inputs of the forward and backward; returns (T, Hq, Hkv, d, G, K)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"{name} must be bf16 or fp16, got {x.dtype}")
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be [T, heads, d], got shape {tuple(x.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    t, hq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T={t}, Hkv, d={d}]"
+                         f" like q {tuple(q.shape)}")
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads Hq={hq} must be a multiple of KV heads Hkv={hkv}")
+    if q2k.dtype != torch.int32 or q2k.dim() != 3 or q2k.shape[:2] != (hkv, t):
+        raise ValueError(f"q2k must be int32 [Hkv={hkv}, T={t}, top_k], got {q2k.dtype} "
+                         f"{tuple(q2k.shape)}")
+    if not 1 <= q2k.shape[2] <= 32:
+        raise ValueError(f"q2k top_k={q2k.shape[2]}: expected 1..32")
+    if d not in (16, 32, 64, 128):
+        raise ValueError(f"head dim d={d}: expected one of 16, 32, 64, 128")
+    if block_size not in (16, 32, 64, 128):
+        raise ValueError(f"block_size={block_size}: expected one of 16, 32, 64, 128")
+    if t != getattr(msa, "num_tokens", t):
+        raise ValueError(f"q has T={t} tokens but msa.num_tokens={msa.num_tokens}")
+    return t, hq, hkv, d, hq // hkv, q2k.shape[2]
+
+
+def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             q2k: torch.Tensor, msa, softmax_scale: float | None = None, *,
+                             block_size: int | None = None):
+    """Sparse MSA attention forward over the selected key blocks.
+
+    Args:
+        q: bf16/fp16 [T, Hq, d] queries in compact token order.
+        k: same dtype [T, Hkv, d] keys; ``Hq`` is a multiple of ``Hkv``.
+        v: same dtype [T, Hkv, d] values.
+        q2k: int32 [Hkv, T, top_k] document-local block ids per (KV head, token), -1 = none.
+        msa: the microbatch layout (``MSAMicrobatch``): ``cu_seqlens``, ``token_documents``,
+            ``document_positions``, host ints ``num_tokens``, ``num_documents``, ``block_size``.
+        softmax_scale: score scale; ``1 / sqrt(d)`` when None.
+        block_size: key block size; defaults to ``msa.block_size``.
+
+    Returns:
+        ``(out, lse)``: out [T, Hq, d] in q's dtype; lse fp32 [Hq, T], the natural log-sum-exp
+        of the scaled scores (-inf and out = 0 for a query with no visible key).
+
+    Raises:
+        ValueError: on a bad argument (the message names it, its value and the expectation).
+    """
+    bs = int(block_size if block_size is not None else getattr(msa, "block_size", 128))
+    t, hq, hkv, d, grp, top_k = check_attention_inputs(q, k, v, q2k, msa, bs)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    out = torch.empty_like(q)
+    lse = torch.empty((hq, t), dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out, lse
+    blocks = doc_blocks(msa, bs)
+    q_, k_, v_ = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q2k_ = q2k.contiguous()
+    gp = max(16, _next_pow2(grp))
+    bn = min(bs, CONFIG["bn"]) if d == 128 else bs
+    _fwd_kernel[(t, hkv)](
+        q_, k_, v_, q2k_, out, lse, blocks.token_start, blocks.token_pos,
+        q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
+        out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
+        scale * LOG2E,
+        TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
+        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+    )
+    return out, lse

@@ -1,0 +1,157 @@
+"""Device-side index tensors shared by the Triton MSA kernels (no host synchronization).
+
+The kernels address key block ``b`` of a document straight in the compact token order
+(ADR 0001): rows ``[cu_seqlens[doc] + bs * b, min(cu_seqlens[doc + 1], ...))``. Two small maps
+are built here with plain torch ops on the layout's device tensors:
+
+* a *doc-block* map: global block id -> (document, document-local block). Every document of
+  length ``n`` owns ``ceil(n / bs)`` consecutive global ids. The number of global ids is only
+  known on the device; the grids use the host bound ``num_tokens // bs + num_documents`` and the
+  surplus programs exit at once. This is what lets the selection kernel and the KV-outer
+  backward run one program per (document, block) without a ``.item()``.
+* the block -> queries CSR of the backward (see :func:`block_query_csr`).
+
+Nothing here reads a tensor's value on the host.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+# The Triton interpreter computes tl.dot on bf16 operands wrongly (PLATFORM.md); kernels take
+# this as a constexpr and cast their dot operands to fp32 when it is set.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _host_int(msa, name: str) -> int:
+    value = getattr(msa, name, None)
+    if not isinstance(value, int):
+        raise ValueError(f"msa.{name} must be a host int, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class DocBlocks:
+    """Doc-block map of one layout for one block size.
+
+    Attributes:
+        block_size: tokens per key block (host int).
+        num_blocks_bound: host upper bound on the number of global blocks
+            (``num_tokens // block_size + num_documents``); grids are sized with it.
+        block_doc: int32 [num_blocks_bound]; the document of each global block, -1 past the end.
+        block_local: int32 [num_blocks_bound]; the document-local block id (0 past the end).
+        doc_first_block: int64 [D]; global id of block 0 of each document.
+        token_start: int32 [T]; compact row of the first token of each token's document.
+        token_pos: int32 [T]; document-local position of each token.
+    """
+
+    block_size: int
+    num_blocks_bound: int
+    block_doc: torch.Tensor
+    block_local: torch.Tensor
+    doc_first_block: torch.Tensor
+    token_start: torch.Tensor
+    token_pos: torch.Tensor
+
+
+def doc_blocks(msa, block_size: int) -> DocBlocks:
+    """Builds the doc-block map of ``msa`` (an ``MSAMicrobatch``) for ``block_size``.
+
+    Args:
+        msa: layout with device tensors ``cu_seqlens`` int32 [D + 1], ``token_documents``
+            int32 [T], ``document_positions`` int32 [T] and host ints ``num_tokens``,
+            ``num_documents``.
+        block_size: key block size in tokens.
+
+    Returns:
+        The :class:`DocBlocks` map; every tensor lives on ``cu_seqlens``' device.
+    """
+    cache = getattr(msa, "_cache", None)
+    key = ("triton_doc_blocks", block_size)
+    if isinstance(cache, dict) and key in cache:
+        return cache[key]
+    num_tokens = _host_int(msa, "num_tokens")
+    num_docs = _host_int(msa, "num_documents")
+    cu = msa.cu_seqlens
+    device = cu.device
+    lengths = (cu[1:] - cu[:-1]).to(torch.int64)
+    nblk = (lengths + block_size - 1) // block_size
+    cum = torch.cumsum(nblk, 0)
+    first = cum - nblk
+    bound = num_tokens // block_size + num_docs
+    ids = torch.arange(bound, device=device, dtype=torch.int64)
+    doc = torch.searchsorted(cum, ids, right=True)
+    valid = doc < num_docs
+    doc_c = doc.clamp(max=max(num_docs - 1, 0))
+    local = torch.where(valid, ids - first[doc_c], torch.zeros_like(ids))
+    block_doc = torch.where(valid, doc, torch.full_like(doc, -1)).to(torch.int32)
+    token_docs = msa.token_documents.to(torch.int64)
+    result = DocBlocks(
+        block_size=block_size,
+        num_blocks_bound=bound,
+        block_doc=block_doc.contiguous(),
+        block_local=local.to(torch.int32).contiguous(),
+        doc_first_block=first.contiguous(),
+        token_start=cu[token_docs].to(torch.int32).contiguous(),
+        token_pos=msa.document_positions.to(torch.int32).contiguous(),
+    )
+    if isinstance(cache, dict):
+        # The layout lives exactly as long as its microbatch; every layer reuses the map.
+        cache[key] = result
+    return result
+
+
+@dataclass(frozen=True)
+class BlockQueryCSR:
+    """For every (KV head, global block), the query tokens that selected it.
+
+    Attributes:
+        offsets: int64 [Hkv * num_blocks_bound + 1]; entries of segment ``g * bound + blk`` are
+            ``tokens[offsets[i]:offsets[i + 1]]``, ascending token ids.
+        tokens: int32 [Hkv * T * top_k]; selected (token) entries, invalid slots at the tail.
+        order: int32 [Hkv * num_blocks_bound]; segments by descending size, so that the long
+            lists (early blocks of long documents) start first.
+    """
+
+    offsets: torch.Tensor
+    tokens: torch.Tensor
+    order: torch.Tensor
+
+
+def block_query_csr(q2k: torch.Tensor, blocks: DocBlocks, msa) -> BlockQueryCSR:
+    """Inverts ``q2k`` into the block -> queries CSR used by the KV-outer dk/dv kernel.
+
+    A stable sort on (head, global block) keeps each list in ascending token order, so the
+    reduction order inside a list (and so dk/dv) is deterministic. Slots that are -1 or name a
+    block past the query's own block (out of contract) are dropped: they cannot hold a visible
+    key, and a block past the document end would otherwise alias the next document.
+
+    Args:
+        q2k: int32 [Hkv, T, top_k] document-local block ids, -1 for none.
+        blocks: the doc-block map of the same layout.
+        msa: the layout (for ``token_documents``).
+
+    Returns:
+        The :class:`BlockQueryCSR`.
+    """
+    hkv, t, top_k = q2k.shape
+    bound = blocks.num_blocks_bound
+    device = q2k.device
+    bs = blocks.block_size
+    b = q2k.to(torch.int64)
+    own = (blocks.token_pos.to(torch.int64) // bs).view(1, t, 1)
+    first = blocks.doc_first_block[msa.token_documents.to(torch.int64)].view(1, t, 1)
+    head = torch.arange(hkv, device=device, dtype=torch.int64).view(hkv, 1, 1)
+    valid = (b >= 0) & (b <= own)
+    key = torch.where(valid, head * bound + first + b, torch.full_like(b, hkv * bound))
+    sorted_keys, order = torch.sort(key.reshape(-1), stable=True)
+    tokens = ((order // top_k) % max(t, 1)).to(torch.int32)
+    seg = torch.arange(hkv * bound + 1, device=device, dtype=torch.int64)
+    offsets = torch.searchsorted(sorted_keys, seg)
+    sizes = offsets[1:] - offsets[:-1]
+    seg_order = torch.sort(sizes, descending=True, stable=True).indices.to(torch.int32)
+    return BlockQueryCSR(offsets=offsets.contiguous(), tokens=tokens.contiguous(),
+                         order=seg_order.contiguous())

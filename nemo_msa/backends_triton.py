@@ -1,0 +1,55 @@
+"""Registers the Triton (SM90) MSA backend; imported lazily by nemo_msa.backends.
+
+The kernels live in nemo_msa/selection/triton_select.py, nemo_msa/attention/triton_fwd.py and
+nemo_msa/attention/triton_bwd.py (design and measurements: docs/adr/0003-*). The backward has
+no atomics, so it is deterministic and also serves under
+``torch.use_deterministic_algorithms(True)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_msa.attention.triton_bwd import triton_attention_backward
+from nemo_msa.attention.triton_fwd import triton_attention_forward
+from nemo_msa.backends import MSABackend, register_backend
+from nemo_msa.selection.triton_select import triton_select_blocks
+
+
+def _unavailable_reason(device: torch.device) -> str | None:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (f"needs a CUDA GPU, got device {device} (the Triton interpreter runs the "
+                f"kernels on the CPU in their own tests only)")
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"needs compute capability >= 8.0 (tuned for 9.0), got {major}.{minor}"
+    return None
+
+
+def _select(index_q, index_k, msa, *, top_k, init_blocks, local_blocks, score="max"):
+    return triton_select_blocks(index_q, index_k, msa, top_k=top_k, init_blocks=init_blocks,
+                                local_blocks=local_blocks, score=score)
+
+
+def _forward(q, k, v, q2k, msa, softmax_scale):
+    return triton_attention_forward(q, k, v, q2k, msa, softmax_scale)
+
+
+def _backward(dout, q, k, v, out, lse, q2k, msa, softmax_scale):
+    return triton_attention_backward(dout, q, k, v, out, lse, q2k, msa, softmax_scale)
+
+
+register_backend(
+    MSABackend(
+        name="triton",
+        select_blocks=_select,
+        attention_forward=_forward,
+        attention_backward=_backward,
+        unavailable_reason=_unavailable_reason,
+        description="Triton kernels for SM90: fused select+top-k, GQA-group forward, "
+        "deterministic KV-outer backward",
+    )
+)

@@ -1,0 +1,27 @@
+"""Runs the Triton kernel tests under the interpreter on machines without CUDA.
+
+Triton decides between compiling and interpreting when a kernel is *decorated*, i.e. when its
+module is imported, so the variable is set here before the test modules import the kernels; if
+another test already imported them compiled-for-nothing, they are reloaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import torch
+
+KERNEL_MODULES = (
+    "nemo_msa.attention.triton_layout",
+    "nemo_msa.selection.triton_select",
+    "nemo_msa.attention.triton_fwd",
+    "nemo_msa.attention.triton_bwd",
+)
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in KERNEL_MODULES:
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])

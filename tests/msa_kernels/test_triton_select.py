@@ -1,0 +1,70 @@
+"""Triton block selection vs a brute-force float64 reference (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _msa_support import make_layout, select_reference
+
+from nemo_msa.selection.triton_select import triton_select_blocks
+
+
+def _inputs(msa, h, d, integer, gen):
+    t = msa.num_tokens
+    if integer:
+        # Small integers: every q.k is exact in fp32, so ties are real and the tie rule is tested.
+        q = torch.randint(-2, 3, (t, h, d), generator=gen).to(torch.bfloat16)
+        k = torch.randint(-2, 3, (t, d), generator=gen).to(torch.bfloat16)
+    else:
+        q = torch.randn((t, h, d), generator=gen).to(torch.bfloat16)
+        k = torch.randn((t, d), generator=gen).to(torch.bfloat16)
+    return q, k
+
+
+@pytest.mark.parametrize(
+    "rows,seq_len,bs,d,top_k,init,local,integer",
+    [
+        ([[1, 16, 33, 64, 5]], 128, 16, 16, 4, 0, 1, False),
+        ([[40, 1], [16, 57], [80]], 100, 16, 32, 3, 1, 1, True),
+        ([[200]], 200, 16, 16, 5, 1, 2, False),
+        ([[150, 3], [97]], 160, 32, 16, 4, 0, 1, True),
+    ],
+)
+def test_selection_matches_reference(rows, seq_len, bs, d, top_k, init, local, integer):
+    gen = torch.Generator().manual_seed(hash((seq_len, bs, d, top_k)) % 2**31)
+    msa = make_layout(rows, seq_len, bs)
+    q, k = _inputs(msa, 2, d, integer, gen)
+    got = triton_select_blocks(q, k, msa, top_k=top_k, init_blocks=init, local_blocks=local,
+                               block_size=bs)
+    ref, _ = select_reference(q, k, msa, top_k=top_k, init_blocks=init, local_blocks=local,
+                              block_size=bs)
+    assert got.dtype == torch.int32 and got.shape == ref.shape
+    mism = (got != ref).any(-1)
+    assert not mism.any(), f"{int(mism.sum())} rows differ; first at {mism.nonzero()[0].tolist()}"
+
+
+def test_selection_nan_ranks_last():
+    gen = torch.Generator().manual_seed(7)
+    msa = make_layout([[96]], 96, 16)
+    q, k = _inputs(msa, 1, 16, False, gen)
+    k[20] = float("nan")  # block 1 scores NaN for every query that sees key 20
+    got = triton_select_blocks(q, k, msa, top_k=3, init_blocks=0, local_blocks=1,
+                               block_size=16)
+    ref, _ = select_reference(q, k, msa, top_k=3, init_blocks=0, local_blocks=1, block_size=16)
+    assert torch.equal(got, ref)
+    # From block 3 on there are more candidates than slots: block 1 (NaN) must be dropped.
+    assert not (got[0, 48:] == 1).any(), "a NaN-scored block was chosen over finite ones"
+
+
+def test_selection_rejects_bad_arguments():
+    msa = make_layout([[32]], 32, 16)
+    q = torch.zeros((32, 1, 16), dtype=torch.bfloat16)
+    k = torch.zeros((32, 16), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="top_k=40"):
+        triton_select_blocks(q, k, msa, top_k=40, init_blocks=0, local_blocks=1, block_size=16)
+    with pytest.raises(ValueError, match="index_k"):
+        triton_select_blocks(q, k[:, :8], msa, top_k=4, init_blocks=0, local_blocks=1,
+                             block_size=16)
+    with pytest.raises(ValueError, match="dtype"):
+        triton_select_blocks(q.float(), k.float(), msa, top_k=4, init_blocks=0, local_blocks=1,
+                             block_size=16)
