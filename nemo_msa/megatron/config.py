@@ -8,8 +8,8 @@ at hand) when an MSA layer is built (:func:`nemo_msa.support.require_msa_support
 The production topology (MiniMax-M3) is the default of the MSA fields: 4 index heads of dim 128
 serving the 4 KV heads, blocks of 128 tokens, 16 blocks per query, no sink block, one local
 block, block score ``"max"``. The model-side fields of that topology are Megatron's own:
-``num_attention_heads=64``, ``num_query_groups=4``, ``kv_channels=128``, ``rotary_percent=0.5``
-(64 of 128 channels rotated) and ``GPTModel(rotary_base=5_000_000)``.
+``num_attention_heads=64``, ``num_query_groups=4``, ``kv_channels=128``, and GPTModel's
+``rotary_percent=0.5`` (64 of 128 channels rotated) and ``rotary_base=5_000_000``.
 """
 
 from __future__ import annotations
@@ -138,6 +138,12 @@ class MSATransformerConfig(TransformerConfig):
         if self.msa_num_index_heads is None:
             self.msa_num_index_heads = self.num_query_groups
         self._validate_msa_fields()
+        if len(set(self.msa_layer_flags)) > 1:
+            # MSA and dense layers have different parameters (dense ones have no indexer), so the
+            # layers cannot be stacked into one [num_layers, ...] tensor per key in a
+            # distributed checkpoint; save them per layer (decoder.layers.<i>.*), as Megatron
+            # does for mixed MoE/dense patterns.
+            self.hetereogenous_dist_checkpoint = True
 
     # ------------------------------------------------------------------ validation
     def _validate_msa_fields(self) -> None:

@@ -29,7 +29,11 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import divide, get_pg_size
+from megatron.core.utils import (
+    divide,
+    get_pg_size,
+    get_tensor_model_parallel_group_if_none,
+)
 
 __all__ = [
     "GemmaRMSNorm",
@@ -69,8 +73,9 @@ class GemmaRMSNorm(MegatronModule):
         config: the model config (init is zeros, i.e. an identity scale).
         hidden_size: normalized channels (index_head_dim).
         eps: added to the mean square.
-        tp_group: when given with more than one rank, the weight's gradient is summed over the
-            group inside autograd (the weight is replicated but each rank sees only its heads).
+        tp_group: the tensor-parallel group (default: Megatron's); the weight is replicated on it.
+        sum_grad_across_tp: sum the weight's gradient over ``tp_group`` inside autograd (the
+            weight is replicated but each rank normalizes only its own heads).
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class GemmaRMSNorm(MegatronModule):
         hidden_size: int,
         eps: float = 1e-6,
         tp_group: torch.distributed.ProcessGroup | None = None,
+        sum_grad_across_tp: bool = False,
     ) -> None:
         super().__init__(config=config)
         self.hidden_size = hidden_size
@@ -86,8 +92,11 @@ class GemmaRMSNorm(MegatronModule):
         self.weight = torch.nn.Parameter(
             torch.zeros(hidden_size, dtype=config.params_dtype, device=_param_device(config))
         )
+        if tp_group is None:
+            tp_group = get_tensor_model_parallel_group_if_none(None)
+        # Also what MegatronModule.sharded_state_dict uses for the replica ids of the weight.
         self.tp_group = tp_group
-        self._sum_grad = tp_group is not None and get_pg_size(tp_group) > 1
+        self._sum_grad = sum_grad_across_tp and get_pg_size(tp_group) > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalizes the last dim of ``x [..., hidden_size]``; returns x's dtype."""
@@ -234,6 +243,7 @@ class MSAIndexer(MegatronModule):
             hidden_size=self.index_head_dim,
             eps=config.layernorm_epsilon,
             tp_group=self.tp_group,
+            sum_grad_across_tp=True,
         )
         # index_k's gradient is summed over TP in forward() (after the norm), which covers both
         # index_k_proj and index_k_norm; the norm itself must not reduce again.
@@ -242,6 +252,8 @@ class MSAIndexer(MegatronModule):
             config=config,
             hidden_size=self.index_head_dim,
             eps=config.layernorm_epsilon,
+            tp_group=self.tp_group,
+            sum_grad_across_tp=False,
         )
 
     def forward(
