@@ -368,6 +368,7 @@ def sweep(args, gen):
         try:
             ms, _ = time_fn(fn, sets, max_reps=15, budget_ms=800)
             lines.append(f"{kind:5s} {json.dumps(cfg):70s} {ms:9.3f} ms {fl / ms / 1e9:7.1f} TF/s")
+            assert lines[-1].split()[-4] == f"{ms:.3f}"
         except Exception as exc:  # a variant that fails to compile is reported, not fatal
             lines.append(f"{kind:5s} {json.dumps(cfg):70s} FAILED {type(exc).__name__}: "
                          f"{str(exc)[:80]}")
@@ -387,15 +388,67 @@ def sweep(args, gen):
         return tb.triton_attention_backward(s["do"], s["q"], s["k"], s["v"], s["out"], s["lse"],
                                             s["q2k"], msa, scale)
 
-    for bm, bn, w, st in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
-                          (128, 128, 8, 3), (64, 128, 4, 2)):
-        trial("sel", ts, {"bm": bm, "bn": bn, "num_warps": w, "num_stages": st}, sel, sflops)
-    for bn, w, st in ((64, 4, 3), (128, 4, 2), (128, 8, 2), (64, 2, 3), (32, 4, 4), (64, 4, 2)):
-        trial("fwd", tf, {"bn": bn, "num_warps": w, "num_stages": st}, fwd, flops)
-    for kbn, rows, w, st in ((64, 64, 8, 2), (128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2),
-                             (128, 128, 8, 1), (32, 64, 4, 2)):
-        trial("bwd", tb, {"kv_bn": kbn, "kv_rows": rows, "kv_warps": w, "kv_stages": st}, bwd,
-              2.5 * flops)
+    best = {}
+
+    def keep(kind, mod, cfg):
+        ms = float(lines[-1].split()[-4]) if "FAILED" not in lines[-1] else float("inf")
+        if ms < best.get(kind, (float("inf"),))[0]:
+            best[kind] = (ms, mod, cfg)
+
+    for bm, bn, w, st in ((128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 2),
+                          (64, 128, 4, 2), (128, 128, 8, 1)):
+        cfg = {"bm": bm, "bn": bn, "num_warps": w, "num_stages": st}
+        trial("sel", ts, cfg, sel, sflops)
+        keep("sel", ts, cfg)
+    for bn, w, st in ((128, 4, 2), (128, 4, 3), (128, 4, 1), (128, 2, 2), (128, 8, 2),
+                      (64, 4, 2)):
+        cfg = {"bn": bn, "num_warps": w, "num_stages": st}
+        trial("fwd", tf, cfg, fwd, flops)
+        keep("fwd", tf, cfg)
+    for dbn, dw, dst in ((128, 4, 2), (64, 4, 2), (128, 8, 2), (128, 4, 3)):
+        for kbn, rows, w, st in ((64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 8, 2),
+                                 (64, 64, 4, 3), (32, 64, 4, 2)):
+            if dbn != 128 and (kbn, rows, w, st) != (64, 64, 4, 2):
+                continue  # the dq grid is independent of the dk/dv one; sweep each once
+            if (dbn, dw, dst) != (128, 4, 2) and (kbn, rows, w, st) != (64, 64, 4, 2):
+                continue
+            cfg = {"dq_bn": dbn, "dq_warps": dw, "dq_stages": dst, "kv_bn": kbn,
+                   "kv_rows": rows, "kv_warps": w, "kv_stages": st}
+            trial("bwd", tb, cfg, bwd, 2.5 * flops)
+            keep("bwd", tb, cfg)
+    # Breakdown of the backward at its default launch parameters.
+    trial("bwd", tb, {"skip": "dkdv"}, bwd, 1.0 * flops)  # dq kernel + CSR build
+    trial("bwd", tb, {"skip": "dq"}, bwd, 1.5 * flops)  # CSR build + dk/dv kernel
+    from nemo_msa.attention.triton_layout import block_query_csr, doc_blocks
+
+    def csr(s):
+        return block_query_csr(s["q2k"], doc_blocks(msa, BS), msa)
+
+    ms, _ = time_fn(csr, sets, max_reps=15, budget_ms=500)
+    lines.append(f"csr   block->queries CSR build (torch sort)  {ms:9.3f} ms")
+    _log(lines[-1])
+    # The KV-outer two-pass forward (atomics): the schedule alternative of ADR 0003.
+    import nemo_msa.attention.triton_fwd_kvouter as tk
+
+    def fwd_kv(s):
+        return tk.triton_attention_forward_kvouter(s["q"], s["k"], s["v"], s["q2k"], msa, scale)
+
+    try:
+        o_ref, l_ref = fwd(sets[0])
+        o_kv, l_kv = fwd_kv(sets[0])
+        lines.append(f"fwdkv rel diff vs query-outer forward: out {rel(o_kv, o_ref):.2e}, "
+                     f"lse {rel(l_kv, l_ref):.2e}")
+        del o_ref, l_ref, o_kv, l_kv
+    except Exception as exc:
+        lines.append(f"fwdkv FAILED {type(exc).__name__}: {str(exc)[:200]}")
+    _log(lines[-1])
+    for rows_, w, st in ((64, 4, 2), (128, 8, 2), (64, 8, 2)):
+        trial("fwdkv", tk, {"rows": rows_, "num_warps": w, "num_stages": st}, fwd_kv, flops)
+    if args.apply_best:
+        for kind, (ms, mod, cfg) in best.items():
+            mod.CONFIG.update(cfg)
+            lines.append(f"apply {kind} {json.dumps(cfg)} ({ms:.3f} ms)")
+            _log(lines[-1])
     return lines
 
 
@@ -438,6 +491,8 @@ def main(argv=None):
     ap.add_argument("--sets", type=int, default=3, help="fresh input sets rotated in timing")
     ap.add_argument("--sweep", action="store_true", help="time launch-parameter variants first")
     ap.add_argument("--sweep-size", type=int, default=32768)
+    ap.add_argument("--apply-best", action="store_true",
+                    help="run the table with the fastest swept launch parameters")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write all results to this file")
     args = ap.parse_args(argv)

@@ -27,7 +27,7 @@ LOG2E = 1.4426950408889634
 
 # Launch parameters for d = 128 (keys per inner tile, warps, pipeline depth); scripts/bench_msa.py
 # sweeps them (ADR 0003). Smaller head dims use a whole block per tile.
-CONFIG = {"bn": 64, "num_warps": 4, "num_stages": 3}
+CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
