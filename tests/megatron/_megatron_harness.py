@@ -1,0 +1,381 @@
+"""Shared pieces of the Megatron tests: tiny MSA GPT models, packed batches, gloo workers.
+
+Multi-rank tests spawn ``world_size`` processes (torch.multiprocessing, spawn) on localhost with
+gloo; each installs nemo_msa.cpu_shim, initializes Megatron's parallel state, runs a function of
+this module and returns a picklable result through a queue.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+VOCAB = 96
+SEQ = 128
+MICRO_BATCH = 2
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on localhost."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tiny_config(**overrides):
+    """A tiny MSA GPT config (fp32, local backend, CPU) with a mixed S/D pattern."""
+    from nemo_msa import cpu_shim
+    from nemo_msa.megatron import MSATransformerConfig
+
+    fields = dict(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=32,
+        ffn_hidden_size=128,
+        normalization="RMSNorm",
+        transformer_impl="local",
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        pipeline_dtype=torch.float32,
+        msa_index_head_dim=32,
+        msa_block_size=16,
+        msa_topk=3,
+        msa_layer_pattern="SDSS",
+        msa_indexer_loss_query_chunk=64,
+        **cpu_shim.cpu_config_overrides(),
+    )
+    fields.update(overrides)
+    return MSATransformerConfig(**fields)
+
+
+def build_model_chunks(config, seed: int = 1234) -> list:
+    """The GPTModel chunks of this rank (one per virtual stage), seeded identically everywhere."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from layer_specs import get_msa_decoder_block_spec
+
+    vpp = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    torch.manual_seed(seed)
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        chunks.append(
+            GPTModel(
+                config,
+                get_msa_decoder_block_spec(config, vp_stage=stage),
+                vocab_size=VOCAB,
+                max_sequence_length=SEQ,
+                pre_process=pre,
+                post_process=post,
+                position_embedding_type="rope",
+                rotary_percent=0.5,
+                rotary_base=5_000_000,
+                share_embeddings_and_output_weights=False,
+                vp_stage=stage,
+            )
+        )
+    return chunks
+
+
+def packed_batches(count: int, seed: int = 7) -> list[dict[str, torch.Tensor]]:
+    """Microbatches of packed documents with random boundaries and some tail padding."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=generator)
+        ids = torch.zeros(MICRO_BATCH, SEQ, dtype=torch.int64)
+        for row in range(MICRO_BATCH):
+            cuts = sorted(torch.randint(8, SEQ - 8, (2,), generator=generator).tolist())
+            pad = int(torch.randint(0, 12, (1,), generator=generator))
+            bounds = [0, cuts[0], max(cuts[1], cuts[0] + 1), SEQ - pad]
+            for doc in range(3):
+                ids[row, bounds[doc] : bounds[doc + 1]] = row * 3 + doc + 1
+        labels = torch.roll(tokens, -1, dims=1)
+        loss_mask = (ids > 0).float()
+        batches.append(
+            {"tokens": tokens, "labels": labels, "packed_seq_ids": ids, "loss_mask": loss_mask}
+        )
+    return batches
+
+
+def forward_step(data_iterator, model):
+    """Megatron forward_step_func: document map in attention_mask, masked mean LM loss."""
+    batch = next(data_iterator)
+    positions = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+    output = model(batch["tokens"], positions, batch["packed_seq_ids"], labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        mask = batch["loss_mask"]
+        loss = (output_tensor.float() * mask).sum() / mask.sum()
+        # clone: the schedule divides the returned loss in place by the microbatch count.
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
+def run_schedule(chunks: list, batches: list, shared: bool = True) -> list[float]:
+    """Forward+backward of all microbatches through Megatron's schedule; returns the losses."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from nemo_msa.megatron import SharedMicrobatchIterators
+
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
+    if shared:
+        iterators = SharedMicrobatchIterators(iter(batches), num_chunks=len(chunks)).iterators()
+    else:
+        # Negative control: every chunk reads its own copy of each batch.
+        iterators = [iter([{k: v.clone() for k, v in b.items()} for b in batches]) for _ in chunks]
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(batches),
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH,
+        forward_only=False,
+    )
+    return [float(item["lm loss"]) for item in losses]
+
+
+def global_parameter_name(chunk, name: str) -> str:
+    """Renames ``decoder.layers.<local>.`` to the global layer index (pipeline-independent)."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        layer = chunk.decoder.layers[int(parts[2])]
+        parts[2] = str(layer.layer_number - 1)
+    return ".".join(parts)
+
+
+def deterministic_init(chunks: list) -> None:
+    """Re-initializes every parameter from a generator seeded by its global name.
+
+    Pipeline stages build different subsets of the model, so the default generator would give
+    them different weights; this makes every parallel layout hold the same full model (each
+    tensor-parallel rank keeps its contiguous slice along the partition dim, as Megatron's
+    use_cpu_initialization does).
+    """
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                key = global_parameter_name(chunk, name)
+                generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+                shape = list(param.shape)
+                sharded = tp > 1 and getattr(param, "tensor_model_parallel", False)
+                if sharded:
+                    shape[param.partition_dim] *= tp
+                full = torch.randn(shape, generator=generator, dtype=torch.float32)
+                scale = 0.02 if param.dim() > 1 else 0.1
+                full = full * scale
+                if param.dim() == 1 and "norm" in key and "index_" not in key:
+                    full = full + 1.0  # torch RMSNorm weight: around 1
+                if sharded:
+                    full = full.chunk(tp, dim=param.partition_dim)[tp_rank]
+                param.copy_(full.to(param.dtype))
+
+
+def full_gradients(chunks: list) -> dict[str, torch.Tensor]:
+    """Gradients by global name, TP shards all-gathered along their partition dim."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp = torch.distributed.get_world_size(tp_group)
+    out = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            grad = param.grad
+            if grad is None:
+                grad = torch.zeros_like(param)
+            if tp > 1 and getattr(param, "tensor_model_parallel", False):
+                parts = [torch.empty_like(grad) for _ in range(tp)]
+                torch.distributed.all_gather(parts, grad.contiguous(), group=tp_group)
+                grad = torch.cat(parts, dim=param.partition_dim)
+            out[global_parameter_name(chunk, name)] = grad.detach().clone()
+    return out
+
+
+def _worker(rank: int, world_size: int, port: int, fn_name: str, kwargs: dict, queue) -> None:
+    try:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        from nemo_msa import cpu_shim
+
+        cpu_shim.install()
+        cpu_shim.init_gloo_process_group(rank, world_size, port)
+        result = globals()[fn_name](rank=rank, world_size=world_size, **kwargs)
+        queue.put((rank, "ok", result))
+    except BaseException:  # report every failure to the parent instead of hanging it
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
+        except Exception:
+            pass
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int, timeout: float = 240.0, **kwargs) -> dict[int, Any]:
+    """Runs ``fn(rank=, world_size=, **kwargs)`` on ``world_size`` gloo ranks; rank -> result.
+
+    Raises:
+        RuntimeError: with the failing rank's traceback.
+    """
+    context = torch.multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_worker, args=(rank, world_size, port, fn.__name__, kwargs, queue))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in processes:
+            rank, status, payload = queue.get(timeout=timeout)
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    return results
+
+
+# ---------------------------------------------------------------------- rank functions
+def train_step_worker(
+    rank: int,
+    world_size: int,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    num_microbatches: int = 4,
+    shared: bool = True,
+    config_overrides: dict | None = None,
+) -> dict:
+    """One forward/backward of ``num_microbatches`` at (TP, PP, VPP); losses, grads, counts."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from nemo_msa import MSAMicrobatch
+    from nemo_msa.megatron import MSAIndexerLossAutoScaler, MSAIndexerMetrics
+
+    ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
+    model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(0)
+    config = tiny_config(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        **(config_overrides or {}),
+    )
+    chunks = build_model_chunks(config)
+    deterministic_init(chunks)
+    batches = packed_batches(num_microbatches)
+    MSAIndexerLossAutoScaler.reset()
+    MSAIndexerMetrics.reset()
+    builds_before = MSAMicrobatch.num_builds()
+    losses = run_schedule(chunks, batches, shared=shared)
+    builds = MSAMicrobatch.num_builds() - builds_before
+    metrics = MSAIndexerMetrics.pop(num_layers=config.num_layers)
+    grads = full_gradients(chunks)
+    return {
+        "losses": losses,
+        "builds": builds,
+        "metrics": metrics,
+        "grads": grads if ps.get_tensor_model_parallel_rank() == 0 else {},
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+    }
+
+
+PARALLEL_LAYOUTS = {
+    # name: (tp, pp, vpp, shared data iterators)
+    "tp1": (1, 1, None, True),
+    "tp2": (2, 1, None, True),
+    "pp2": (1, 2, None, True),
+    "pp2_vpp2": (1, 2, 2, True),
+    "pp2_vpp2_unshared": (1, 2, 2, False),
+}
+
+
+def parallel_suite_worker(rank: int, world_size: int, names: list[str]) -> dict:
+    """Runs several parallel layouts one after the other in one set of processes.
+
+    The model-parallel state is re-initialized per layout; ranks not used by a layout's TP x PP
+    act as data-parallel replicas (no gradient reduction, so they compute the same thing).
+    """
+    from megatron.core import parallel_state as ps
+
+    results = {}
+    for name in names:
+        tp, pp, vpp, shared = PARALLEL_LAYOUTS[name]
+        results[name] = train_step_worker(rank, world_size, tp=tp, pp=pp, vpp=vpp, shared=shared)
+        ps.destroy_model_parallel()
+    return results
+
+
+def checkpoint_worker(rank: int, world_size: int, save_tp: int, load_tp: int, path: str) -> dict:
+    """Saves a trained-one-step model at TP=save_tp, reloads at TP=load_tp, compares losses."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    batches = packed_batches(2, seed=11)
+
+    def evaluate(chunk) -> list[float]:
+        chunk.eval()
+        with torch.no_grad():
+            losses = []
+            for batch in batches:
+                out = chunk(
+                    batch["tokens"],
+                    torch.arange(SEQ).expand(MICRO_BATCH, SEQ),
+                    batch["packed_seq_ids"],
+                    labels=batch["labels"],
+                )
+                mask = batch["loss_mask"]
+                losses.append(float((out.float() * mask).sum() / mask.sum()))
+        return losses
+
+    ps.initialize_model_parallel(save_tp, 1)
+    model_parallel_cuda_manual_seed(1234)
+    (model,) = build_model_chunks(tiny_config(tensor_model_parallel_size=save_tp), seed=5)
+    # Perturb the zero-initialised indexer norms so that the round trip has something to carry.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "index_" in name and "norm" in name:
+                param.add_(0.01 * (1 + torch.arange(param.numel(), dtype=param.dtype)))
+    saved_losses = evaluate(model)
+    dist_checkpointing.save(model.sharded_state_dict(), path)
+    torch.distributed.barrier()
+    ps.destroy_model_parallel()
+
+    ps.initialize_model_parallel(load_tp, 1)
+    model_parallel_cuda_manual_seed(4321)
+    (fresh,) = build_model_chunks(tiny_config(tensor_model_parallel_size=load_tp), seed=99)
+    before_load = evaluate(fresh)
+    state = dist_checkpointing.load(fresh.sharded_state_dict(), path)
+    fresh.load_state_dict(state)
+    loaded_losses = evaluate(fresh)
+    return {"saved": saved_losses, "loaded": loaded_losses, "before_load": before_load}

@@ -1,0 +1,38 @@
+"""Fixtures of the Megatron integration tests (CPU, gloo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    """This process as a one-rank gloo world with Megatron's parallel state, under the CPU shim.
+
+    Module-scoped and fully undone afterwards (shim, parallel state, process group), so tests
+    outside this package never see the shim.
+    """
+    from _megatron_harness import free_port
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from nemo_msa import cpu_shim
+    from nemo_msa.megatron import (
+        MSAIndexerLossAutoScaler,
+        MSAIndexerMetrics,
+        set_training_iteration,
+    )
+
+    with cpu_shim.enabled():
+        cpu_shim.init_gloo_process_group(0, 1, free_port())
+        try:
+            ps.initialize_model_parallel(1, 1)
+            model_parallel_cuda_manual_seed(1234)
+            yield
+        finally:
+            ps.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+            MSAIndexerLossAutoScaler.reset()
+            MSAIndexerMetrics.reset()
+            set_training_iteration(None)

@@ -1,0 +1,263 @@
+"""A GPTModel built from the MSA spec, on one CPU rank: behaviour of the layers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _megatron_harness import (
+    MICRO_BATCH,
+    SEQ,
+    VOCAB,
+    build_model_chunks,
+    deterministic_init,
+    packed_batches,
+    tiny_config,
+)
+
+from nemo_msa import MSAMicrobatch
+from nemo_msa.megatron import (
+    MSAIndexerLossAutoScaler,
+    MSAIndexerMetrics,
+    compute_indexer_loss,
+    indexer_parameters,
+    set_main_parameters_trainable,
+    set_training_iteration,
+)
+
+pytestmark = pytest.mark.usefixtures("single_rank")
+
+
+def _model(**overrides):
+    (model,) = build_model_chunks(tiny_config(**overrides))
+    deterministic_init([model])
+    return model
+
+
+def _logits(model, tokens, document_ids):
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model(tokens, positions, document_ids)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def test_gpt_forward_backward_mixed_pattern():
+    model = _model()
+    batch = packed_batches(1)[0]
+    MSAIndexerMetrics.reset()
+    builds = MSAMicrobatch.num_builds()
+    positions = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+    loss = model(batch["tokens"], positions, batch["packed_seq_ids"], labels=batch["labels"])
+    assert MSAMicrobatch.num_builds() - builds == 1, (
+        f"4 layers built {MSAMicrobatch.num_builds() - builds} layouts for one microbatch; "
+        "expected 1 shared layout"
+    )
+    total = (loss * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    assert math.isfinite(float(total)) and abs(float(total) - math.log(VOCAB)) < 0.5, float(total)
+    total.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"parameters without gradient: {missing}"
+    index_norms = {n: float(p.grad.norm()) for n, p in model.named_parameters() if ".indexer." in n}
+    assert len(index_norms) == 3 * 4, sorted(index_norms)  # 3 MSA layers x 4 tensors
+    assert all(v > 0 for v in index_norms.values()), index_norms
+    dense_layer = dict(model.named_parameters())
+    assert not any(k.startswith("decoder.layers.1.self_attention.indexer") for k in dense_layer)
+    metrics = MSAIndexerMetrics.pop(num_layers=4)
+    assert set(k for k in metrics if "/layer_" in k and "loss" in k) == {
+        "indexer_loss/layer_1",
+        "indexer_loss/layer_3",
+        "indexer_loss/layer_4",
+    }, metrics
+    assert 0 < metrics["selection_recall"] <= 1 + 1e-6, metrics
+
+
+def test_packed_documents_match_documents_alone():
+    """Document isolation and RoPE restart: a document packed after another gives the same
+    logits as the same document at the start of its own row (selection is active: the document
+    has 4 blocks, top-k is 3)."""
+    model = _model()
+    model.eval()
+    generator = torch.Generator().manual_seed(3)
+    doc_a = torch.randint(0, VOCAB, (40,), generator=generator)
+    doc_b = torch.randint(0, VOCAB, (60,), generator=generator)
+    tokens = torch.zeros(2, SEQ, dtype=torch.long)
+    ids = torch.zeros(2, SEQ, dtype=torch.long)
+    tokens[0, :40], tokens[0, 40:100] = doc_a, doc_b
+    ids[0, :40], ids[0, 40:100] = 1, 2
+    tokens[1, :60] = doc_b
+    ids[1, :60] = 3
+    with torch.no_grad():
+        packed = _logits(model, tokens, ids)
+        leaked = _logits(model, tokens, None)  # no document map: one causal document per row
+    alone = packed[1, :60]
+    error = float((packed[0, 40:100] - alone).abs().max())
+    assert error < 1e-4, f"packed vs alone: max |diff| = {error:.3e} (expected < 1e-4)"
+    control = float((leaked[0, 40:100] - alone).abs().max())
+    assert control > 1e-2, f"control without document map should differ; max |diff| {control}"
+
+
+def test_sparse_equals_dense_when_top_k_covers_every_block():
+    batch = packed_batches(1, seed=5)[0]
+    blocks = SEQ // 16
+    full = _model(msa_topk=blocks, msa_dense_warmup_steps=1)
+    full.eval()
+    with torch.no_grad():
+        set_training_iteration(0)  # dense warm-up
+        dense = _logits(full, batch["tokens"], batch["packed_seq_ids"])
+        set_training_iteration(1)  # sparse, every block selected
+        sparse = _logits(full, batch["tokens"], batch["packed_seq_ids"])
+    set_training_iteration(None)
+    error = _rel(sparse, dense)
+    assert error < 1e-5, f"sparse(top_k={blocks}) vs dense: relative error {error:.3e}"
+    small = _model(msa_topk=2)
+    small.eval()
+    with torch.no_grad():
+        narrow = _logits(small, batch["tokens"], batch["packed_seq_ids"])
+    control = _rel(narrow, dense)
+    assert control > 1e-4, f"top_k=2 should differ from dense; relative error {control:.3e}"
+
+
+def test_indexer_loss_trains_only_the_indexer_and_follows_the_scale():
+    model = _model()
+    batch = packed_batches(1, seed=9)[0]
+    positions = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+
+    def grads(scale):
+        model.zero_grad(set_to_none=True)
+        MSAIndexerLossAutoScaler.reset()
+        if scale is not None:
+            MSAIndexerLossAutoScaler.set_loss_scale(torch.tensor(scale))
+        out = model(batch["tokens"], positions, batch["packed_seq_ids"], labels=batch["labels"])
+        (0.0 * out.sum()).backward()  # only the attached indexer losses carry gradient
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    base = grads(None)
+    main = {n: float(g.abs().max()) for n, g in base.items() if ".indexer." not in n}
+    assert max(main.values()) == 0.0, {k: v for k, v in main.items() if v}
+    index = {n: float(g.norm()) for n, g in base.items() if ".indexer." in n}
+    assert len(index) == 12 and min(index.values()) > 0, index
+    doubled = grads(2.0)
+    for name in index:
+        ratio = float(doubled[name].norm() / base[name].norm())
+        assert abs(ratio - 2.0) < 1e-5, f"{name}: scale 2 gave gradient ratio {ratio}"
+    MSAIndexerLossAutoScaler.reset()
+
+
+def _bruteforce_indexer_kl(index_q, index_k, query, key, documents, positions, block, scale):
+    """KL(P || Q) per (token, head), by loops over plain Python indices, in float64."""
+    tokens, heads, _ = index_q.shape
+    group = query.shape[1] // heads
+    total = 0.0
+    for t in range(tokens):
+        keys = [
+            j
+            for j in range(tokens)
+            if documents[j] == documents[t] and positions[j] <= positions[t]
+        ]
+        own = positions[t] // block
+        for h in range(heads):
+            logits = torch.stack(
+                [(query[t, h * group + i] @ key[keys, h].T) * scale for i in range(group)]
+            )
+            probs = torch.softmax(logits, dim=-1).sum(0) / group
+            target = torch.zeros(own + 1, dtype=torch.float64)
+            index_scores = torch.full((own + 1,), -math.inf, dtype=torch.float64)
+            for slot, j in enumerate(keys):
+                b = positions[j] // block
+                target[b] += probs[slot]
+                score = float(index_q[t, h] @ index_k[j]) / math.sqrt(index_q.shape[-1])
+                index_scores[b] = max(float(index_scores[b]), score)
+            log_q = torch.log_softmax(index_scores, dim=0)
+            mask = target > 0
+            total += float((target[mask] * (target[mask].log() - log_q[mask])).sum())
+    return total / (tokens * heads)
+
+
+def test_indexer_loss_matches_a_bruteforce_reference():
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[1] * 37 + [2] * 20 + [0] * 7, [3] * 64])
+    msa = MSAMicrobatch.from_document_map(ids, block_size=16)
+    tokens = msa.num_tokens
+    heads, group, dim = 2, 2, 16
+    index_q = torch.randn(tokens, heads, dim, dtype=torch.float64, generator=generator)
+    index_k = torch.randn(tokens, dim, dtype=torch.float64, generator=generator)
+    query = torch.randn(tokens, heads * group, dim, dtype=torch.float64, generator=generator)
+    key = torch.randn(tokens, heads, dim, dtype=torch.float64, generator=generator)
+    loss, stats = compute_indexer_loss(
+        index_q,
+        index_k,
+        query,
+        key,
+        msa,
+        softmax_scale=0.25,
+        num_index_heads_total=heads,
+        loss_coeff=1.0,
+        query_chunk=13,
+    )
+    expected = _bruteforce_indexer_kl(
+        index_q,
+        index_k,
+        query,
+        key,
+        msa.token_documents.tolist(),
+        msa.document_positions.tolist(),
+        16,
+        0.25,
+    )
+    assert abs(float(loss) - expected) < 1e-5 * max(1.0, abs(expected)), (
+        f"indexer KL {float(loss):.8f} vs brute force {expected:.8f}"
+    )
+    assert float(stats["kl"]) == pytest.approx(float(loss))
+
+
+def test_dense_warmup_phase_and_freezing():
+    model = _model(msa_dense_warmup_steps=2)
+    batch = packed_batches(1, seed=4)[0]
+    positions = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+    set_training_iteration(None)
+    with pytest.raises(RuntimeError, match="msa_dense_warmup_steps=2"):
+        model(batch["tokens"], positions, batch["packed_seq_ids"], labels=batch["labels"])
+    set_training_iteration(1)
+    assert set_main_parameters_trainable(model, False) > 0
+    MSAIndexerMetrics.reset()
+    out = model(batch["tokens"], positions, batch["packed_seq_ids"], labels=batch["labels"])
+    out.mean().backward()
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    indexer = {id(p) for p in indexer_parameters(model)}
+    assert trained and all(".indexer." in n for n in trained), sorted(trained)
+    assert len(trained) == len(indexer) == 12
+    metrics = MSAIndexerMetrics.pop(num_layers=4)
+    assert "indexer_loss" in metrics and "selection_recall" not in metrics, metrics
+    set_main_parameters_trainable(model, True)
+    set_training_iteration(None)
+
+
+def test_bf16_model_runs_the_sparse_op_and_tracks_fp32():
+    batch = packed_batches(1, seed=8)[0]
+    fp32 = _model()
+    fp32.eval()
+    bf16 = _model(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    bf16.load_state_dict(
+        {
+            k: v.to(torch.bfloat16)
+            for k, v in fp32.state_dict().items()
+            if v is not None and v.is_floating_point()
+        },
+        strict=False,
+    )
+    bf16.eval()
+    with torch.no_grad():
+        reference = _logits(fp32, batch["tokens"], batch["packed_seq_ids"])
+        low = _logits(bf16, batch["tokens"], batch["packed_seq_ids"])
+    assert low.dtype == torch.bfloat16
+    error = _rel(low.float(), reference)
+    assert error < 3e-2, f"bf16 vs fp32 logits: relative error {error:.3e}"
+    bf16.train()
+    positions = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+    out = bf16(batch["tokens"], positions, batch["packed_seq_ids"], labels=batch["labels"])
+    out.float().mean().backward()
+    qkv = bf16.decoder.layers[0].self_attention.linear_qkv.weight.grad
+    assert qkv is not None and bool(torch.isfinite(qkv).all()) and float(qkv.norm()) > 0
