@@ -327,7 +327,8 @@ def parallel_suite_worker(rank: int, world_size: int, names: list[str]) -> dict:
     """
     from megatron.core import parallel_state as ps
 
-    results = {}
+    results = {"sequence_parallel": sequence_parallel_worker(rank, world_size)}
+    ps.destroy_model_parallel()
     for name in names:
         tp, pp, vpp, shared = PARALLEL_LAYOUTS[name]
         results[name] = train_step_worker(rank, world_size, tp=tp, pp=pp, vpp=vpp, shared=shared)
@@ -379,3 +380,72 @@ def checkpoint_worker(rank: int, world_size: int, save_tp: int, load_tp: int, pa
     fresh.load_state_dict(state)
     loaded_losses = evaluate(fresh)
     return {"saved": saved_losses, "loaded": loaded_losses, "before_load": before_load}
+
+
+def sequence_parallel_worker(rank: int, world_size: int) -> dict:
+    """One MSA attention layer at TP=2 with and without sequence parallelism, same weights."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+
+    from layer_specs import get_msa_self_attention_spec
+
+    ps.initialize_model_parallel(world_size, 1)
+    model_parallel_cuda_manual_seed(1234)
+    batch = packed_batches(1, seed=21)[0]
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(SEQ, MICRO_BATCH, 64, generator=generator)
+    rotary = torch.randn(SEQ, 1, 1, 16, generator=generator)
+    outputs = {}
+    for sp in (False, True):
+        config = tiny_config(tensor_model_parallel_size=world_size, sequence_parallel=sp)
+        spec = get_msa_self_attention_spec(config, sparse=True, backend="local")
+        layer = build_module(spec, config=config, layer_number=1)
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                full_shape = list(param.shape)
+                sharded = getattr(param, "tensor_model_parallel", False)
+                if sharded:
+                    full_shape[param.partition_dim] *= world_size
+                gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                full = torch.randn(full_shape, generator=gen) * 0.05
+                if sharded:
+                    full = full.chunk(world_size, dim=param.partition_dim)[rank]
+                param.copy_(full)
+        x = hidden.clone()
+        if sp:
+            x = x.chunk(world_size, dim=0)[rank].contiguous()
+        x.requires_grad_(True)
+        out, bias = layer(x, batch["packed_seq_ids"], rotary_pos_emb=rotary)
+        if bias is not None:
+            out = out + bias
+        full_out = out
+        if sp:
+            parts = [torch.empty_like(out) for _ in range(world_size)]
+            torch.distributed.all_gather(parts, out.contiguous())
+            full_out = torch.cat(parts, dim=0)
+        # With SP each rank back-propagates its own rows; without, every rank the whole output.
+        (out.square().sum() if sp else full_out.square().sum()).backward()
+        grads = {}
+        for name, param in layer.named_parameters():
+            grad = param.grad.clone()
+            if sp and getattr(param, "sequence_parallel", False):
+                # What Megatron's finalize_model_grads does for SP-replicated parameters.
+                torch.distributed.all_reduce(grad)
+            grads[name] = grad
+        outputs[sp] = {"out": full_out.detach(), "grads": grads}
+    return {
+        "out_diff": float((outputs[True]["out"] - outputs[False]["out"]).abs().max()),
+        "out_scale": float(outputs[False]["out"].abs().max()),
+        "indexer_grad_diff": max(
+            float((outputs[True]["grads"][n] - g).abs().max())
+            for n, g in outputs[False]["grads"].items()
+            if n.startswith("indexer.")
+        ),
+        "grad_diff": max(
+            float((outputs[True]["grads"][n] - g).abs().max())
+            for n, g in outputs[False]["grads"].items()
+        ),
+        "grad_scale": max(float(g.abs().max()) for g in outputs[False]["grads"].values()),
+        "indexer_grads": len([n for n in outputs[True]["grads"] if n.startswith("indexer.")]),
+    }

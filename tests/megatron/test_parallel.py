@@ -1,4 +1,4 @@
-"""Tensor, pipeline and virtual-pipeline parallelism on CPU/gloo against one process.
+"""Tensor, sequence, pipeline and virtual-pipeline parallelism on CPU/gloo against one process.
 
 One set of two gloo processes runs every layout in turn (the reference TP=1/PP=1 included), so
 the suite pays the process start-up once. Every layout holds the same full model (weights seeded
@@ -99,3 +99,17 @@ def test_layout_built_once_per_microbatch_per_rank(runs):
     assert builds == [2 * microbatches] * len(runs), builds
     assert _compare(runs, "pp2_vpp2_unshared", atol=1e-6) < 1e-6
     assert torch.distributed.is_available()
+
+
+def test_sequence_parallel_matches_tp2_without_it(runs):
+    """SP at TP=2: the indexer gathers the sequence itself; outputs and gradients unchanged."""
+    for rank in sorted(runs):
+        result = runs[rank]["sequence_parallel"]
+        assert result["indexer_grads"] == 4, result
+        relative = result["grad_diff"] / result["grad_scale"]
+        assert result["out_diff"] < 1e-6 and relative < 1e-6, (
+            f"rank {rank}: SP vs no SP at TP=2: max |out diff| {result['out_diff']:.2e} (output "
+            f"scale {result['out_scale']:.2e}), max |grad diff| {result['grad_diff']:.2e} "
+            f"(largest grad {result['grad_scale']:.2e}, relative {relative:.2e}), indexer grads "
+            f"{result['indexer_grad_diff']:.2e}"
+        )
