@@ -395,28 +395,29 @@ def sweep(args, gen):
         if ms < best.get(kind, (float("inf"),))[0]:
             best[kind] = (ms, mod, cfg)
 
-    for bm, bn, w, st in ((128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 2),
-                          (64, 128, 4, 2), (128, 128, 8, 1)):
+    for bm, bn, w, st in ((128, 128, 4, 2), (128, 128, 8, 2)):
         cfg = {"bm": bm, "bn": bn, "num_warps": w, "num_stages": st}
         trial("sel", ts, cfg, sel, sflops)
         keep("sel", ts, cfg)
-    for bn, w, st in ((128, 4, 2), (128, 4, 3), (128, 4, 1), (128, 2, 2), (128, 8, 2),
-                      (64, 4, 2)):
-        cfg = {"bn": bn, "num_warps": w, "num_stages": st}
+    for bn, w, st, tr in ((128, 4, 2, False), (128, 4, 2, True), (128, 8, 2, True),
+                          (64, 4, 2, True), (128, 4, 3, True), (64, 4, 3, True)):
+        cfg = {"bn": bn, "num_warps": w, "num_stages": st, "trans": tr}
         trial("fwd", tf, cfg, fwd, flops)
         keep("fwd", tf, cfg)
-    for dbn, dw, dst in ((128, 4, 2), (64, 4, 2), (128, 8, 2), (128, 4, 3)):
-        for kbn, rows, w, st in ((64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 8, 2),
-                                 (64, 64, 4, 3), (32, 64, 4, 2)):
-            if dbn != 128 and (kbn, rows, w, st) != (64, 64, 4, 2):
-                continue  # the dq grid is independent of the dk/dv one; sweep each once
-            if (dbn, dw, dst) != (128, 4, 2) and (kbn, rows, w, st) != (64, 64, 4, 2):
-                continue
-            cfg = {"dq_bn": dbn, "dq_warps": dw, "dq_stages": dst, "kv_bn": kbn,
-                   "kv_rows": rows, "kv_warps": w, "kv_stages": st}
-            trial("bwd", tb, cfg, bwd, 2.5 * flops)
-            keep("bwd", tb, cfg)
-    # Breakdown of the backward at its default launch parameters.
+    for dbn, dw, dst, dtr in ((64, 4, 2, False), (64, 4, 2, True), (128, 4, 2, True),
+                              (128, 8, 2, True), (64, 8, 2, True)):
+        cfg = {"dq_bn": dbn, "dq_warps": dw, "dq_stages": dst, "dq_trans": dtr}
+        trial("bwd", tb, cfg, bwd, 2.5 * flops)
+        keep("bwd", tb, cfg)
+    if "bwd" in best:
+        tb.CONFIG.update(best["bwd"][2])  # the dk/dv variants below run with the best dq
+    for kbn, rows, w, st in ((64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2)):
+        cfg = {"kv_bn": kbn, "kv_rows": rows, "kv_warps": w, "kv_stages": st}
+        trial("bwd", tb, cfg, bwd, 2.5 * flops)
+        if "bwd" in best and "FAILED" not in lines[-1] \
+                and float(lines[-1].split()[-4]) < best["bwd"][0]:
+            best["bwd"] = (float(lines[-1].split()[-4]), tb, {**best["bwd"][2], **cfg})
+    # Breakdown of the backward (best dq parameters).
     trial("bwd", tb, {"skip": "dkdv"}, bwd, 1.0 * flops)  # dq kernel + CSR build
     trial("bwd", tb, {"skip": "dq"}, bwd, 1.5 * flops)  # CSR build + dk/dv kernel
     from nemo_msa.attention.triton_layout import block_query_csr, doc_blocks
@@ -442,7 +443,7 @@ def sweep(args, gen):
     except Exception as exc:
         lines.append(f"fwdkv FAILED {type(exc).__name__}: {str(exc)[:200]}")
     _log(lines[-1])
-    for rows_, w, st in ((64, 4, 2), (128, 8, 2), (64, 8, 2)):
+    for rows_, w, st in ((128, 8, 2),):
         trial("fwdkv", tk, {"rows": rows_, "num_warps": w, "num_stages": st}, fwd_kv, flops)
     if args.apply_best:
         for kind, (ms, mod, cfg) in best.items():

@@ -28,7 +28,7 @@ from nemo_msa.attention.triton_layout import INTERPRET, block_query_csr, doc_blo
 # Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003). dq: keys per tile, warps,
 # stages. dkdv: keys per program (a block is split into bs / kv_bn programs), rows per query
 # tile (tokens x padded group), warps, stages.
-CONFIG = {"dq_bn": 128, "dq_warps": 4, "dq_stages": 2,
+CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
           "kv_bn": 64, "kv_rows": 64, "kv_warps": 4, "kv_stages": 2,
           # Benchmark hook only: "dq" or "dkdv" leaves that kernel out to time the other.
           "skip": ""}
@@ -43,11 +43,19 @@ def _dq_kernel(
     stride_sg, stride_st, stride_lh,
     scale, scale_log2,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
-    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
+    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr,
 ):
     t = tl.program_id(0)
     g = tl.program_id(1)
     t64 = t.to(tl.int64)
+    if TRANS:
+        _dq_body_trans(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
+                       tok_start_ptr, tok_pos_ptr, t, g,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                       stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
+                       stride_sg, stride_st, stride_lh, scale, scale_log2,
+                       TOPK, G, GP, BS, BN, D, FP32_DOT)
+        return
     start = tl.load(tok_start_ptr + t)
     p = tl.load(tok_pos_ptr + t)
     rows = tl.arange(0, GP)
@@ -92,6 +100,62 @@ def _dq_kernel(
     dq = dq * scale
     tl.store(dq_ptr + t64 * stride_dqt + heads[:, None] * stride_dqh + dd[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
+def _dq_body_trans(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
+                   tok_start_ptr, tok_pos_ptr, t, g,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
+                   stride_sg, stride_st, stride_lh, scale, scale_log2,
+                   TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
+                   BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr):
+    """dq with every tile transposed (keys on the MMA's M dimension)."""
+    t64 = t.to(tl.int64)
+    start = tl.load(tok_start_ptr + t)
+    p = tl.load(tok_pos_ptr + t)
+    cols = tl.arange(0, GP)
+    hmask = cols < G
+    heads = g * G + cols
+    dd = tl.arange(0, D)
+    qt = tl.load(q_ptr + t64 * stride_qt + heads[None, :] * stride_qh + dd[:, None],
+                 mask=hmask[None, :], other=0.0)  # [D, GP]
+    dot_ = tl.load(do_ptr + t64 * stride_dot + heads[None, :] * stride_doh + dd[:, None],
+                   mask=hmask[None, :], other=0.0)  # [D, GP]
+    ot = tl.load(o_ptr + t64 * stride_ot + heads[None, :] * stride_oh + dd[:, None],
+                 mask=hmask[None, :], other=0.0)
+    delta = tl.sum(dot_.to(tl.float32) * ot.to(tl.float32), axis=0)
+    tl.store(delta_ptr + heads * stride_lh + t, delta, mask=hmask)
+    lse2 = tl.load(lse_ptr + heads * stride_lh + t, mask=hmask, other=0.0) * 1.4426950408889634
+    if FP32_DOT:
+        qt = qt.to(tl.float32)
+        dot_ = dot_.to(tl.float32)
+    dq = tl.zeros((D, GP), tl.float32)
+    kn = tl.arange(0, BN)
+    for s in range(TOPK):
+        b = tl.load(q2k_ptr + g * stride_sg + t64 * stride_st + s)
+        for c in tl.static_range(0, BS, BN):
+            j = b * BS + c + kn
+            kmask = (j <= p) & (b >= 0)
+            rows_k = (start + j).to(tl.int64)
+            k = tl.load(k_ptr + rows_k[:, None] * stride_kt + g * stride_kh + dd[None, :],
+                        mask=kmask[:, None], other=0.0)
+            v = tl.load(v_ptr + rows_k[:, None] * stride_vt + g * stride_vh + dd[None, :],
+                        mask=kmask[:, None], other=0.0)
+            if FP32_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            sc = tl.dot(k, qt) * scale_log2  # [BN, GP]
+            pr = tl.where(kmask[:, None] & hmask[None, :], tl.exp2(sc - lse2[None, :]), 0.0)
+            dp = tl.dot(v, dot_)  # [BN, GP]
+            ds = pr * (dp - delta[None, :])
+            if FP32_DOT:
+                dq += tl.dot(tl.trans(k), ds)
+            else:
+                dq += tl.dot(tl.trans(k), ds.to(k.dtype))
+    dq = dq * scale
+    tl.store(dq_ptr + t64 * stride_dqt + heads[None, :] * stride_dqh + dd[:, None],
+             dq.to(dq_ptr.dtype.element_ty), mask=hmask[None, :])
 
 
 @triton.jit
@@ -223,6 +287,7 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
             q2k_.stride(0), q2k_.stride(1), lse_.stride(0),
             scale, scale * LOG2E,
             TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
+            TRANS=bool(CONFIG["dq_trans"]) and bn >= 64,
             num_warps=CONFIG["dq_warps"], num_stages=CONFIG["dq_stages"],
         )
     csr = block_query_csr(q2k_, blocks, msa)

@@ -27,7 +27,9 @@ LOG2E = 1.4426950408889634
 
 # Launch parameters for d = 128 (keys per inner tile, warps, pipeline depth); scripts/bench_msa.py
 # sweeps them (ADR 0003). Smaller head dims use a whole block per tile.
-CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2}
+# "trans" computes S^T = K Q^T (keys as the MMA's M dimension, >= 64, so Hopper's wgmma applies
+# even though the group has only 16 query rows); see ADR 0003 for the measurement.
+CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False}
 
 
 @triton.jit
@@ -37,12 +39,18 @@ def _fwd_kernel(
     stride_ot, stride_oh, stride_sg, stride_st, stride_lh,
     scale_log2,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
-    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
+    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr,
 ):
     t = tl.program_id(0)
     g = tl.program_id(1)
     start = tl.load(tok_start_ptr + t)
     p = tl.load(tok_pos_ptr + t)
+    if TRANS:
+        _fwd_body_trans(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                        stride_ot, stride_oh, stride_sg, stride_st, stride_lh, scale_log2,
+                        TOPK, G, GP, BS, BN, D, FP32_DOT)
+        return
     rows = tl.arange(0, GP)
     hmask = rows < G
     heads = g * G + rows
@@ -86,6 +94,60 @@ def _fwd_kernel(
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + dd[None, :],
              out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    lse2 = m_i + tl.log2(tl.where(empty, 1.0, l_i))
+    lse = tl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
+    tl.store(lse_ptr + heads * stride_lh + t, lse, mask=hmask)
+
+
+@triton.jit
+def _fwd_body_trans(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_ot, stride_oh, stride_sg, stride_st, stride_lh, scale_log2,
+                    TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
+                    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Same function as the main body with every tile transposed: keys on the rows."""
+    cols = tl.arange(0, GP)
+    hmask = cols < G
+    heads = g * G + cols
+    dd = tl.arange(0, D)
+    t64 = t.to(tl.int64)
+    qt = tl.load(q_ptr + t64 * stride_qt + heads[None, :] * stride_qh + dd[:, None],
+                 mask=hmask[None, :], other=0.0)  # [D, GP]
+    if FP32_DOT:
+        qt = qt.to(tl.float32)
+    m_i = tl.full((GP,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((D, GP), tl.float32)
+    kn = tl.arange(0, BN)
+    for s in range(TOPK):
+        b = tl.load(q2k_ptr + g * stride_sg + t64 * stride_st + s)
+        for c in tl.static_range(0, BS, BN):
+            j = b * BS + c + kn
+            kmask = (j <= p) & (b >= 0)
+            rows_k = (start + j).to(tl.int64)
+            k = tl.load(k_ptr + rows_k[:, None] * stride_kt + g * stride_kh + dd[None, :],
+                        mask=kmask[:, None], other=0.0)
+            v = tl.load(v_ptr + rows_k[:, None] * stride_vt + g * stride_vh + dd[None, :],
+                        mask=kmask[:, None], other=0.0)
+            if FP32_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            sc = tl.dot(k, qt) * scale_log2  # [BN, GP]
+            sc = tl.where(kmask[:, None], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            pr = tl.exp2(sc - m_use[None, :])
+            l_i = l_i * alpha + tl.sum(pr, axis=0)
+            if FP32_DOT:
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), pr)
+            else:
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), pr.to(v.dtype))
+            m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[None, :]
+    tl.store(out_ptr + t64 * stride_ot + heads[None, :] * stride_oh + dd[:, None],
+             out.to(out_ptr.dtype.element_ty), mask=hmask[None, :])
     lse2 = m_i + tl.log2(tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
     tl.store(lse_ptr + heads * stride_lh + t, lse, mask=hmask)
@@ -165,6 +227,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
         scale * LOG2E,
         TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
+        TRANS=bool(CONFIG["trans"]) and bn >= 64,
         num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )
     return out, lse

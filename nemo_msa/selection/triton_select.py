@@ -36,7 +36,7 @@ _LOW_MASK = tl.constexpr(0x7FFFFFFF)
 
 # Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003): query rows per program, keys
 # per inner tile at d = 128, warps, stages.
-CONFIG = {"bm": 128, "bn": 128, "num_warps": 8, "num_stages": 2}
+CONFIG = {"bm": 128, "bn": 128, "num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
