@@ -40,35 +40,50 @@ def _gather_blocks(
 ):
     """Gathers the selected blocks of a query chunk and their visibility mask.
 
+    Args:
+        k_blocks, v_blocks: [NB * Hkv, B, d], row ``block * Hkv + head`` (from
+            :func:`_workspace_blocks`).
+
     Returns:
-        ``(k, v, visible, block_index)``: k and v [C, Hkv, top_k * B, d], visible bool
-        [C, Hkv, top_k * B], block_index int64 [C, Hkv, top_k] (workspace block ids, valid where
-        selected).
+        ``(k, v, visible, rows)``: k and v [C, Hkv, top_k * B, d], visible bool
+        [C, Hkv, top_k * B], rows int64 [C, Hkv, top_k] (rows of ``k_blocks``; meaningful where
+        a block is selected).
     """
     block = msa.block_size
+    dim = k_blocks.shape[-1]
     selected = q2k[:, start:stop].permute(1, 0, 2).long()  # [C, Hkv, K]
     chunk, kv_heads, top_k = selected.shape
     first = msa.token_workspace_block_starts[start:stop]  # [C]
-    block_index = first[:, None, None] + selected.clamp(min=0)  # [C, Hkv, K]
     heads = torch.arange(kv_heads, device=q2k.device)[None, :, None]
-    k = k_blocks[block_index, :, heads]  # [C, Hkv, K, B, d]
-    v = v_blocks[block_index, :, heads]
+    rows = (first[:, None, None] + selected.clamp(min=0)) * kv_heads + heads  # [C, Hkv, K]
+    flat = rows.reshape(-1)
+    k = k_blocks.index_select(0, flat).view(chunk, kv_heads, top_k * block, dim)
+    v = v_blocks.index_select(0, flat).view(chunk, kv_heads, top_k * block, dim)
     positions = msa.document_positions[start:stop].long()
     key_positions = selected[..., None] * block + torch.arange(block, device=q2k.device)
     visible = (selected[..., None] >= 0) & (key_positions <= positions[:, None, None, None])
-    dim = k.shape[-1]
-    return (
-        k.reshape(chunk, kv_heads, top_k * block, dim),
-        v.reshape(chunk, kv_heads, top_k * block, dim),
-        visible.reshape(chunk, kv_heads, top_k * block),
-        block_index,
-    )
+    return k, v, visible.reshape(chunk, kv_heads, top_k * block), rows
 
 
 def _workspace_blocks(msa: MSAMicrobatch, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[T, Hkv, d] -> [NB, B, Hkv, d] in ``dtype``, zero past document ends."""
+    """[T, Hkv, d] -> [NB * Hkv, B, d] in ``dtype`` (row block * Hkv + head), zero past ends."""
     w = msa.to_workspace(x.to(dtype))
-    return w.view(msa.num_workspace_blocks, msa.block_size, *x.shape[1:])
+    blocks = w.view(msa.num_workspace_blocks, msa.block_size, *x.shape[1:])
+    return blocks.transpose(1, 2).reshape(-1, msa.block_size, x.shape[-1])
+
+
+def _trim_unused_slots(q2k: torch.Tensor, msa: MSAMicrobatch) -> torch.Tensor:
+    """Drops trailing top-k slots no query can fill: a document has at most
+    ceil(max_seqlen / B) blocks, so later slots are -1 everywhere (canonical order)."""
+    usable = -(-msa.max_seqlen // msa.block_size)
+    return q2k[..., : min(q2k.shape[-1], usable)]
+
+
+def _from_workspace_blocks(msa: MSAMicrobatch, blocks: torch.Tensor, kv_heads: int):
+    """[NB * Hkv, B, d] -> compact [T, Hkv, d]."""
+    dim = blocks.shape[-1]
+    w = blocks.view(msa.num_workspace_blocks, kv_heads, msa.block_size, dim).transpose(1, 2)
+    return msa.from_workspace(w.reshape(msa.workspace_size, kv_heads, dim))
 
 
 def sparse_attention_forward_reference(
@@ -94,6 +109,7 @@ def sparse_attention_forward_reference(
         key gets zeros and lse = -inf.
     """
     tokens, q_heads, dim = q.shape
+    q2k = _trim_unused_slots(q2k, msa)
     kv_heads, _, top_k = q2k.shape
     group = q_heads // kv_heads
     dtype = _compute_dtype(q)
@@ -106,11 +122,11 @@ def sparse_attention_forward_reference(
         stop = min(tokens, start + chunk)
         kc, vc, visible, _ = _gather_blocks(msa, q2k, start, stop, k_blocks, v_blocks)
         qc = q[start:stop].to(dtype).view(stop - start, kv_heads, group, dim)
-        scores = torch.einsum("cgqd,cgnd->cgqn", qc, kc) * softmax_scale
+        scores = torch.matmul(qc, kc.transpose(-1, -2)) * softmax_scale  # [C, Hkv, G, n]
         scores = scores.masked_fill(~visible[:, :, None, :], -math.inf)
         row_lse = torch.logsumexp(scores, dim=-1)  # [C, Hkv, G]
         probs = torch.exp(scores - row_lse[..., None].nan_to_num(neginf=0.0))
-        oc = torch.einsum("cgqn,cgnd->cgqd", probs, vc)
+        oc = torch.matmul(probs, vc)
         out[start:stop] = oc.reshape(stop - start, q_heads, dim).to(q.dtype)
         lse[:, start:stop] = row_lse.reshape(stop - start, q_heads).transpose(0, 1)
     return out, lse
@@ -139,6 +155,7 @@ def sparse_attention_backward_reference(
         ``(dq [T, Hq, d], dk [T, Hkv, d], dv [T, Hkv, d])`` in the inputs' dtypes.
     """
     tokens, q_heads, dim = q.shape
+    q2k = _trim_unused_slots(q2k, msa)
     kv_heads, _, top_k = q2k.shape
     group = q_heads // kv_heads
     block = msa.block_size
@@ -154,29 +171,28 @@ def sparse_attention_backward_reference(
     for start in range(0, tokens, chunk):
         stop = min(tokens, start + chunk)
         count = stop - start
-        kc, vc, visible, block_index = _gather_blocks(msa, q2k, start, stop, k_blocks, v_blocks)
+        kc, vc, visible, rows = _gather_blocks(msa, q2k, start, stop, k_blocks, v_blocks)
         qc = q[start:stop].to(dtype).view(count, kv_heads, group, dim)
         doc = dout[start:stop].to(dtype).view(count, kv_heads, group, dim)
         lse_c = lse[:, start:stop].transpose(0, 1).reshape(count, kv_heads, group).to(dtype)
-        scores = torch.einsum("cgqd,cgnd->cgqn", qc, kc) * softmax_scale
+        scores = torch.matmul(qc, kc.transpose(-1, -2)) * softmax_scale
         scores = scores.masked_fill(~visible[:, :, None, :], -math.inf)
         probs = torch.exp(scores - lse_c[..., None].nan_to_num(neginf=0.0))
-        dprobs = torch.einsum("cgqd,cgnd->cgqn", doc, vc)
+        dprobs = torch.matmul(doc, vc.transpose(-1, -2))
         delta_c = delta[start:stop].view(count, kv_heads, group, 1)
         dscores = probs * (dprobs - delta_c) * softmax_scale
-        dq[start:stop] = (
-            torch.einsum("cgqn,cgnd->cgqd", dscores, kc).reshape(count, q_heads, dim).to(q.dtype)
-        )
-        dk_c = torch.einsum("cgqn,cgqd->cgnd", dscores, qc).view(count, kv_heads, top_k, block, dim)
-        dv_c = torch.einsum("cgqn,cgqd->cgnd", probs, doc).view(count, kv_heads, top_k, block, dim)
+        dq[start:stop] = torch.matmul(dscores, kc).reshape(count, q_heads, dim).to(q.dtype)
+        dk_c = torch.matmul(dscores.transpose(-1, -2), qc)  # [C, Hkv, n, d]
+        dv_c = torch.matmul(probs.transpose(-1, -2), doc)
         # Unselected slots (-1) point at a real block but carry exact zeros.
-        for head in range(kv_heads):
-            rows = block_index[:, head].reshape(-1)
-            dk_blocks[:, :, head].index_add_(0, rows, dk_c[:, head].reshape(-1, block, dim))
-            dv_blocks[:, :, head].index_add_(0, rows, dv_c[:, head].reshape(-1, block, dim))
-    dk = msa.from_workspace(dk_blocks.view(msa.workspace_size, kv_heads, dim)).to(k.dtype)
-    dv = msa.from_workspace(dv_blocks.view(msa.workspace_size, kv_heads, dim)).to(v.dtype)
-    return dq, dk, dv
+        flat = rows.reshape(-1)
+        dk_blocks.index_add_(0, flat, dk_c.reshape(-1, block, dim))
+        dv_blocks.index_add_(0, flat, dv_c.reshape(-1, block, dim))
+    return (
+        dq,
+        _from_workspace_blocks(msa, dk_blocks, kv_heads).to(k.dtype),
+        _from_workspace_blocks(msa, dv_blocks, kv_heads).to(v.dtype),
+    )
 
 
 def dense_document_attention(

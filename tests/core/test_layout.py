@@ -1,0 +1,182 @@
+"""The layout: pack/unpack, workspace invariants, the weak-id memo, one host sync per build."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import torch
+from hypothesis import given, settings
+from packs import packed_batches
+from torch.overrides import TorchFunctionMode
+
+from nemo_msa import MSAMicrobatch
+
+
+def expected_documents(ids: torch.Tensor):
+    """Independent reading of a map: list of (row, first column, length) in row-major order."""
+    docs = []
+    for r, row in enumerate(ids.tolist()):
+        c = 0
+        while c < len(row):
+            if row[c] > 0:
+                start = c
+                while c < len(row) and row[c] == row[start]:
+                    c += 1
+                docs.append((r, start, c - start))
+            else:
+                c += 1
+    return docs
+
+
+@settings(max_examples=60, deadline=None)
+@given(packed_batches(max_batch=3, max_seq=3000))
+def test_layout_matches_an_independent_reading_of_the_map(case):
+    ids, block = case
+    msa = MSAMicrobatch.from_document_map(ids, block_size=block)
+    docs = expected_documents(ids)
+    b, s = ids.shape
+    assert msa.num_documents == len(docs)
+    assert msa.num_tokens == sum(length for _, _, length in docs)
+    assert msa.max_seqlen == max(length for _, _, length in docs)
+    lengths = [length for _, _, length in docs]
+    assert (msa.cu_seqlens[1:] - msa.cu_seqlens[:-1]).tolist() == lengths
+
+    rows = [r * s + c + j for r, c, length in docs for j in range(length)]
+    assert msa.token_rows.tolist() == rows
+    assert msa.document_positions.tolist() == [j for *_, n in docs for j in range(n)]
+    assert msa.token_documents.tolist() == [d for d, (*_, n) in enumerate(docs) for _ in range(n)]
+
+    # Workspace: every document starts on a block boundary, in order, without overlap.
+    starts = msa.document_workspace_starts.tolist()
+    assert all(start % block == 0 for start in starts)
+    expected_starts, at = [], 0
+    for n in lengths:
+        expected_starts.append(at)
+        at += -(-n // block) * block
+    assert starts == expected_starts and msa.workspace_size == at
+    ws = msa.workspace_positions
+    assert torch.equal(ws, msa.document_workspace_starts[msa.token_documents.long()]
+                       + msa.document_positions)
+    assert len(set(ws.tolist())) == msa.num_tokens
+
+
+@settings(max_examples=40, deadline=None)
+@given(packed_batches(max_batch=3, max_seq=1500))
+def test_pack_unpack_and_workspace_round_trip(case):
+    ids, block = case
+    msa = MSAMicrobatch.from_document_map(ids, block_size=block)
+    x = torch.randn(*ids.shape, 3, 2)
+    packed = msa.pack(x)
+    assert packed.shape == (msa.num_tokens, 3, 2)
+    back = msa.unpack(packed)
+    real = ids > 0
+    assert torch.equal(back[real], x[real])
+    assert torch.all(back[~real] == 0)
+    ws = msa.to_workspace(packed)
+    assert torch.equal(msa.from_workspace(ws), packed)
+    gaps = torch.ones(msa.workspace_size, dtype=torch.bool)
+    gaps[msa.workspace_positions] = False
+    assert torch.all(ws[gaps] == 0)
+    # Per-document positions for RoPE restart at every document and are 0 at padding.
+    pos = msa.position_ids()
+    assert torch.all(pos[~real] == 0)
+    starts = real & torch.cat([torch.ones_like(ids[:, :1], dtype=torch.bool),
+                               ids[:, 1:] != ids[:, :-1]], dim=1)
+    assert torch.all(pos[starts] == 0)
+
+
+def test_pack_and_unpack_reject_wrong_shapes():
+    msa = MSAMicrobatch.build(batch_size=2, seq_len=4, block_size=16)
+    for bad, call in ((torch.zeros(2, 5), msa.pack), (torch.zeros(7, 3), msa.unpack)):
+        try:
+            call(bad)
+        except ValueError as err:
+            assert str(tuple(bad.shape)) in str(err)
+        else:
+            raise AssertionError("expected ValueError")
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts calls that force a device-to-host copy (or would on a GPU)."""
+
+    SYNCING = {
+        torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
+        torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+        torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.masked_select,
+        torch.Tensor.masked_select, torch.unique, torch.Tensor.unique, torch.repeat_interleave,
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.SYNCING:
+            self.calls.append(func.__name__)
+        if func is torch.Tensor.__getitem__ and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bool
+            for a in (args[1] if isinstance(args[1], tuple) else (args[1],))
+        ):
+            self.calls.append("bool-index")
+        return func(*args, **kwargs)
+
+
+def test_building_a_layout_costs_exactly_one_host_sync():
+    ids = torch.tensor([[1] * 40 + [2] * 90 + [0] * 6, [3] * 136])
+    with SyncCounter() as counter:
+        msa = MSAMicrobatch.build(packed_seq_ids=ids, block_size=32)
+    assert counter.calls == ["tolist"], counter.calls
+    # Derived tables and the data movement of a step add none.
+    with SyncCounter() as counter:
+        x = msa.pack(torch.randn(2, 136, 4))
+        msa.unpack(x)
+        msa.to_workspace(x)
+        msa.position_ids()
+        _ = msa.workspace_documents, msa.token_workspace_block_starts
+    assert counter.calls == [], counter.calls
+
+
+def test_memo_builds_once_for_every_layer_and_deep_copied_module():
+    ids = torch.tensor([[1] * 50 + [2] * 14])
+    layer = torch.nn.Linear(2, 2)
+    layers = [layer, copy.deepcopy(layer), copy.deepcopy(layer)]
+    before = MSAMicrobatch.num_builds()
+    layouts = [MSAMicrobatch.build(packed_seq_ids=ids, block_size=16) for _ in layers]
+    assert MSAMicrobatch.num_builds() - before == 1
+    assert all(m is layouts[0] for m in layouts)
+    # A different tensor with equal values is a different batch: a new build.
+    other = MSAMicrobatch.build(packed_seq_ids=ids.clone(), block_size=16)
+    assert other is not layouts[0] and MSAMicrobatch.num_builds() - before == 2
+
+
+def test_memo_rebuilds_after_an_in_place_write():
+    ids = torch.tensor([[1] * 30 + [2] * 34])
+    first = MSAMicrobatch.build(packed_seq_ids=ids, block_size=16)
+    ids[0, 10:] = 3  # _version bumps
+    second = MSAMicrobatch.build(packed_seq_ids=ids, block_size=16)
+    assert second is not first
+    assert second.cu_seqlens.tolist() == [0, 10, 64]
+    assert MSAMicrobatch.build(packed_seq_ids=ids, block_size=16) is second
+
+
+def test_memo_entry_dies_with_the_batch_tensor():
+    gc.collect()
+    base = MSAMicrobatch.memo_size()
+    ids = torch.tensor([[1] * 20 + [2] * 12])
+    MSAMicrobatch.build(packed_seq_ids=ids, block_size=16)
+    assert MSAMicrobatch.memo_size() == base + 1
+    del ids
+    gc.collect()
+    assert MSAMicrobatch.memo_size() == base
+
+
+def test_memo_distinguishes_block_size_and_forced_blocks():
+    ids = torch.tensor([[1] * 64])
+    a = MSAMicrobatch.build(packed_seq_ids=ids, block_size=16)
+    b = MSAMicrobatch.build(packed_seq_ids=ids, block_size=32)
+    c = MSAMicrobatch.build(packed_seq_ids=ids, block_size=16, init_blocks=1)
+    assert len({id(a), id(b), id(c)}) == 3
+    assert (a.workspace_size, b.workspace_size) == (64, 64)
+    assert c.forced_blocks == (1, 1)

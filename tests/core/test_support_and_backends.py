@@ -1,0 +1,134 @@
+"""The construction gate, the runtime rejections and the backend registry."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nemo_msa import (
+    MSAMicrobatch,
+    backends,
+    check_runtime_arguments,
+    register_backend,
+    require_msa_support,
+    resolve_backend,
+    select_blocks,
+)
+from nemo_msa.backends import ENV_VAR, MSABackend, get_backend, known_backends
+
+
+def production_config(**changes):
+    fields = dict(
+        num_attention_heads=64, num_query_groups=4, kv_channels=128, hidden_size=6144,
+        msa_num_index_heads=4, msa_index_head_dim=128, msa_block_size=128, msa_topk=16,
+        msa_init_blocks=0, msa_local_blocks=1, msa_score_type="max", fp8=None, fp4=None,
+        apply_rope_fusion=False, fused_single_qkv_rope=False, context_parallel_size=1,
+    )
+    fields.update(changes)
+    return SimpleNamespace(**fields)
+
+
+def test_production_topology_passes_the_gate():
+    topology = require_msa_support(production_config(), backend="reference")
+    assert (topology.num_heads, topology.num_kv_heads, topology.head_dim) == (64, 4, 128)
+    assert (topology.block_size, topology.top_k, topology.local_blocks) == (128, 16, 1)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"fp8": "hybrid"}, "FP8"),
+        ({"fp4": "nvfp4"}, "FP4"),
+        ({"apply_rope_fusion": True}, "apply_rope_fusion=True"),
+        ({"fused_single_qkv_rope": True}, "fused_single_qkv_rope=True"),
+        ({"context_parallel_size": 2}, "context_parallel_size=2"),
+    ],
+)
+def test_unsupported_features_raise_not_implemented(changes, match):
+    with pytest.raises(NotImplementedError, match=match):
+        require_msa_support(production_config(**changes))
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"msa_score_type": "mean"}, "msa_score_type='mean'"),
+        ({"msa_num_index_heads": 8}, "msa_num_index_heads=8"),
+        ({"num_query_groups": 5}, "num_query_groups=5"),
+        ({"kv_channels": 96}, "kv_channels=96"),
+        ({"msa_block_size": 100}, "msa_block_size=100"),
+        ({"msa_topk": 33}, "msa_topk=33"),
+        ({"msa_init_blocks": 10, "msa_local_blocks": 7}, "msa_init_blocks \\+ msa_local_blocks=17"),
+        ({"msa_index_head_dim": 48}, "msa_index_head_dim=48"),
+    ],
+)
+def test_unsupported_topology_raises_value_error_naming_the_field(changes, match):
+    with pytest.raises(ValueError, match=match):
+        require_msa_support(production_config(**changes))
+
+
+def test_unknown_backend_is_refused_at_construction():
+    with pytest.raises(ValueError, match="'cutlass' is not available"):
+        require_msa_support(production_config(), backend="cutlass")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"inference_context": object()}, "KV-cache"),
+        ({"key_value_states": torch.zeros(1)}, "cross-attention"),
+        ({"packed_seq_params": object()}, "THD"),
+        ({"window_size": (128, 0)}, "sliding windows"),
+        ({"attn_mask_type": SimpleNamespace(name="no_mask")}, "no_mask"),
+        ({"rotary_pos_cos_sin": (torch.zeros(1), torch.zeros(1))}, "rotary_pos_cos_sin"),
+    ],
+)
+def test_runtime_rejections(kwargs, match):
+    with pytest.raises(NotImplementedError, match=match):
+        check_runtime_arguments(**kwargs)
+
+
+def test_runtime_accepts_what_msa_supports():
+    check_runtime_arguments(attn_mask_type=SimpleNamespace(name="causal"), window_size=None)
+
+
+def test_auto_picks_the_reference_on_cpu_and_env_var_overrides(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert resolve_backend(None, "cpu").name == "reference"
+    assert resolve_backend("auto", "cpu").name == "reference"
+    assert "reference" in known_backends() and "triton" in known_backends()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cannot run on cpu"):
+            resolve_backend("triton", "cpu")
+    monkeypatch.setenv(ENV_VAR, "nonexistent")
+    with pytest.raises(ValueError, match="'nonexistent' is not available"):
+        resolve_backend("reference", "cpu")
+
+
+def test_a_registered_backend_is_dispatched_to(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    # A private copy of the registry, so the test double does not outlive the test.
+    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
+    calls = []
+    reference = get_backend("reference")
+
+    def counting_select(*args, **kwargs):
+        calls.append("select")
+        return reference.select_blocks(*args, **kwargs)
+
+    register_backend(MSABackend(
+        name="counting", select_blocks=counting_select,
+        attention_forward=reference.attention_forward,
+        attention_backward=reference.attention_backward,
+        unavailable_reason=lambda device: None if device.type == "cpu" else "cpu only",
+        description="test double",
+    ))
+    msa = MSAMicrobatch.build(batch_size=1, seq_len=40, block_size=16)
+    got = select_blocks(torch.randn(40, 1, 8), torch.randn(40, 8), msa, top_k=2,
+                        backend="counting")
+    assert calls == ["select"] and got.shape == (1, 40, 2)
+    monkeypatch.setenv(ENV_VAR, "reference")
+    select_blocks(torch.randn(40, 1, 8), torch.randn(40, 8), msa, top_k=2, backend="counting")
+    assert calls == ["select"], "the environment variable must override the requested backend"
