@@ -1,0 +1,79 @@
+"""The core on a CUDA device: one sync per layout, graph capture refused, deterministic backward.
+
+Marked ``gpu``: skipped with the reason on CPU-only machines; run on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from packs import random_document_map
+
+from nemo_msa import MSAMicrobatch, select_blocks, sparse_attention
+from nemo_msa.attention.naive import dense_document_attention
+
+pytestmark = pytest.mark.gpu
+
+
+def test_layout_build_synchronizes_exactly_once_on_cuda():
+    g = torch.Generator().manual_seed(0)
+    ids = random_document_map(g, batch=2, seq=4096, max_doc=3000).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            msa = MSAMicrobatch.build(packed_seq_ids=ids, block_size=128)
+            x = msa.pack(torch.randn(2, 4096, 8, device="cuda"))
+            msa.unpack(x)
+            msa.position_ids()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert msa.num_tokens == int((ids > 0).sum())
+
+
+def test_cuda_graph_capture_is_refused():
+    ids = torch.ones(1, 256, dtype=torch.int64, device="cuda")
+    msa = MSAMicrobatch.build(packed_seq_ids=ids, block_size=128)
+    iq = torch.randn(256, 1, 64, device="cuda", dtype=torch.bfloat16)
+    ik = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), pytest.raises(RuntimeError, match="CUDA-graph capture"):
+        with torch.cuda.graph(graph, stream=stream):
+            select_blocks(iq, ik, msa, top_k=2)
+
+
+def test_reference_on_cuda_matches_float64_and_is_deterministic():
+    g = torch.Generator().manual_seed(1)
+    ids = random_document_map(g, batch=2, seq=1500, max_doc=1400).cuda()
+    msa = MSAMicrobatch.build(packed_seq_ids=ids, block_size=128)
+    t = msa.num_tokens
+    q, k, v = (torch.randn(t, h, 128, generator=g).cuda().bfloat16() for h in (32, 2, 2))
+    iq = torch.randn(t, 2, 128, generator=g).cuda().bfloat16()
+    ik = torch.randn(t, 128, generator=g).cuda().bfloat16()
+    q2k = select_blocks(iq, ik, msa, top_k=4, backend="reference")
+    dout = torch.randn(t, 32, 128, generator=g).cuda().bfloat16()
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(2):
+            xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+            out = sparse_attention(*xs, q2k, msa, backend="reference")
+            runs.append((out, *torch.autograd.grad(out, xs, dout)))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+    x64 = [x.double().requires_grad_(True) for x in (q, k, v)]
+    ref = dense_document_attention(*x64, msa, 1 / math.sqrt(128), q2k=q2k)
+    want = torch.autograd.grad(ref, x64, dout.double())
+    for got, exp in zip(runs[0], (ref, *want), strict=True):
+        err = ((got.double() - exp).norm() / exp.norm()).item()
+        assert err < 1e-2 and not math.isnan(err), err
