@@ -8,7 +8,8 @@ microbatch layout, and either
 - attends the selected key blocks (``q2k`` given): :func:`nemo_msa.sparse_attention` for bf16
   (the kernels' dtype); for other dtypes (fp32 CPU tests, fp64 checks) the reference masked
   dense path restricted to the same blocks, which computes the same function; or
-- attends densely within documents (``q2k`` None: dense layers, the dense warm-up), through
+- attends densely within documents (``q2k`` None: dense layers, the dense warm-up): torch's
+  flash varlen kernel on CUDA in fp16/bf16 (the compact layout is its input format), else
   ``torch.nn.functional.scaled_dot_product_attention`` on [b, s] rows with a document-causal
   mask that the layout caches once per microbatch for all layers.
 """
@@ -23,7 +24,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
-__all__ = ["MSACoreAttention", "document_causal_row_mask", "dense_document_attention_rows"]
+__all__ = [
+    "MSACoreAttention",
+    "dense_document_attention",
+    "dense_document_attention_rows",
+    "document_causal_row_mask",
+]
 
 
 def document_causal_row_mask(msa) -> torch.Tensor:
@@ -47,10 +53,56 @@ def document_causal_row_mask(msa) -> torch.Tensor:
     return msa.cached("nemo_msa.megatron.document_causal_row_mask", make)
 
 
+def _varlen_attn():
+    """torch's Flash-Attention varlen entry (CUDA, fp16/bf16), or None where torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def dense_document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, msa, softmax_scale: float
+) -> torch.Tensor:
+    """Dense causal attention within documents on compact tokens (dense layers, warm-up).
+
+    On CUDA with fp16/bf16 and a torch that has ``torch.nn.attention.varlen.varlen_attn``, the
+    compact tokens are already the varlen layout (documents contiguous, ``msa.cu_seqlens``), so
+    the flash kernel runs with causal windows and no mask; elsewhere (CPU, fp32 tests) the
+    per-row SDPA path with a cached document-causal mask (O(b s^2) mask memory).
+
+    Args:
+        q: [T, Hq, d] compact queries.
+        k: [T, Hkv, d] compact keys, Hq a multiple of Hkv.
+        v: [T, Hkv, d] compact values.
+        msa: the microbatch layout.
+        softmax_scale: multiplies q.k.
+
+    Returns:
+        [T, Hq, d] in q's dtype.
+    """
+    varlen = _varlen_attn()
+    if varlen is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return varlen(
+            q,
+            k,
+            v,
+            msa.cu_seqlens,
+            msa.cu_seqlens,
+            msa.max_seqlen,
+            msa.max_seqlen,
+            scale=softmax_scale,
+            window_size=(-1, 0),
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    return dense_document_attention_rows(q, k, v, msa, softmax_scale)
+
+
 def dense_document_attention_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, msa, softmax_scale: float
 ) -> torch.Tensor:
-    """Dense causal attention within documents, per [b, s] row.
+    """Dense causal attention within documents, per [b, s] row (SDPA with a document mask).
 
     Args:
         q: [T, Hq, d] compact queries.
@@ -144,7 +196,7 @@ class MSACoreAttention(MegatronModule):
             [T, Hq_local, d] in query's dtype.
         """
         if q2k is None:
-            return dense_document_attention_rows(query, key, value, msa, self.softmax_scale)
+            return dense_document_attention(query, key, value, msa, self.softmax_scale)
         if query.dtype == torch.bfloat16:
             from nemo_msa import sparse_attention
 
@@ -153,8 +205,8 @@ class MSACoreAttention(MegatronModule):
             )
         # The kernels read bf16 only; other dtypes take the reference masked path, which is the
         # same function (keys restricted to the selected blocks), O(T^2) memory: tests only.
-        from nemo_msa.attention.naive import dense_document_attention
+        from nemo_msa.attention import naive
 
-        return dense_document_attention(
+        return naive.dense_document_attention(
             query, key, value, msa, softmax_scale=self.softmax_scale, q2k=q2k
         )
