@@ -64,7 +64,7 @@ def check_msa_layer_config(
 
     Raises:
         NotImplementedError: FP8/FP4, fused RoPE, context parallelism, output gate, MLA,
-            sliding windows.
+            sliding windows, CUDA graphs.
         ValueError: a topology/score type MSA cannot run, TP that splits a KV head from its
             index head, a config without the msa_* fields.
     """
@@ -87,6 +87,13 @@ def check_msa_layer_config(
     if getattr(config, "multi_latent_attention", False):
         raise NotImplementedError(
             "MSA attention is GQA self-attention; multi_latent_attention=True is not supported"
+        )
+    graph_impl = getattr(config, "cuda_graph_impl", "none")
+    if graph_impl not in (None, "none") or getattr(config, "enable_cuda_graph", False):
+        raise NotImplementedError(
+            f"MSA layers cannot be captured in CUDA graphs (cuda_graph_impl={graph_impl!r}, "
+            f"enable_cuda_graph={getattr(config, 'enable_cuda_graph', False)}): the layout needs "
+            "one host synchronization per microbatch; set cuda_graph_impl='none'"
         )
     if getattr(config, "window_size", None) is not None:
         raise NotImplementedError(

@@ -149,6 +149,8 @@ def _build_attention(config, sparse=True):
         ("msa_num_index_heads", 1, ValueError, "msa_num_index_heads=1"),
         ("attention_dropout", 0.1, ValueError, "attention_dropout=0.1"),
         ("multi_latent_attention", True, NotImplementedError, "multi_latent_attention"),
+        ("cuda_graph_impl", "local", NotImplementedError, "cuda_graph_impl='local'"),
+        ("window_size", (64, 0), NotImplementedError, "sliding windows"),
     ],
 )
 def test_construction_gate(field, value, error, match):
