@@ -321,27 +321,25 @@ class MSAMicrobatch:
             // self.block_size,
         )
 
-    @property
-    def workspace_documents(self) -> torch.Tensor:
-        """int64 [W]: document of each workspace row, -1 for rows past a document's end."""
+    def _workspace_table(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """int64 [W]: ``values`` [T] placed at each token's workspace row, -1 in the gaps."""
 
         def make() -> torch.Tensor:
             rows = torch.full((self.workspace_size,), -1, dtype=torch.int64, device=self.device)
-            rows[self.workspace_positions] = self.token_documents.long()
+            rows[self.workspace_positions] = values.long()
             return rows
 
-        return self.cached("workspace_documents", make)
+        return self.cached(name, make)
+
+    @property
+    def workspace_documents(self) -> torch.Tensor:
+        """int64 [W]: document of each workspace row, -1 for rows past a document's end."""
+        return self._workspace_table("workspace_documents", self.token_documents)
 
     @property
     def workspace_positions_in_document(self) -> torch.Tensor:
         """int64 [W]: document-local position of each workspace row, -1 past a document's end."""
-
-        def make() -> torch.Tensor:
-            rows = torch.full((self.workspace_size,), -1, dtype=torch.int64, device=self.device)
-            rows[self.workspace_positions] = self.document_positions.long()
-            return rows
-
-        return self.cached("workspace_positions_in_document", make)
+        return self._workspace_table("workspace_positions_in_document", self.document_positions)
 
     # ------------------------------------------------------------------ data movement
     def _check_bs(self, name: str, x: torch.Tensor) -> None:
