@@ -347,6 +347,7 @@ def sweep(args, gen):
     import nemo_msa.attention.triton_bwd as tb
     import nemo_msa.attention.triton_fwd as tf
     import nemo_msa.selection.triton_select as ts
+    from nemo_msa.attention.triton_layout import block_query_csr, doc_blocks
 
     case = make_case("sweep", [[args.sweep_size]], args.sweep_size, "cuda")
     msa = case["msa"]
@@ -404,6 +405,38 @@ def sweep(args, gen):
         cfg = {"bn": bn, "num_warps": w, "num_stages": st, "trans": tr}
         trial("fwd", tf, cfg, fwd, flops)
         keep("fwd", tf, cfg)
+    for qt, w in ((4, 4), (8, 8), (4, 8)):
+        cfg = {"bn": 128, "num_warps": w, "num_stages": 2, "trans": False, "union_qt": qt}
+        trial("fwd", tf, cfg, fwd, flops)
+        keep("fwd", tf, cfg)
+    # Coherent selections (what a trained indexer gives: neighbouring queries pick mostly the
+    # same blocks): index q = one random vector per 128-token block + 5% noise. Attention
+    # inputs stay random; only q2k changes. Reported, never used to pick the defaults.
+    coh = []
+    for s in sets:
+        base = torch.randn((t // BS + 1, HI, DI), generator=gen, device="cuda")
+        iq = (base[torch.arange(t, device="cuda") // BS]
+              + 0.05 * torch.randn((t, HI, DI), generator=gen, device="cuda")).to(torch.bfloat16)
+        c = dict(s)
+        c["q2k"] = ts.triton_select_blocks(iq, s["ik"], msa, top_k=TOPK, init_blocks=INIT,
+                                           local_blocks=LOCAL)
+        coh.append(c)
+    cflops = selected_flops(coh[0]["q2k"], msa, HQ // HKV, D)
+    from nemo_msa.attention.triton_fwd import tile_unions as _tu
+
+    for qt in (4, 8):
+        _, cnt = _tu(coh[0]["q2k"], doc_blocks(msa, BS), msa, qt)
+        _, rcnt = _tu(sets[0]["q2k"], doc_blocks(msa, BS), msa, qt)
+        lines.append(f"union {qt} tokens/tile: mean union blocks coherent "
+                     f"{cnt[cnt > 0].float().mean().item():.1f}, random "
+                     f"{rcnt[rcnt > 0].float().mean().item():.1f} (per token: 16)")
+        _log(lines[-1])
+    saved_sets = sets
+    sets = coh
+    for qt, w in ((0, 4), (4, 4), (8, 8)):
+        cfg = {"bn": 128, "num_warps": w, "num_stages": 2, "trans": False, "union_qt": qt}
+        trial("fwdC", tf, cfg, fwd, cflops)
+    sets = saved_sets
     for dbn, dw, dst, dtr in ((64, 4, 2, False), (64, 4, 2, True), (128, 4, 2, True),
                               (128, 8, 2, True), (64, 8, 2, True)):
         cfg = {"dq_bn": dbn, "dq_warps": dw, "dq_stages": dst, "dq_trans": dtr}
@@ -420,8 +453,6 @@ def sweep(args, gen):
     # Breakdown of the backward (best dq parameters).
     trial("bwd", tb, {"skip": "dkdv"}, bwd, 1.0 * flops)  # dq kernel + CSR build
     trial("bwd", tb, {"skip": "dq"}, bwd, 1.5 * flops)  # CSR build + dk/dv kernel
-    from nemo_msa.attention.triton_layout import block_query_csr, doc_blocks
-
     def csr(s):
         return block_query_csr(s["q2k"], doc_blocks(msa, BS), msa)
 

@@ -29,7 +29,8 @@ LOG2E = 1.4426950408889634
 # sweeps them (ADR 0003). Smaller head dims use a whole block per tile.
 # "trans" computes S^T = K Q^T (keys as the MMA's M dimension, >= 64, so Hopper's wgmma applies
 # even though the group has only 16 query rows); see ADR 0003 for the measurement.
-CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False}
+# "union_qt" > 0 switches to the query-tile union kernel with that many tokens per tile.
+CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False, "union_qt": 0}
 
 
 @triton.jit
@@ -153,6 +154,120 @@ def _fwd_body_trans(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start,
     tl.store(lse_ptr + heads * stride_lh + t, lse, mask=hmask)
 
 
+@triton.jit
+def _fwd_union_kernel(
+    q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, union_ptr, count_ptr,
+    cu_ptr, block_doc_ptr, block_local_ptr, num_tiles,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_sg, stride_st, stride_lh, stride_ug, stride_ut,
+    scale_log2,
+    TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+    QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """Query-tile union: QT tokens of one document block x G heads share one pass over the
+    union of their selected blocks; a row only sees blocks its own token selected."""
+    BM: tl.constexpr = QT * GP
+    SUB: tl.constexpr = BS // QT
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    blk = tile // SUB
+    doc = tl.load(block_doc_ptr + blk)
+    if doc < 0:
+        return
+    o = tl.load(block_local_ptr + blk)
+    start = tl.load(cu_ptr + doc)
+    length = tl.load(cu_ptr + doc + 1) - start
+    r = tl.arange(0, BM)
+    pos = o * BS + (tile % SUB) * QT + r // GP
+    hr = r % GP
+    rmask = (pos < length) & (hr < G)
+    tok = (start + pos).to(tl.int64)
+    heads = g * G + hr
+    dd = tl.arange(0, D)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + dd[None, :],
+                mask=rmask[:, None], other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    kk = tl.arange(0, KP)
+    lists = tl.load(q2k_ptr + g * stride_sg + tok[:, None] * stride_st + kk[None, :],
+                    mask=rmask[:, None] & (kk[None, :] < TOPK), other=-1)
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, D), tl.float32)
+    kn = tl.arange(0, BN)
+    count = tl.load(count_ptr + g * num_tiles + tile)
+    for u in range(count):
+        b = tl.load(union_ptr + g * stride_ug + tile * stride_ut + u)
+        selrow = tl.max((lists == b).to(tl.int32), axis=1) > 0
+        for c in tl.static_range(0, BS, BN):
+            j = b * BS + c + kn
+            kmask = j < length
+            rows_k = (start + j).to(tl.int64)
+            k = tl.load(k_ptr + rows_k[:, None] * stride_kt + g * stride_kh + dd[None, :],
+                        mask=kmask[:, None], other=0.0)
+            v = tl.load(v_ptr + rows_k[:, None] * stride_vt + g * stride_vh + dd[None, :],
+                        mask=kmask[:, None], other=0.0)
+            if FP32_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            vis = (j[None, :] <= pos[:, None]) & (selrow & rmask)[:, None]
+            sc = tl.dot(q, tl.trans(k)) * scale_log2
+            sc = tl.where(vis, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            pr = tl.exp2(sc - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            if FP32_DOT:
+                acc = acc * alpha[:, None] + tl.dot(pr, v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+            m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + dd[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+    lse2 = m_i + tl.log2(tl.where(empty, 1.0, l_i))
+    lse = tl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
+    tl.store(lse_ptr + heads * stride_lh + tok, lse, mask=rmask)
+
+
+def tile_unions(q2k: torch.Tensor, blocks, msa, qt: int):
+    """Per (KV head, query tile of ``qt`` tokens of one document block): the sorted union of the
+    tokens' selected blocks.
+
+    Returns:
+        ``(union int32 [Hkv, tiles, qt * top_k] (unused entries past ``count``), count int32
+        [Hkv, tiles])`` with ``tiles = num_blocks_bound * block_size // qt``; device ops only.
+    """
+    hkv, t, top_k = q2k.shape
+    bs = blocks.block_size
+    sub = bs // qt
+    tiles = blocks.num_blocks_bound * sub
+    dev = q2k.device
+    tid = torch.arange(tiles, device=dev)
+    blk = tid // sub
+    doc = blocks.block_doc[blk].long()
+    cu = msa.cu_seqlens.long()
+    docc = doc.clamp(min=0)
+    start = cu[docc]
+    length = cu[docc + 1] - start
+    pos = (blocks.block_local[blk].long() * bs + (tid % sub) * qt)[:, None] + torch.arange(
+        qt, device=dev)
+    valid = (doc >= 0)[:, None] & (pos < length[:, None])
+    tok = torch.where(valid, start[:, None] + pos, torch.zeros_like(pos)).clamp(max=max(t - 1, 0))
+    lists = q2k[:, tok.reshape(-1)].view(hkv, tiles, qt, top_k).long()
+    big = 1 << 40
+    lists = torch.where(valid[None, :, :, None] & (lists >= 0), lists, big)
+    srt = torch.sort(lists.view(hkv, tiles, qt * top_k), dim=-1).values
+    dup = torch.zeros_like(srt, dtype=torch.bool)
+    dup[..., 1:] = srt[..., 1:] == srt[..., :-1]
+    srt = torch.sort(torch.where(dup, big, srt), dim=-1).values
+    count = (srt < big).sum(-1).to(torch.int32)
+    return torch.where(srt < big, srt, 0).to(torch.int32).contiguous(), count.contiguous()
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -221,6 +336,20 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q2k_ = q2k.contiguous()
     gp = max(16, _next_pow2(grp))
     bn = min(bs, CONFIG["bn"]) if d == 128 else bs
+    qt = int(CONFIG["union_qt"])
+    if qt > 0:
+        qt = max(1, min(qt, bs, 128 // gp))
+        union, count = tile_unions(q2k_, blocks, msa, qt)
+        _fwd_union_kernel[(union.shape[1], hkv)](
+            q_, k_, v_, q2k_, out, lse, union, count,
+            msa.cu_seqlens, blocks.block_doc, blocks.block_local, union.shape[1],
+            q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
+            out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
+            union.stride(0), union.stride(1), scale * LOG2E,
+            TOPK=top_k, KP=_next_pow2(top_k), G=grp, GP=gp, QT=qt, BS=bs, BN=bn, D=d,
+            FP32_DOT=INTERPRET, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+        )
+        return out, lse
     _fwd_kernel[(t, hkv)](
         q_, k_, v_, q2k_, out, lse, blocks.token_start, blocks.token_pos,
         q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
