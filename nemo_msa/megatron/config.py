@@ -109,6 +109,11 @@ class MSATransformerConfig(TransformerConfig):
     """Coefficient of the indexer KL-distillation loss; 0 disables it (the indexer then never
     learns)."""
 
+    msa_indexer_loss_type: str = "dense"
+    """"dense": KL over all candidate blocks of the query's document (O(T^2) target, Megatron
+    DSA's default); "sparse": KL over the selected blocks only (O(T x top_k x block)); the dense
+    warm-up always uses "dense"."""
+
     msa_indexer_loss_query_chunk: int = 1024
     """Query tokens per chunk when the indexer loss computes the main attention's block mass
     (bounds its memory to about num_heads * chunk * tokens floats)."""
@@ -170,6 +175,11 @@ class MSATransformerConfig(TransformerConfig):
         coeff = self.msa_indexer_loss_coeff
         if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0:
             raise ValueError(f"msa_indexer_loss_coeff={coeff!r}; expected a float >= 0")
+        if self.msa_indexer_loss_type not in ("dense", "sparse"):
+            raise ValueError(
+                f"msa_indexer_loss_type={self.msa_indexer_loss_type!r}; expected 'dense' or "
+                "'sparse'"
+            )
         if self.msa_backend is not None and not isinstance(self.msa_backend, str):
             raise ValueError(f"msa_backend={self.msa_backend!r}; expected a backend name or None")
         normalize_layer_pattern(self.msa_layer_pattern, self.num_layers)

@@ -14,6 +14,11 @@ The indexer's input is detached by the indexer, and the target carries no gradie
 trains only the indexer. The target is the dense attention distribution whether the layer runs
 sparse or dense, computed in query chunks with memory O(heads x chunk x tokens).
 
+With ``sparse=True`` (``msa_indexer_loss_type="sparse"``) both distributions are restricted to
+the blocks the layer selected and renormalized over them (as Megatron's DSA
+``dsa_indexer_use_sparse_loss``): O(T x top_k x block) instead of O(T^2), the affordable choice
+at long context; the dense warm-up (no selection) always uses the dense loss.
+
 The loss is attached to the attention output with :class:`MSAIndexerLossAutoScaler` (identity in
 the forward; in the backward it injects ``d loss = scale``), so Megatron's pipeline schedules
 back-propagate it with the main loss. The schedules set the scale through
@@ -94,6 +99,7 @@ def compute_indexer_loss(
     score_type: str = "max",
     q2k: torch.Tensor | None = None,
     query_chunk: int = 1024,
+    sparse: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This rank's share of the indexer KL loss of one layer and microbatch.
 
@@ -107,8 +113,11 @@ def compute_indexer_loss(
         num_index_heads_total: index heads of the whole layer (all TP ranks).
         loss_coeff: msa_indexer_loss_coeff.
         score_type: "max" or "lse", as the selection.
-        q2k: optional int32 [H_local, T, top_k] selected blocks, for the selection recall.
-        query_chunk: query tokens per chunk.
+        q2k: optional int32 [H_local, T, top_k] selected blocks: the selection recall (dense
+            loss) or the support of the sparse loss.
+        query_chunk: query tokens per chunk (dense loss; the sparse loss sizes its own chunks).
+        sparse: restrict target and prediction to the selected blocks (both renormalized over
+            them), O(T x top_k x block) instead of O(T^2); needs ``q2k``; no recall then.
 
     Returns:
         ``(loss, stats)``: loss is a scalar fp32 tensor, ``coeff * sum_local KL / (T * H)``;
@@ -116,6 +125,21 @@ def compute_indexer_loss(
         ``recall_count`` (sum over local heads and tokens of the target mass inside the selected
         blocks, and how many (token, head) pairs that sums; absent without q2k).
     """
+    if sparse:
+        if q2k is None:
+            raise ValueError("the sparse indexer loss needs q2k (the selected blocks); got None")
+        return _sparse_indexer_loss(
+            index_q,
+            index_k,
+            query,
+            key,
+            msa,
+            q2k,
+            softmax_scale=softmax_scale,
+            num_index_heads_total=num_index_heads_total,
+            loss_coeff=loss_coeff,
+            score_type=score_type,
+        )
     tokens, heads, index_dim = index_q.shape
     q_heads = query.shape[1]
     group = q_heads // key.shape[1]
@@ -170,6 +194,92 @@ def compute_indexer_loss(
             float(tokens * heads), dtype=torch.float32, device=device
         )
     return kl * loss_coeff, stats
+
+
+# Elements of one chunk's gathered key tile [C, H, top_k * B, d]; bounds the sparse loss memory.
+_SPARSE_GATHER_ELEMENTS = 1 << 24
+
+
+def _sparse_chunk_kl(
+    index_q: torch.Tensor,
+    index_k_ws: torch.Tensor,
+    rows: torch.Tensor,
+    visible: torch.Tensor,
+    target: torch.Tensor,
+    index_scale: float,
+    score_type: str,
+) -> torch.Tensor:
+    """KL over the selected blocks of a chunk: index_q [C, H, d], rows/visible [C, H, K, B]."""
+    count, heads, top_k, block = rows.shape
+    keys = index_k_ws[rows.reshape(count, heads, top_k * block)].float()  # [C, H, K*B, d]
+    scores = torch.einsum("chd,chnd->chn", index_q.float(), keys) * index_scale
+    scores = scores.view(count, heads, top_k, block).masked_fill(~visible, -math.inf)
+    if score_type == "max":
+        block_scores = scores.amax(dim=-1)
+    else:
+        block_scores = torch.logsumexp(scores, dim=-1)
+    log_q = torch.log_softmax(block_scores, dim=-1)  # -inf at unused (-1) slots
+    has_mass = target > 0
+    terms = torch.where(
+        has_mass, target * (torch.log(target.clamp_min(_EPS)) - log_q), torch.zeros_like(log_q)
+    )
+    return terms.sum()
+
+
+def _sparse_indexer_loss(
+    index_q,
+    index_k,
+    query,
+    key,
+    msa,
+    q2k,
+    *,
+    softmax_scale,
+    num_index_heads_total,
+    loss_coeff,
+    score_type,
+):
+    tokens, heads, index_dim = index_q.shape
+    group = query.shape[1] // key.shape[1]
+    top_k = q2k.shape[-1]
+    block = msa.block_size
+    head_dim = query.shape[-1]
+    index_scale = 1.0 / math.sqrt(index_dim)
+    device = index_q.device
+    with torch.no_grad():
+        key_ws = msa.to_workspace(key.detach().float())  # [W, G, d]
+        positions = msa.document_positions.long()
+        first_block = msa.token_workspace_block_starts
+        offsets = torch.arange(block, device=device)
+        head_index = torch.arange(heads, device=device)[None, :, None]
+    index_k_ws = msa.to_workspace(index_k)
+    chunk = max(1, _SPARSE_GATHER_ELEMENTS // (heads * top_k * block * max(head_dim, index_dim)))
+    kl_total = torch.zeros((), dtype=torch.float32, device=device)
+    for start in range(0, tokens, chunk):
+        stop = min(tokens, start + chunk)
+        count = stop - start
+        with torch.no_grad():
+            selected = q2k[:, start:stop].permute(1, 0, 2).long()  # [C, H, K]
+            used = selected >= 0
+            local = selected.clamp(min=0)
+            rows = (first_block[start:stop, None, None] + local)[..., None] * block + offsets
+            visible = used[..., None] & (
+                local[..., None] * block + offsets <= positions[start:stop, None, None, None]
+            )  # [C, H, K, B]
+            flat_rows = rows.reshape(count, heads, top_k * block)
+            keys = key_ws[flat_rows, head_index]  # [C, H, K*B, d]
+            qc = query[start:stop].detach().float().view(count, heads, group, head_dim)
+            scores = torch.einsum("chqd,chnd->chqn", qc, keys) * softmax_scale
+            scores = scores.masked_fill(~visible.reshape(count, heads, 1, -1), -math.inf)
+            probs = torch.softmax(scores, dim=-1).sum(dim=2) / group  # [C, H, K*B]
+            target = probs.view(count, heads, top_k, block).sum(dim=-1)  # [C, H, K]
+        args = (index_q[start:stop], index_k_ws, rows, visible, target, index_scale, score_type)
+        if torch.is_grad_enabled() and (index_q.requires_grad or index_k.requires_grad):
+            kl_total = kl_total + checkpoint(_sparse_chunk_kl, *args, use_reentrant=False)
+        else:
+            kl_total = kl_total + _sparse_chunk_kl(*args)
+    kl = kl_total / float(tokens * num_index_heads_total)
+    return kl * loss_coeff, {"kl": kl.detach()}
 
 
 class MSAIndexerLossAutoScaler(torch.autograd.Function):

@@ -267,6 +267,8 @@ class MSASelfAttention(SelfAttention):
             and torch.is_grad_enabled()
             and self.config.msa_indexer_loss_coeff > 0
         ):
+            # The dense warm-up has no selection, so its loss is always the dense one.
+            sparse_loss = self.config.msa_indexer_loss_type == "sparse" and q2k is not None
             loss, stats = compute_indexer_loss(
                 index_q,
                 index_k,
@@ -277,8 +279,9 @@ class MSASelfAttention(SelfAttention):
                 num_index_heads_total=self.config.msa_num_index_heads,
                 loss_coeff=self.config.msa_indexer_loss_coeff,
                 score_type=self.config.msa_score_type,
-                q2k=q2k if self.config.msa_log_selection_recall else None,
+                q2k=q2k if (sparse_loss or self.config.msa_log_selection_recall) else None,
                 query_chunk=self.config.msa_indexer_loss_query_chunk,
+                sparse=sparse_loss,
             )
             MSAIndexerMetrics.record(self.layer_number, stats)
             core = MSAIndexerLossAutoScaler.apply(core, loss)

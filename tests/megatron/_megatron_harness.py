@@ -310,12 +310,14 @@ def train_step_worker(
 
 
 PARALLEL_LAYOUTS = {
-    # name: (tp, pp, vpp, shared data iterators)
-    "tp1": (1, 1, None, True),
-    "tp2": (2, 1, None, True),
-    "pp2": (1, 2, None, True),
-    "pp2_vpp2": (1, 2, 2, True),
-    "pp2_vpp2_unshared": (1, 2, 2, False),
+    # name: (tp, pp, vpp, shared data iterators, config overrides)
+    "tp1": (1, 1, None, True, {}),
+    "tp2": (2, 1, None, True, {}),
+    "pp2": (1, 2, None, True, {}),
+    "pp2_vpp2": (1, 2, 2, True, {}),
+    "pp2_vpp2_unshared": (1, 2, 2, False, {}),
+    "tp1_sparse_loss": (1, 1, None, True, {"msa_indexer_loss_type": "sparse"}),
+    "tp2_sparse_loss": (2, 1, None, True, {"msa_indexer_loss_type": "sparse"}),
 }
 
 
@@ -330,8 +332,10 @@ def parallel_suite_worker(rank: int, world_size: int, names: list[str]) -> dict:
     results = {"sequence_parallel": sequence_parallel_worker(rank, world_size)}
     ps.destroy_model_parallel()
     for name in names:
-        tp, pp, vpp, shared = PARALLEL_LAYOUTS[name]
-        results[name] = train_step_worker(rank, world_size, tp=tp, pp=pp, vpp=vpp, shared=shared)
+        tp, pp, vpp, shared, overrides = PARALLEL_LAYOUTS[name]
+        results[name] = train_step_worker(
+            rank, world_size, tp=tp, pp=pp, vpp=vpp, shared=shared, config_overrides=overrides
+        )
         ps.destroy_model_parallel()
     return results
 

@@ -146,19 +146,25 @@ def test_indexer_loss_trains_only_the_indexer_and_follows_the_scale():
     MSAIndexerLossAutoScaler.reset()
 
 
-def _bruteforce_indexer_kl(index_q, index_k, query, key, documents, positions, block, scale):
-    """KL(P || Q) per (token, head), by loops over plain Python indices, in float64."""
+def _bruteforce_indexer_kl(
+    index_q, index_k, query, key, documents, positions, block, scale, q2k=None
+):
+    """KL(P || Q) per (token, head), by loops over plain Python indices, in float64; with q2k
+    both distributions live on the selected blocks only."""
     tokens, heads, _ = index_q.shape
     group = query.shape[1] // heads
     total = 0.0
     for t in range(tokens):
-        keys = [
-            j
-            for j in range(tokens)
-            if documents[j] == documents[t] and positions[j] <= positions[t]
-        ]
         own = positions[t] // block
         for h in range(heads):
+            allowed = set(range(own + 1)) if q2k is None else {b for b in q2k[h][t] if b >= 0}
+            keys = [
+                j
+                for j in range(tokens)
+                if documents[j] == documents[t]
+                and positions[j] <= positions[t]
+                and positions[j] // block in allowed
+            ]
             logits = torch.stack(
                 [(query[t, h * group + i] @ key[keys, h].T) * scale for i in range(group)]
             )
@@ -176,7 +182,8 @@ def _bruteforce_indexer_kl(index_q, index_k, query, key, documents, positions, b
     return total / (tokens * heads)
 
 
-def test_indexer_loss_matches_a_bruteforce_reference():
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-loss", "sparse-loss"])
+def test_indexer_loss_matches_a_bruteforce_reference(sparse):
     generator = torch.Generator().manual_seed(0)
     ids = torch.tensor([[1] * 37 + [2] * 20 + [0] * 7, [3] * 64])
     msa = MSAMicrobatch.from_document_map(ids, block_size=16)
@@ -186,6 +193,7 @@ def test_indexer_loss_matches_a_bruteforce_reference():
     index_k = torch.randn(tokens, dim, dtype=torch.float64, generator=generator)
     query = torch.randn(tokens, heads * group, dim, dtype=torch.float64, generator=generator)
     key = torch.randn(tokens, heads, dim, dtype=torch.float64, generator=generator)
+    q2k = msa.select_blocks(index_q, index_k, top_k=2) if sparse else None
     loss, stats = compute_indexer_loss(
         index_q,
         index_k,
@@ -196,6 +204,8 @@ def test_indexer_loss_matches_a_bruteforce_reference():
         num_index_heads_total=heads,
         loss_coeff=1.0,
         query_chunk=13,
+        q2k=q2k,
+        sparse=sparse,
     )
     expected = _bruteforce_indexer_kl(
         index_q,
@@ -206,6 +216,7 @@ def test_indexer_loss_matches_a_bruteforce_reference():
         msa.document_positions.tolist(),
         16,
         0.25,
+        q2k=q2k.tolist() if sparse else None,
     )
     assert abs(float(loss) - expected) < 1e-5 * max(1.0, abs(expected)), (
         f"indexer KL {float(loss):.8f} vs brute force {expected:.8f}"
@@ -299,3 +310,9 @@ def test_moe_mlp_with_msa_attention():
     experts = [k for k in grads if ".mlp.experts." in k]
     assert math.isfinite(loss) and experts, sorted(grads)
     assert all(float(grads[k].norm()) > 0 for k in experts), experts
+
+
+def test_sparse_indexer_loss_in_the_model():
+    loss, grads = _loss_and_grads(msa_indexer_loss_type="sparse")
+    index = {k: float(g.norm()) for k, g in grads.items() if ".indexer." in k}
+    assert math.isfinite(loss) and len(index) == 12 and min(index.values()) > 0, index

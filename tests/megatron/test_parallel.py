@@ -36,8 +36,8 @@ def _losses(runs, name):
     raise AssertionError(f"{name}: no rank returned losses")
 
 
-def _compare(runs, name, atol):
-    reference = _merged_grads(runs, "tp1")
+def _compare(runs, name, atol, reference_name="tp1"):
+    reference = _merged_grads(runs, reference_name)
     grads = _merged_grads(runs, name)
     assert set(grads) == set(reference), set(grads) ^ set(reference)
     worst_name, worst = None, -1.0
@@ -45,18 +45,27 @@ def _compare(runs, name, atol):
         diff = float((grads[key] - ref).abs().max())
         if diff > worst:
             worst_name, worst = key, diff
-    ref_loss, losses = _losses(runs, "tp1"), _losses(runs, name)
+    ref_loss, losses = _losses(runs, reference_name), _losses(runs, name)
     loss_diff = max(abs(a - b) for a, b in zip(ref_loss, losses, strict=True))
     scale = max(float(g.abs().max()) for g in reference.values())
     assert loss_diff < 1e-5 and worst < atol, (
-        f"{name} vs TP=1/PP=1: max |loss diff| {loss_diff:.2e} (losses {losses} vs {ref_loss}); "
-        f"max |grad diff| {worst:.2e} at {worst_name} (largest grad {scale:.2e}, tol {atol})"
+        f"{name} vs {reference_name}: max |loss diff| {loss_diff:.2e} (losses {losses} vs "
+        f"{ref_loss}); max |grad diff| {worst:.2e} at {worst_name} (largest grad {scale:.2e}, "
+        f"tol {atol})"
     )
     return worst
 
 
 def test_tp2_matches_tp1(runs):
     _compare(runs, "tp2", atol=1e-6)
+
+
+def test_tp2_matches_tp1_with_the_sparse_indexer_loss(runs):
+    _compare(runs, "tp2_sparse_loss", atol=1e-6, reference_name="tp1_sparse_loss")
+    dense = _merged_grads(runs, "tp1")
+    sparse = _merged_grads(runs, "tp1_sparse_loss")
+    name = "decoder.layers.0.self_attention.indexer.index_q_proj.weight"
+    assert float((dense[name] - sparse[name]).abs().max()) > 1e-8, "the loss type must matter"
 
 
 def test_pp2_matches_single_process(runs):
