@@ -340,8 +340,29 @@ def parallel_suite_worker(rank: int, world_size: int, names: list[str]) -> dict:
     return results
 
 
-def checkpoint_worker(rank: int, world_size: int, save_tp: int, load_tp: int, path: str) -> dict:
-    """Saves a trained-one-step model at TP=save_tp, reloads at TP=load_tp, compares losses."""
+def full_parameters(chunks: list) -> dict[str, torch.Tensor]:
+    """Parameters by global name, TP shards all-gathered along their partition dim."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp = torch.distributed.get_world_size(tp_group)
+    out = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            value = param.detach()
+            if tp > 1 and getattr(param, "tensor_model_parallel", False):
+                parts = [torch.empty_like(value) for _ in range(tp)]
+                torch.distributed.all_gather(parts, value.contiguous(), group=tp_group)
+                value = torch.cat(parts, dim=param.partition_dim)
+            out[global_parameter_name(chunk, name)] = value.clone()
+    return out
+
+
+def checkpoint_worker(
+    rank: int, world_size: int, directions: list[tuple[int, int]], path: str
+) -> dict:
+    """For each (save_tp, load_tp): save an MSA GPT at TP=save_tp with dist-checkpointing,
+    reload it into a differently seeded model at TP=load_tp, compare parameters and losses."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -363,27 +384,41 @@ def checkpoint_worker(rank: int, world_size: int, save_tp: int, load_tp: int, pa
                 losses.append(float((out.float() * mask).sum() / mask.sum()))
         return losses
 
-    ps.initialize_model_parallel(save_tp, 1)
-    model_parallel_cuda_manual_seed(1234)
-    (model,) = build_model_chunks(tiny_config(tensor_model_parallel_size=save_tp), seed=5)
-    # Perturb the zero-initialised indexer norms so that the round trip has something to carry.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "index_" in name and "norm" in name:
-                param.add_(0.01 * (1 + torch.arange(param.numel(), dtype=param.dtype)))
-    saved_losses = evaluate(model)
-    dist_checkpointing.save(model.sharded_state_dict(), path)
-    torch.distributed.barrier()
-    ps.destroy_model_parallel()
+    results = {}
+    for index, (save_tp, load_tp) in enumerate(directions):
+        directory = os.path.join(path, f"{index}_tp{save_tp}_to_tp{load_tp}")
+        if rank == 0:
+            os.makedirs(directory, exist_ok=True)
+        torch.distributed.barrier()
+        ps.initialize_model_parallel(save_tp, 1)
+        model_parallel_cuda_manual_seed(1234)
+        (model,) = build_model_chunks(tiny_config(tensor_model_parallel_size=save_tp), seed=5)
+        deterministic_init([model])
+        saved_losses = evaluate(model)
+        saved = full_parameters([model])
+        dist_checkpointing.save(model.sharded_state_dict(), directory)
+        torch.distributed.barrier()
+        ps.destroy_model_parallel()
 
-    ps.initialize_model_parallel(load_tp, 1)
-    model_parallel_cuda_manual_seed(4321)
-    (fresh,) = build_model_chunks(tiny_config(tensor_model_parallel_size=load_tp), seed=99)
-    before_load = evaluate(fresh)
-    state = dist_checkpointing.load(fresh.sharded_state_dict(), path)
-    fresh.load_state_dict(state)
-    loaded_losses = evaluate(fresh)
-    return {"saved": saved_losses, "loaded": loaded_losses, "before_load": before_load}
+        ps.initialize_model_parallel(load_tp, 1)
+        model_parallel_cuda_manual_seed(4321)
+        (fresh,) = build_model_chunks(tiny_config(tensor_model_parallel_size=load_tp), seed=99)
+        before = full_parameters([fresh])
+        state = dist_checkpointing.load(fresh.sharded_state_dict(), directory)
+        fresh.load_state_dict(state)
+        loaded = full_parameters([fresh])
+        results[(save_tp, load_tp)] = {
+            "saved": saved_losses,
+            "loaded": evaluate(fresh),
+            "param_diff": max(float((loaded[k] - saved[k]).abs().max()) for k in saved),
+            "param_names": sorted(saved) == sorted(loaded),
+            "before_diff": min(
+                float((before[k] - saved[k]).abs().max()) for k in saved if ".indexer." in k
+            ),
+            "indexer_params": len([k for k in saved if ".indexer." in k]),
+        }
+        ps.destroy_model_parallel()
+    return results
 
 
 def sequence_parallel_worker(rank: int, world_size: int) -> dict:
