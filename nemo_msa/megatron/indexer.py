@@ -35,6 +35,8 @@ from megatron.core.utils import (
     get_tensor_model_parallel_group_if_none,
 )
 
+from nemo_msa.megatron.microbatch import pack_sbhd
+
 __all__ = [
     "GemmaRMSNorm",
     "MSAIndexer",
@@ -277,7 +279,7 @@ class MSAIndexer(MegatronModule):
                 x, tensor_parallel_output_grad=False, group=self.tp_group
             )
         # [s, b, h] -> compact [T, h]: the projections skip padding entirely.
-        x = msa.pack(x.transpose(0, 1))
+        x = pack_sbhd(msa, x)
         q, _ = self.index_q_proj(x)
         k, _ = self.index_k_proj(x)
         q = q.view(q.shape[0], self.num_index_heads_per_partition, self.index_head_dim)

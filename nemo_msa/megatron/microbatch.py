@@ -34,7 +34,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["SharedMicrobatchIterators", "layout_for_layer", "move_to_device"]
+__all__ = [
+    "SharedMicrobatchIterators",
+    "layout_for_layer",
+    "move_to_device",
+    "pack_sbhd",
+    "unpack_sbhd",
+]
 
 
 def move_to_device(batch: Any, device: torch.device | str | None) -> Any:
@@ -152,3 +158,36 @@ def layout_for_layer(
         init_blocks=config.msa_init_blocks,
         local_blocks=config.msa_local_blocks,
     )
+
+
+def _sbhd_rows(msa) -> torch.Tensor:
+    """int64 [T]: row of each compact token in a [s * b] flattening (Megatron's [s, b] order)."""
+
+    def make() -> torch.Tensor:
+        rows = msa.token_rows  # flat index row * s + column into [b * s]
+        return (rows % msa.seq_len) * msa.batch_size + rows // msa.seq_len
+
+    return msa.cached("nemo_msa.megatron.sbhd_rows", make)
+
+
+def pack_sbhd(msa, x: torch.Tensor) -> torch.Tensor:
+    """Gathers the real tokens of a Megatron [s, b, ...] tensor: -> compact [T, ...].
+
+    Same result as ``msa.pack(x.transpose(0, 1))`` with one gather instead of a transposing copy
+    followed by a gather.
+    """
+    if x.dim() < 2 or x.shape[0] != msa.seq_len or x.shape[1] != msa.batch_size:
+        raise ValueError(
+            f"x must be [sequence={msa.seq_len}, batch={msa.batch_size}, ...]; got shape "
+            f"{tuple(x.shape)}"
+        )
+    return x.reshape(msa.seq_len * msa.batch_size, *x.shape[2:])[_sbhd_rows(msa)]
+
+
+def unpack_sbhd(msa, x: torch.Tensor) -> torch.Tensor:
+    """Scatters compact tokens [T, ...] into a Megatron [s, b, ...] tensor, zeros at padding."""
+    if x.dim() < 1 or x.shape[0] != msa.num_tokens:
+        raise ValueError(f"x must be [tokens={msa.num_tokens}, ...]; got shape {tuple(x.shape)}")
+    out = x.new_zeros(msa.seq_len * msa.batch_size, *x.shape[1:])
+    out = out.index_copy(0, _sbhd_rows(msa), x)
+    return out.view(msa.seq_len, msa.batch_size, *x.shape[1:])

@@ -39,7 +39,7 @@ from nemo_msa.megatron.indexer_loss import (
     MSAIndexerMetrics,
     compute_indexer_loss,
 )
-from nemo_msa.megatron.microbatch import layout_for_layer
+from nemo_msa.megatron.microbatch import layout_for_layer, pack_sbhd, unpack_sbhd
 from nemo_msa.megatron.phase import dense_warmup_active
 
 __all__ = ["MSASelfAttention", "MSASelfAttentionSubmodules", "check_msa_layer_config"]
@@ -189,8 +189,8 @@ class MSASelfAttention(SelfAttention):
 
     def _compact_qkv(self, hidden_states: torch.Tensor, msa):
         query, key, value = self.get_query_key_value_tensors(hidden_states, None)
-        # [s, b, heads, dim] -> [b, s, heads, dim] -> compact [T, heads, dim]
-        return tuple(msa.pack(x.transpose(0, 1)) for x in (query, key, value))
+        # [s, b, heads, dim] -> compact [T, heads, dim]
+        return tuple(pack_sbhd(msa, x) for x in (query, key, value))
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -286,8 +286,7 @@ class MSASelfAttention(SelfAttention):
             MSAIndexerMetrics.record(self.layer_number, stats)
             core = MSAIndexerLossAutoScaler.apply(core, loss)
 
-        # compact [T, heads, dim] -> [b, s, heads, dim] -> [s, b, heads * dim]
-        context = msa.unpack(core).transpose(0, 1)
-        context = context.reshape(context.shape[0], context.shape[1], -1)
+        # compact [T, heads, dim] -> [s, b, heads * dim], zeros at padding
+        context = unpack_sbhd(msa, core.reshape(core.shape[0], -1))
         output, bias = self.linear_proj(context)
         return output, bias

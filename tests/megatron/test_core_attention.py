@@ -28,3 +28,16 @@ def test_dense_document_attention_matches_the_oracle_with_gqa_and_padding():
         float((a - b).abs().max()) for a, b in zip((out, *grads), (ref, *ref_grads), strict=True)
     ]
     assert max(errors) < 1e-10, f"max |diff| of out, dq, dk, dv vs the oracle: {errors}"
+
+
+def test_sbhd_pack_and_unpack_match_the_layout_on_transposed_tensors():
+    from nemo_msa.megatron.microbatch import pack_sbhd, unpack_sbhd
+
+    ids = torch.tensor([[1] * 5 + [2] * 6 + [0] * 5, [3] * 16, [0] * 4 + [4] * 12])
+    msa = MSAMicrobatch.from_document_map(ids, block_size=16)
+    x = torch.randn(16, 3, 2, 4)  # [s, b, heads, dim]
+    packed = pack_sbhd(msa, x)
+    assert torch.equal(packed, msa.pack(x.transpose(0, 1)))
+    back = unpack_sbhd(msa, packed)
+    assert torch.equal(back, msa.unpack(packed).transpose(0, 1))
+    assert torch.equal(back[ids.T == 0], torch.zeros_like(back[ids.T == 0]))
