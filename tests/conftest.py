@@ -1,11 +1,22 @@
-"""Suite-wide markers: tests marked ``gpu`` or ``te`` skip, with the reason, where unavailable."""
+"""Suite-wide set-up.
+
+- Without CUDA, Triton kernels run under the interpreter. Triton fixes compile-vs-interpret when
+  a kernel module is imported, and any test may import the Triton backend first (the registry
+  loads it lazily), so the variable is set here, before any test module is collected.
+- Tests marked ``gpu`` or ``te`` skip, with the reason, where CUDA or transformer-engine is
+  missing.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
