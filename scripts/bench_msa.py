@@ -72,12 +72,23 @@ def packed_rows(total, lo, hi, per_row, gen):
     return rows
 
 
+COHERENT = False  # set by --coherent
+
+
 def fresh_inputs(t, device, gen, hq=HQ, hkv=HKV, d=D, hi=HI, di=DI):
     def rnd(*shape):
         return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(
             torch.bfloat16)
 
-    return {"iq": rnd(t, hi, di), "ik": rnd(t, di), "q": rnd(t, hq, d), "k": rnd(t, hkv, d),
+    if COHERENT:
+        # What a trained indexer gives: neighbouring queries pick mostly the same blocks.
+        # One random index query per 128-token block of the compact order, plus 5% noise.
+        base = torch.randn((t // BS + 1, hi, di), generator=gen, device=device)
+        iq = (base[torch.arange(t, device=device) // BS]
+              + 0.05 * torch.randn((t, hi, di), generator=gen, device=device)).to(torch.bfloat16)
+    else:
+        iq = rnd(t, hi, di)
+    return {"iq": iq, "ik": rnd(t, di), "q": rnd(t, hq, d), "k": rnd(t, hkv, d),
             "v": rnd(t, hkv, d), "do": rnd(t, hq, d)}
 
 
@@ -527,14 +538,30 @@ def main(argv=None):
                     help="run the table with the fastest swept launch parameters")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write all results to this file")
+    ap.add_argument("--coherent", action="store_true",
+                    help="index q shared within each 128-token block (+5%% noise): selections "
+                    "like a trained indexer's; attention inputs stay random")
+    ap.add_argument("--union-qt", type=int, default=None,
+                    help="override the forward's union tile (0 = per-token kernel only)")
     args = ap.parse_args(argv)
+    global COHERENT
+    COHERENT = args.coherent
+    if args.union_qt is not None:
+        import nemo_msa.attention.triton_fwd as tf
+
+        tf.CONFIG["union_qt"] = args.union_qt
     if not torch.cuda.is_available():
         sys.exit("bench_msa.py needs a CUDA GPU (the CPU kernel tests live in tests/msa_kernels)")
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     host_gen = torch.Generator().manual_seed(args.seed)
     props = torch.cuda.get_device_properties(0)
+    import nemo_msa.attention.triton_bwd as tb
+    import nemo_msa.attention.triton_fwd as tf
+    import nemo_msa.selection.triton_select as ts
+
     _log(f"GPU {props.name}, torch {torch.__version__}, triton "
-         f"{__import__('triton').__version__}")
+         f"{__import__('triton').__version__}; coherent={COHERENT}; configs: sel {ts.CONFIG} "
+         f"fwd {tf.CONFIG} bwd {tb.CONFIG}")
     sweep_lines = sweep(args, gen) if args.sweep else []
     cases = [make_case(f"doc{n}", [[n]], n, "cuda") for n in
              (int(s) for s in args.sizes.split(",") if s)]
@@ -546,6 +573,9 @@ def main(argv=None):
     for case in cases:
         run_case(case, args, gen, results)
     notes = [
+        "index inputs: "
+        + ("coherent (shared per 128-token block + 5% noise)" if COHERENT else "random")
+        + f"; forward union_qt={tf.CONFIG['union_qt']}, union_max={tf.CONFIG['union_max']}.",
         "s = checked on a random subset of query rows (incl. the last) against float64; "
         "f = all rows against the package reference (selection in fp32, attention in float64).",
         "TF/s: fwd on selected, causally visible block FLOPs (4 d G per key); bwd counts 2.5x "

@@ -29,8 +29,12 @@ LOG2E = 1.4426950408889634
 # sweeps them (ADR 0003). Smaller head dims use a whole block per tile.
 # "trans" computes S^T = K Q^T (keys as the MMA's M dimension, >= 64, so Hopper's wgmma applies
 # even though the group has only 16 query rows); see ADR 0003 for the measurement.
-# "union_qt" > 0 switches to the query-tile union kernel with that many tokens per tile.
-CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False, "union_qt": 0}
+# Hybrid schedule (d = 128, block >= 64): tiles of "union_qt" tokens whose selected blocks
+# have a union of at most "union_max" blocks run the query-tile union kernel (M = 128 rows,
+# K/V read once per tile); the others run the per-token kernel. Break-even measured at about
+# 30 blocks for 8-token tiles (ADR 0003). union_qt = 0 disables the union kernel.
+CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
+          "union_qt": 8, "union_max": 30, "union_warps": 8}
 
 
 @triton.jit
@@ -38,12 +42,17 @@ def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, tok_start_ptr, tok_pos_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_sg, stride_st, stride_lh,
-    scale_log2,
+    scale_log2, count_ptr, tok_tile_ptr, num_tiles, max_count,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr,
+    HYBRID: tl.constexpr,
 ):
     t = tl.program_id(0)
     g = tl.program_id(1)
+    if HYBRID:
+        # The union kernel already wrote this token's rows (its tile's union is small).
+        if tl.load(count_ptr + g * num_tiles + tl.load(tok_tile_ptr + t)) <= max_count:
+            return
     start = tl.load(tok_start_ptr + t)
     p = tl.load(tok_pos_ptr + t)
     if TRANS:
@@ -157,7 +166,7 @@ def _fwd_body_trans(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start,
 @triton.jit
 def _fwd_union_kernel(
     q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, union_ptr, count_ptr,
-    cu_ptr, block_doc_ptr, block_local_ptr, num_tiles,
+    cu_ptr, block_doc_ptr, block_local_ptr, num_tiles, max_count,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_sg, stride_st, stride_lh, stride_ug, stride_ut,
     scale_log2,
@@ -173,7 +182,9 @@ def _fwd_union_kernel(
     g = tl.program_id(1)
     blk = tile // SUB
     doc = tl.load(block_doc_ptr + blk)
-    if doc < 0:
+    count = tl.load(count_ptr + g * num_tiles + tile)
+    # Large unions (incoherent selections) are left to the per-token kernel.
+    if (doc < 0) | (count > max_count):
         return
     o = tl.load(block_local_ptr + blk)
     start = tl.load(cu_ptr + doc)
@@ -196,7 +207,6 @@ def _fwd_union_kernel(
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
-    count = tl.load(count_ptr + g * num_tiles + tile)
     for u in range(count):
         b = tl.load(union_ptr + g * stride_ug + tile * stride_ut + u)
         selrow = tl.max((lists == b).to(tl.int32), axis=1) > 0
@@ -337,26 +347,34 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gp = max(16, _next_pow2(grp))
     bn = min(bs, CONFIG["bn"]) if d == 128 else bs
     qt = int(CONFIG["union_qt"])
-    if qt > 0:
+    hybrid = qt > 0
+    if hybrid:
         qt = max(1, min(qt, bs, 128 // gp))
         union, count = tile_unions(q2k_, blocks, msa, qt)
-        _fwd_union_kernel[(union.shape[1], hkv)](
+        num_tiles = union.shape[1]
+        max_count = int(CONFIG["union_max"])
+        tok_tile = ((blocks.doc_first_block[msa.token_documents.long()]
+                     + blocks.token_pos // bs) * (bs // qt)
+                    + (blocks.token_pos % bs) // qt).to(torch.int32)
+        _fwd_union_kernel[(num_tiles, hkv)](
             q_, k_, v_, q2k_, out, lse, union, count,
-            msa.cu_seqlens, blocks.block_doc, blocks.block_local, union.shape[1],
+            msa.cu_seqlens, blocks.block_doc, blocks.block_local, num_tiles, max_count,
             q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
             out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
             union.stride(0), union.stride(1), scale * LOG2E,
             TOPK=top_k, KP=_next_pow2(top_k), G=grp, GP=gp, QT=qt, BS=bs, BN=bn, D=d,
-            FP32_DOT=INTERPRET, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+            FP32_DOT=INTERPRET, num_warps=CONFIG["union_warps"], num_stages=CONFIG["num_stages"],
         )
-        return out, lse
+    else:
+        count = tok_tile = lse  # placeholders, never read (HYBRID=False)
+        num_tiles = max_count = 0
     _fwd_kernel[(t, hkv)](
         q_, k_, v_, q2k_, out, lse, blocks.token_start, blocks.token_pos,
         q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
         out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
-        scale * LOG2E,
+        scale * LOG2E, count, tok_tile, num_tiles, max_count,
         TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
-        TRANS=bool(CONFIG["trans"]) and bn >= 64,
+        TRANS=bool(CONFIG["trans"]) and bn >= 64, HYBRID=hybrid,
         num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )
     return out, lse

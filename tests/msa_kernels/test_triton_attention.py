@@ -62,7 +62,12 @@ def _run_case(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own=False, repeat
         ([[64, 31]], 100, 32, 2, 1, 64, 2, False),
     ],
 )
-def test_attention_matches_reference(rows, seq_len, bs, hq, hkv, d, top_k, drop_own):
+def test_attention_matches_reference(monkeypatch, rows, seq_len, bs, hq, hkv, d, top_k,
+                                     drop_own):
+    import nemo_msa.attention.triton_fwd as tf
+
+    # The per-token forward alone; the union/hybrid paths have their own tests below.
+    monkeypatch.setitem(tf.CONFIG, "union_qt", 0)
     _run_case(rows, seq_len, bs, hq, hkv, d, top_k, seed=seq_len * 31 + d, drop_own=drop_own,
               repeat=hq // hkv == 16)
 
@@ -108,16 +113,19 @@ def test_transposed_tiles_match_reference(monkeypatch):
     import nemo_msa.attention.triton_fwd as tf
 
     monkeypatch.setitem(tf.CONFIG, "trans", True)
+    monkeypatch.setitem(tf.CONFIG, "union_qt", 0)
     monkeypatch.setitem(tb.CONFIG, "dq_trans", True)
     _run_case([[70, 1], [64]], 72, 64, 16, 1, 16, 2, seed=9, drop_own=True)
 
 
-@pytest.mark.parametrize("qt", [2, 4])
-def test_union_forward_matches_reference(monkeypatch, qt):
-    """The query-tile union forward (measured in ADR 0003) computes the same function."""
+@pytest.mark.parametrize("qt,max_count", [(2, 1000), (4, 1000), (4, 3)])
+def test_union_forward_matches_reference(monkeypatch, qt, max_count):
+    """The query-tile union forward alone (max_count 1000) and the hybrid (tiles with more than
+    3 union blocks go to the per-token kernel) compute the same function."""
     import nemo_msa.attention.triton_fwd as tf
 
     monkeypatch.setitem(tf.CONFIG, "union_qt", qt)
+    monkeypatch.setitem(tf.CONFIG, "union_max", max_count)
     gen = torch.Generator().manual_seed(13 + qt)
     bs, hq, hkv, d = 16, 8, 2, 16
     msa = make_layout([[1, 37], [18, 3]], 40, bs)
