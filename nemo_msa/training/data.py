@@ -1,0 +1,235 @@
+"""Data: Megatron GPT datasets -> packed microbatches that carry ``packed_seq_ids``.
+
+Megatron's GPTDataset already packs documents into fixed-length samples (a sample spans
+document boundaries; every document ends with the EOD token). What MSA needs on top is the
+document map of each sample, so that block selection and attention stay inside a document:
+``packed_seq_ids`` int64 [batch, seq], 1, 2, 3, ... per document in each row (a new document
+starts after every EOD token) and 0 on padding. Positions restart per document
+(``reset_position_ids``), as the model would see each document on its own.
+
+Every microbatch is built once and moved to the device once (:func:`collate`); the loop hands the
+*same* objects to every virtual-pipeline chunk through
+``nemo_msa.megatron.microbatch.SharedMicrobatchIterators``: the MSA layout memo keys on the
+identity of ``packed_seq_ids``, so one layout (and one device-to-host sync) serves all chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_msa.training.recipe import DatasetConfig, GPTModelArgs, RecipeError
+
+logger = logging.getLogger(__name__)
+
+
+def packed_seq_ids_from_tokens(tokens: torch.Tensor, eod_id: int,
+                               padding: torch.Tensor | None = None) -> torch.Tensor:
+    """Derive the document map of packed rows.
+
+    Args:
+        tokens: int [batch, seq] token ids.
+        eod_id: the end-of-document token; it is the last token of its document.
+        padding: optional bool [batch, seq], True on padding positions (a suffix of each row).
+
+    Returns:
+        int64 [batch, seq]: 1 + the number of EOD tokens strictly before each position, 0 on
+        padding.
+    """
+    is_eod = (tokens == eod_id).to(torch.int64)
+    # A document starts after every EOD, so the id of position i counts the EODs before i.
+    ids = torch.cumsum(is_eod, dim=-1) - is_eod + 1
+    if padding is not None:
+        ids = ids.masked_fill(padding, 0)
+    return ids
+
+
+def positions_from_document_ids(ids: torch.Tensor) -> torch.Tensor:
+    """Document-local positions (0, 1, 2, ... restarting at every document; 0 on padding)."""
+    seq = ids.shape[-1]
+    arange = torch.arange(seq, device=ids.device).expand_as(ids)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    # The start index of each position's document is the running max of start indices.
+    start_idx = torch.where(starts, arange, torch.zeros_like(arange))
+    start_idx = torch.cummax(start_idx, dim=-1).values
+    return (arange - start_idx).masked_fill(ids == 0, 0)
+
+
+class _Tokenizer:
+    """The minimal tokenizer interface Megatron's GPT datasets read (no text processing).
+
+    Pre-tokenized indexed data and the mock data need only the vocabulary size and the EOD id;
+    a pad id of -1 lets Megatron use its own sentinel for the padding it inserts.
+    """
+
+    def __init__(self, vocab_size: int, eod_id: int) -> None:
+        self.vocab_size = vocab_size
+        self.eod = eod_id
+        self.eos = eod_id
+
+    @property
+    def unique_identifiers(self) -> dict[str, Any]:
+        """What Megatron hashes into the dataset cache key."""
+        return {"class": "nemo_msa.training.data._Tokenizer", "vocab_size": self.vocab_size,
+                "eod": self.eod}
+
+
+def _check_prefixes(prefixes: list[str]) -> None:
+    for prefix in prefixes:
+        missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
+        if missing:
+            raise RecipeError(
+                f"recipe key 'dataset.data_path': dataset prefix {prefix!r} has no "
+                f"{' and no '.join(prefix + ext for ext in missing)} (expected the .bin/.idx pair "
+                "written by Megatron's IndexedDatasetBuilder / preprocess_data.py)"
+            )
+
+
+def eod_token_id(dataset: DatasetConfig, gpt: GPTModelArgs) -> int:
+    """The EOD id: dataset.eod_id, or vocab_size - 1 (the NullTokenizer convention)."""
+    return int(dataset.eod_id) if dataset.eod_id is not None else gpt.vocab_size - 1
+
+
+def build_train_dataset(dataset: DatasetConfig, gpt: GPTModelArgs, seed: int, num_samples: int):
+    """Build the training split with BlendedMegatronDatasetBuilder.
+
+    Args:
+        dataset: the recipe's dataset section.
+        gpt: model arguments (vocab size and sequence length).
+        seed: dataset shuffling seed.
+        num_samples: samples the run consumes (train_iters * global_batch_size).
+
+    Returns:
+        A Megatron dataset whose items are dicts with tokens, labels, loss_mask, position_ids.
+
+    Raises:
+        RecipeError: a dataset prefix whose .bin/.idx files do not exist.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    paths = dataset.data_path
+    if isinstance(paths, str):
+        paths = paths.split()
+    blend = get_blend_from_list([str(p) for p in paths]) if paths else None
+    if blend is not None:
+        _check_prefixes(blend[0])
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=gpt.seq_length,
+        blend=blend,
+        split=dataset.split,
+        path_to_cache=dataset.path_to_cache,
+        mmap_bin_files=dataset.mmap_bin_files,
+        tokenizer=_Tokenizer(gpt.vocab_size, eod_token_id(dataset, gpt)),
+        reset_position_ids=dataset.reset_position_ids,
+        reset_attention_mask=False,
+        eod_mask_loss=dataset.eod_mask_loss,
+        # MSA derives its masks from packed_seq_ids; an [s, s] mask per sample is wasted memory.
+        create_attention_mask=False,
+    )
+    cls = MockGPTDataset if blend is None else GPTDataset
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        cls, [num_samples, None, None], lambda: True, config
+    ).build()
+    if train is None:
+        raise RecipeError(
+            f"recipe key 'dataset.split' = {dataset.split!r}: the training split is empty "
+            "(expected a non-zero first weight, e.g. '99,1,0')"
+        )
+    return train
+
+
+@dataclass
+class Microbatch:
+    """One microbatch on the device; the same object is handed to every pipeline chunk."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    packed_seq_ids: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens, for throughput."""
+        return int(self.tokens.numel())
+
+
+def collate(samples: list[dict[str, torch.Tensor]], eod_id: int, device: torch.device,
+            reset_position_ids: bool = True) -> Microbatch:
+    """Stack dataset samples and derive the document map; one host-to-device copy per tensor.
+
+    Megatron pads the last samples of a split with a pad id that it then rewrites to token 0
+    with label 0 and loss 0; such a tail (token 0, label 0, loss 0 up to the row end) becomes
+    padding (document id 0).
+    """
+    tokens = torch.stack([s["tokens"] for s in samples]).long()
+    labels = torch.stack([s["labels"] for s in samples]).long()
+    loss_mask = torch.stack([s["loss_mask"] for s in samples]).float()
+    dead = (tokens == 0) & (labels == 0) & (loss_mask == 0)
+    # Padding is only a suffix: a position is padding if it and everything after it is dead.
+    padding = torch.flip(torch.cummin(torch.flip(dead.int(), [-1]), dim=-1).values, [-1]).bool()
+    ids = packed_seq_ids_from_tokens(tokens, eod_id, padding)
+    if reset_position_ids:
+        positions = positions_from_document_ids(ids)
+    else:
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
+    nb = device.type != "cpu"
+    return Microbatch(
+        tokens=tokens.to(device, non_blocking=nb),
+        labels=labels.to(device, non_blocking=nb),
+        loss_mask=loss_mask.to(device, non_blocking=nb),
+        position_ids=positions.to(device, non_blocking=nb),
+        packed_seq_ids=ids.to(device, non_blocking=nb),
+    )
+
+
+class MicrobatchSource:
+    """Deterministic, resumable stream of this data-parallel rank's microbatches.
+
+    Sample order follows Megatron's pretraining sampler: global batch g of the run covers samples
+    [g * gbs, (g + 1) * gbs); inside it, microbatch m of data-parallel rank r takes
+    ``mbs`` consecutive samples at ``g * gbs + (m * dp + r) * mbs``. The position is just
+    ``consumed_samples``, which the checkpoint stores.
+    """
+
+    def __init__(self, dataset, *, micro_batch_size: int, global_batch_size: int, dp_size: int,
+                 dp_rank: int, eod_id: int, device: torch.device, consumed_samples: int = 0,
+                 reset_position_ids: bool = True):
+        self.dataset = dataset
+        self.mbs = micro_batch_size
+        self.gbs = global_batch_size
+        self.dp = dp_size
+        self.dp_rank = dp_rank
+        self.eod_id = eod_id
+        self.device = device
+        self.consumed_samples = consumed_samples
+        self.reset_position_ids = reset_position_ids
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per step on this rank."""
+        return self.gbs // (self.mbs * self.dp)
+
+    def step_microbatches(self) -> list[Microbatch] | None:
+        """Return the next step's microbatches, or None for ranks that need no data.
+
+        Advances ``consumed_samples`` by one global batch.
+        """
+        base = self.consumed_samples
+        out = []
+        for m in range(self.num_microbatches):
+            start = base + (m * self.dp + self.dp_rank) * self.mbs
+            samples = [self.dataset[(start + i) % len(self.dataset)] for i in range(self.mbs)]
+            out.append(collate(samples, self.eod_id, self.device, self.reset_position_ids))
+        self.consumed_samples += self.gbs
+        return out

@@ -1,0 +1,368 @@
+"""Recipe loading: a YAML file in Megatron-Bridge style plus Hydra-style ``key=value`` overrides.
+
+A recipe has the sections ``model``, ``train``, ``optimizer``, ``scheduler``, ``dataset``,
+``checkpoint``, ``logger``, ``ddp`` and ``dist``. ``model`` holds TransformerConfig field names
+(including the MSA ``msa_*`` fields of the project's config subclass) plus the few GPTModel
+arguments (``vocab_size``, ``seq_length``, ...); ``optimizer`` holds OptimizerConfig field names;
+``ddp`` holds DistributedDataParallelConfig field names. The other sections are described by the
+dataclasses below. Every key is checked against its section before anything is built, so a typo
+fails at once with the list of valid keys instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+DEFAULT_RECIPE = RECIPES_DIR / "msa_tiny.yaml"
+
+
+class RecipeError(ValueError):
+    """A recipe or an override is invalid; the message names the key, value and expectation."""
+
+
+@dataclass
+class GPTModelArgs:
+    """GPTModel constructor arguments that are not TransformerConfig fields."""
+
+    vocab_size: int = 1024
+    seq_length: int = 1024
+    make_vocab_size_divisible_by: int = 128
+    share_embeddings_and_output_weights: bool = False
+    position_embedding_type: str = "rope"
+    rotary_percent: float = 1.0
+    rotary_base: int = 10000
+
+
+@dataclass
+class TrainConfig:
+    """Training-loop settings (names follow Megatron-Bridge's TrainingConfig)."""
+
+    train_iters: int = 100
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    seed: int = 1234
+    #: Stop after this many iterations of *this* run (the schedule still spans train_iters);
+    #: lets tests and operators interrupt a run at a known step without changing the curve.
+    exit_interval: int | None = None
+    #: During the MSA dense warm-up (model.msa_dense_warmup_steps) only the indexer learns, as
+    #: the MiniMax-M3 recipe prescribes; false also trains the rest of the model then (useful
+    #: when training from scratch, where a frozen random model gives the indexer little to learn).
+    freeze_main_during_warmup: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate and weight-decay schedule (OptimizerParamScheduler arguments)."""
+
+    lr_warmup_iters: int = 0
+    lr_warmup_init: float = 0.0
+    lr_decay_iters: int | None = None
+    lr_decay_style: str = "cosine"
+    start_weight_decay: float | None = None
+    end_weight_decay: float | None = None
+    weight_decay_incr_style: str = "constant"
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_iters: int | None = None
+
+
+@dataclass
+class DatasetConfig:
+    """Data settings: Megatron GPT datasets, mock or real indexed data."""
+
+    #: Path prefixes of indexed datasets (``prefix.bin``/``prefix.idx``), optionally weighted
+    #: as in Megatron (``[w1, prefix1, w2, prefix2]``). Empty or null: MockGPTDataset.
+    data_path: list[Any] | str | None = None
+    split: str = "99,1,0"
+    #: Token id that ends a document; null means vocab_size - 1 (NullTokenizer convention).
+    eod_id: int | None = None
+    reset_position_ids: bool = True
+    eod_mask_loss: bool = False
+    path_to_cache: str | None = None
+    num_workers: int = 0
+    mmap_bin_files: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint settings (names follow Megatron-Bridge's CheckpointConfig)."""
+
+    save: str | None = None
+    save_interval: int | None = None
+    load: str | None = None
+    #: Resume from ``load`` (or ``save`` when load is null) if a finished checkpoint exists.
+    resume: bool = True
+    #: Keep at most this many finished checkpoints (null keeps all).
+    keep_last: int | None = None
+
+
+@dataclass
+class LoggerConfig:
+    """Logging and user-facing output."""
+
+    log_interval: int = 1
+    progress_bar: bool = True
+    #: Write loss_curve.png beside the checkpoint (or in ``output_dir``) at the end.
+    plot: bool = True
+    #: Where the metrics log, summary and plot go when no checkpoint directory is set.
+    output_dir: str | None = "runs/latest"
+
+
+@dataclass
+class DistConfig:
+    """Process-group settings."""
+
+    #: "auto" picks nccl when CUDA is available, else gloo.
+    backend: str = "auto"
+    timeout_minutes: int = 10
+    #: Run on the CPU even if CUDA is available (uses the project's CPU shim).
+    force_cpu: bool = False
+
+
+SECTION_DATACLASSES: dict[str, type] = {
+    "train": TrainConfig,
+    "scheduler": SchedulerConfig,
+    "dataset": DatasetConfig,
+    "checkpoint": CheckpointConfig,
+    "logger": LoggerConfig,
+    "dist": DistConfig,
+}
+SECTIONS = ("model", "train", "optimizer", "scheduler", "dataset", "checkpoint", "logger",
+            "ddp", "dist")
+
+
+@dataclass
+class Recipe:
+    """A validated recipe: plain dicts for the Megatron config sections, dataclasses for ours."""
+
+    model: dict[str, Any]
+    gpt: GPTModelArgs
+    train: TrainConfig
+    optimizer: dict[str, Any]
+    scheduler: SchedulerConfig
+    dataset: DatasetConfig
+    checkpoint: CheckpointConfig
+    logger: LoggerConfig
+    ddp: dict[str, Any]
+    dist: DistConfig
+    source: str = ""
+    #: The merged recipe as a plain dict, saved with every checkpoint for provenance.
+    resolved: dict[str, Any] = field(default_factory=dict)
+
+
+def transformer_config_class() -> type:
+    """Return the TransformerConfig class the model section is validated against.
+
+    The project's MSA config subclass when it is importable, else Megatron's TransformerConfig
+    (the pipeline then builds a dense GPT, which the tests use as a reference).
+    """
+    try:
+        from nemo_msa.megatron.config import MSATransformerConfig
+
+        return MSATransformerConfig
+    except ImportError:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        return TransformerConfig
+
+
+def _section_keys(name: str) -> list[str]:
+    if name == "model":
+        cfg_fields = {f.name for f in dataclasses.fields(transformer_config_class()) if f.init}
+        return sorted(cfg_fields | {f.name for f in dataclasses.fields(GPTModelArgs)})
+    if name == "optimizer":
+        from megatron.core.optimizer import OptimizerConfig
+
+        return sorted(f.name for f in dataclasses.fields(OptimizerConfig) if f.init)
+    if name == "ddp":
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        return sorted(f.name for f in dataclasses.fields(DistributedDataParallelConfig) if f.init)
+    return sorted(f.name for f in dataclasses.fields(SECTION_DATACLASSES[name]))
+
+
+def _unknown_key_error(section: str, key: str, valid: list[str]) -> RecipeError:
+    close = difflib.get_close_matches(key, valid, n=3)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    shown = ", ".join(valid) if len(valid) <= 40 else ", ".join(valid[:40]) + ", ..."
+    return RecipeError(
+        f"recipe key '{section}.{key}' is unknown.{hint} Valid keys of section '{section}': "
+        f"{shown}"
+    )
+
+
+def parse_overrides(overrides: list[str]) -> Any:
+    """Turn Hydra-style ``section.key=value`` strings into an OmegaConf node.
+
+    Values are parsed as YAML (``3``, ``1e-3``, ``true``, ``null``, ``[a, b]``). A leading ``+``
+    (Hydra's "add a key") is accepted and ignored, since every valid key may be set.
+    """
+    cleaned = []
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(
+                f"override {item!r} is not of the form section.key=value "
+                "(e.g. train.train_iters=50)"
+            )
+        key = item.split("=", 1)[0].lstrip("+")
+        if "." not in key:
+            raise RecipeError(
+                f"override {item!r}: the key {key!r} must name a section and a field, "
+                f"e.g. train.train_iters=50; sections: {', '.join(SECTIONS)}"
+            )
+        cleaned.append(item.lstrip("+"))
+    return OmegaConf.from_dotlist(cleaned)
+
+
+def load_recipe(path: str | os.PathLike | None = None,
+                overrides: list[str] | None = None) -> Recipe:
+    """Load, merge and validate a recipe.
+
+    Args:
+        path: YAML recipe; None loads the embedded default ``recipes/msa_tiny.yaml``.
+        overrides: ``section.key=value`` strings applied after the file.
+
+    Returns:
+        The validated Recipe.
+
+    Raises:
+        RecipeError: missing file, unknown section or key, wrong type of a section value.
+    """
+    path = Path(path) if path is not None else DEFAULT_RECIPE
+    if not path.is_file():
+        raise RecipeError(f"recipe file {str(path)!r} does not exist (expected a YAML file)")
+    base = OmegaConf.load(path)
+    if not isinstance(base, dict) and not OmegaConf.is_dict(base):
+        raise RecipeError(f"recipe {str(path)!r} must be a mapping of sections, got a list")
+    merged = OmegaConf.merge(base, parse_overrides(list(overrides or [])))
+    raw = OmegaConf.to_container(merged, resolve=True)
+    return validate_recipe(raw, source=str(path))
+
+
+def validate_recipe(raw: dict[str, Any], source: str = "<dict>") -> Recipe:
+    """Check every section and key of a plain-dict recipe and build the Recipe."""
+    for section in raw:
+        if section not in SECTIONS:
+            close = difflib.get_close_matches(str(section), SECTIONS, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise RecipeError(
+                f"recipe section '{section}' is unknown.{hint} Valid sections: "
+                f"{', '.join(SECTIONS)}"
+            )
+    values: dict[str, Any] = {}
+    for section in SECTIONS:
+        body = raw.get(section) or {}
+        if not isinstance(body, dict):
+            raise RecipeError(
+                f"recipe section '{section}' must be a mapping of key: value, got {body!r}"
+            )
+        valid = _section_keys(section)
+        for key in body:
+            if key not in valid:
+                raise _unknown_key_error(section, str(key), valid)
+        values[section] = dict(body)
+
+    gpt_names = {f.name for f in dataclasses.fields(GPTModelArgs)}
+    model = {k: v for k, v in values["model"].items() if k not in gpt_names}
+    gpt = GPTModelArgs(**{k: v for k, v in values["model"].items() if k in gpt_names})
+    # The rope settings are both GPTModel arguments and (in newer cores) config fields; keep
+    # them on the config too when the config class knows them, so the two never disagree.
+    cfg_fields = {f.name for f in dataclasses.fields(transformer_config_class())}
+    for name in gpt_names & cfg_fields:
+        model[name] = getattr(gpt, name)
+    recipe = Recipe(
+        model=model,
+        gpt=gpt,
+        optimizer=values["optimizer"],
+        ddp=values["ddp"],
+        source=source,
+        resolved=raw,
+        **{name: cls(**values[name]) for name, cls in SECTION_DATACLASSES.items()},
+    )
+    _check_values(recipe)
+    return recipe
+
+
+def _require(cond: bool, key: str, value: Any, expectation: str) -> None:
+    if not cond:
+        raise RecipeError(f"recipe key '{key}' = {value!r}: expected {expectation}")
+
+
+def _check_values(r: Recipe) -> None:
+    t = r.train
+    _require(t.train_iters > 0, "train.train_iters", t.train_iters, "a positive integer")
+    _require(t.micro_batch_size > 0, "train.micro_batch_size", t.micro_batch_size, "> 0")
+    _require(t.global_batch_size > 0 and t.global_batch_size % t.micro_batch_size == 0,
+             "train.global_batch_size", t.global_batch_size,
+             f"a positive multiple of train.micro_batch_size ({t.micro_batch_size})")
+    _require(r.gpt.seq_length > 0, "model.seq_length", r.gpt.seq_length, "a positive integer")
+    impl = r.model.setdefault("transformer_impl", "local")
+    _require(impl in ("local", "transformer_engine"), "model.transformer_impl", impl,
+             "'local' (torch modules) or 'transformer_engine'")
+    _require(r.dist.backend in ("auto", "nccl", "gloo"), "dist.backend", r.dist.backend,
+             "'auto', 'nccl' or 'gloo'")
+    _require(r.logger.log_interval > 0, "logger.log_interval", r.logger.log_interval, "> 0")
+    decay = r.scheduler.lr_decay_iters or t.train_iters
+    _require(0 <= r.scheduler.lr_warmup_iters < decay, "scheduler.lr_warmup_iters",
+             r.scheduler.lr_warmup_iters,
+             f"0 <= value < scheduler.lr_decay_iters (or train.train_iters) = {decay}")
+    c = r.checkpoint
+    if c.save_interval is not None:
+        _require(c.save_interval > 0, "checkpoint.save_interval", c.save_interval, "> 0 or null")
+        _require(c.save is not None, "checkpoint.save", c.save,
+                 "a directory when checkpoint.save_interval is set")
+    _require(r.scheduler.lr_decay_style in ("constant", "linear", "cosine", "inverse-square-root",
+                                            "WSD"),
+             "scheduler.lr_decay_style", r.scheduler.lr_decay_style,
+             "one of constant, linear, cosine, inverse-square-root, WSD")
+
+
+def check_parallel_layout(model: dict[str, Any], world_size: int, global_batch_size: int,
+                          micro_batch_size: int, num_layers: int) -> int:
+    """Check that the parallel layout fits the world size; return the data-parallel size.
+
+    Raises:
+        RecipeError: naming the sizes when TP*PP*CP does not divide the world size, when the
+            layers do not split evenly over the pipeline (virtual) stages, or when the global
+            batch is not a multiple of micro batch * data parallel.
+    """
+    tp = int(model.get("tensor_model_parallel_size", 1) or 1)
+    pp = int(model.get("pipeline_model_parallel_size", 1) or 1)
+    cp = int(model.get("context_parallel_size", 1) or 1)
+    vpp = model.get("virtual_pipeline_model_parallel_size")
+    mp = tp * pp * cp
+    if world_size % mp != 0:
+        raise RecipeError(
+            f"parallel layout does not divide the world size: tensor_model_parallel_size={tp} x "
+            f"pipeline_model_parallel_size={pp} x context_parallel_size={cp} = {mp}, but the "
+            f"world size is {world_size} (expected a multiple of {mp}; launch with "
+            f"torchrun --nproc-per-node {mp} or change model.*_parallel_size)"
+        )
+    dp = world_size // mp
+    chunks = pp * (int(vpp) if vpp else 1)
+    if vpp is not None:
+        _require(int(vpp) >= 2 and pp >= 2, "model.virtual_pipeline_model_parallel_size", vpp,
+                 "null, or >= 2 together with pipeline_model_parallel_size >= 2")
+    if num_layers % chunks != 0:
+        raise RecipeError(
+            f"recipe key 'model.num_layers' = {num_layers}: expected a multiple of "
+            f"pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {chunks}"
+        )
+    if global_batch_size % (micro_batch_size * dp) != 0:
+        raise RecipeError(
+            f"recipe key 'train.global_batch_size' = {global_batch_size}: expected a multiple of "
+            f"micro_batch_size x data-parallel size = {micro_batch_size} x {dp}"
+        )
+    if vpp is not None:
+        nmb = global_batch_size // (micro_batch_size * dp)
+        _require(nmb % pp == 0, "train.global_batch_size", global_batch_size,
+                 f"a number of microbatches ({nmb}) that is a multiple of "
+                 f"pipeline_model_parallel_size ({pp}) for the interleaved schedule")
+    return dp

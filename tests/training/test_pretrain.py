@@ -1,0 +1,136 @@
+"""End-to-end training on the CPU: loss falls, resume is exact, PP=2/VPP=2 matches, indexer learns.
+
+All runs use the embedded default recipe shrunk by overrides (4 MSA layers of width 64, 256-token
+rows of Megatron mock documents, 32-token blocks, top-2), so the suite stays within minutes on
+2 cores. Single-process runs happen in this process (pretrain + teardown); the pipeline run goes
+through torchrun with 2 gloo processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_msa.training.checkpoint import POINTER, latest_iteration
+from nemo_msa.training.recipe import load_recipe
+from nemo_msa.training.trainer import pretrain, teardown
+
+REPO = Path(__file__).resolve().parents[2]
+
+SMALL = [
+    "model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=128",
+    "model.num_attention_heads=4", "model.num_query_groups=2", "model.kv_channels=16",
+    "model.msa_index_head_dim=16", "model.seq_length=256", "model.vocab_size=256",
+    "model.msa_block_size=32", "model.msa_topk=2", "train.global_batch_size=2",
+    "train.micro_batch_size=1", "scheduler.lr_warmup_iters=1", "logger.progress_bar=false",
+]
+
+
+def _train(overrides: list[str]) -> dict:
+    try:
+        return pretrain(load_recipe(None, SMALL + overrides))
+    finally:
+        teardown()
+
+
+def _losses(history: list[dict], key: str = "loss") -> dict[int, float]:
+    return {h["iteration"]: h[key] for h in history if key in h}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """6 steps (2 of dense warm-up), checkpoints at 3 and 6: the uninterrupted curve."""
+    root = tmp_path_factory.mktemp("reference")
+    summary = _train(["train.train_iters=6", "model.msa_dense_warmup_steps=2",
+                      f"checkpoint.save={root}", "checkpoint.save_interval=3"])
+    return root, summary
+
+
+def _copy_checkpoint(src_root: Path, iteration: int, dst_root: Path) -> None:
+    name = f"iter_{iteration:07d}"
+    dst_root.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src_root / name, dst_root / name)
+    (dst_root / POINTER).write_text(f"{iteration}\n")
+
+
+def test_tiny_recipe_trains_and_loss_falls(tmp_path):
+    summary = _train(["train.train_iters=14", "model.msa_dense_warmup_steps=2",
+                      f"logger.output_dir={tmp_path}"])
+    losses = [h["loss"] for h in summary["history"]]
+    assert len(losses) == 14
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+    assert summary["attention"] == "MSA" and summary["last phase"] == "sparse"
+    assert (tmp_path / "loss_curve.png").stat().st_size > 0
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["iteration"] for x in lines] == list(range(1, 15))
+
+
+def test_resume_gives_the_same_next_losses(reference, tmp_path):
+    ref_root, ref = reference
+    _copy_checkpoint(ref_root, 3, tmp_path)
+    # An interrupted save of iteration 6 must be ignored by the resume and replaced by the next.
+    (tmp_path / "iter_0000006.partial").mkdir()
+    (tmp_path / "iter_0000006.partial" / "junk").write_text("half-written")
+    resumed = _train(["train.train_iters=6", "model.msa_dense_warmup_steps=2",
+                      f"checkpoint.save={tmp_path}", "checkpoint.save_interval=3"])
+    want = _losses(ref["history"])
+    got = _losses(resumed["history"])
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]  # the history travels with the checkpoint
+    for it in (4, 5, 6):
+        assert got[it] == want[it], (it, got[it], want[it])  # bitwise on the CPU
+    assert latest_iteration(tmp_path) == 6
+    assert not (tmp_path / "iter_0000006.partial").exists()
+
+
+def test_pointer_to_a_missing_checkpoint_is_an_error(tmp_path):
+    (tmp_path / POINTER).write_text("9\n")
+    with pytest.raises(RuntimeError, match=r"names iteration 9, but .*iter_0000009 is missing"):
+        latest_iteration(tmp_path)
+
+
+def test_pp2_vpp2_on_gloo_matches_one_process(reference, tmp_path):
+    ref_root, ref = reference
+    start = tmp_path / "start"
+    _copy_checkpoint(ref_root, 3, start)
+    out = tmp_path / "pp"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", "29537", str(REPO / "scripts" / "pretrain.py"), *SMALL,
+           "train.train_iters=6", "model.msa_dense_warmup_steps=2",
+           "model.pipeline_model_parallel_size=2",
+           "model.virtual_pipeline_model_parallel_size=2",
+           f"checkpoint.load={start}", f"checkpoint.save={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "layout TPxPPxVPPxDP : 1x2x2x1" in proc.stdout
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    got = {r["iteration"]: r["loss"] for r in rows}
+    want = _losses(ref["history"])
+    assert sorted(got) == [4, 5, 6]
+    for it in (4, 5, 6):
+        assert got[it] == pytest.approx(want[it], rel=1e-5), (it, got[it], want[it])
+    idx_want = _losses(ref["history"], "indexer_loss")
+    idx_got = {r["iteration"]: r["indexer_loss"] for r in rows}
+    for it in (4, 5, 6):
+        assert idx_got[it] == pytest.approx(idx_want[it], rel=1e-4)
+
+
+def test_dense_warmup_trains_the_indexer(tmp_path):
+    summary = _train(["train.train_iters=10", "model.msa_dense_warmup_steps=10",
+                      f"logger.output_dir={tmp_path}"])
+    hist = summary["history"]
+    idx = [h["indexer_loss"] for h in hist]
+    assert summary["last phase"] == "dense-warmup"
+    assert sum(idx[-3:]) / 3 < 0.8 * sum(idx[:3]) / 3, idx
+    recall = [h["recall"] for h in hist if "recall" in h]
+    if not recall:
+        pytest.xfail("the MSA layers record selection recall only in the sparse phase; "
+                     "recall during the dense warm-up needs nemo_msa.megatron to select blocks "
+                     "for logging while attending densely")
+    assert sum(recall[-3:]) / 3 > sum(recall[:3]) / 3, recall

@@ -1,0 +1,95 @@
+"""Recipe loading, overrides and the documented error messages (no training)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_msa.training.recipe import (
+    DEFAULT_RECIPE,
+    RECIPES_DIR,
+    RecipeError,
+    check_parallel_layout,
+    load_recipe,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_default_recipe_is_msa_tiny_and_overrides_apply():
+    recipe = load_recipe(None, ["train.train_iters=7", "optimizer.lr=1e-4", "model.msa_topk=2",
+                                "dataset.data_path=null", "+logger.plot=false"])
+    assert recipe.source == str(DEFAULT_RECIPE)
+    assert recipe.train.train_iters == 7
+    assert recipe.optimizer["lr"] == pytest.approx(1e-4)
+    assert recipe.model["msa_topk"] == 2
+    assert recipe.logger.plot is False
+    # GPTModel arguments are split off the TransformerConfig fields.
+    assert recipe.gpt.seq_length == 512 and "seq_length" not in recipe.model
+
+
+@pytest.mark.parametrize("name", ["msa_tiny.yaml", "minimax_m3_msa.yaml",
+                                  "msa_pp2_vpp2_tp2.yaml"])
+def test_shipped_recipes_validate(name):
+    recipe = load_recipe(RECIPES_DIR / name)
+    assert recipe.train.train_iters > 0
+
+
+def test_unknown_key_names_key_section_and_valid_keys():
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, ["model.hiden_size=64"])
+    msg = str(err.value)
+    assert "'model.hiden_size' is unknown" in msg
+    assert "Did you mean 'hidden_size'" in msg
+    assert "Valid keys of section 'model'" in msg and "msa_topk" in msg
+
+
+def test_unknown_section_and_malformed_override():
+    with pytest.raises(RecipeError, match=r"recipe section 'trian' is unknown.*'train'"):
+        load_recipe(None, ["trian.train_iters=3"])
+    with pytest.raises(RecipeError, match=r"not of the form section.key=value"):
+        load_recipe(None, ["train.train_iters"])
+    with pytest.raises(RecipeError, match=r"must name a section and a field"):
+        load_recipe(None, ["train_iters=3"])
+
+
+def test_bad_values_are_named():
+    with pytest.raises(RecipeError, match=r"'train.global_batch_size' = 3: expected a positive "
+                                          r"multiple of train.micro_batch_size \(2\)"):
+        load_recipe(None, ["train.micro_batch_size=2", "train.global_batch_size=3"])
+    with pytest.raises(RecipeError, match=r"'scheduler.lr_warmup_iters' = 9"):
+        load_recipe(None, ["train.train_iters=5", "scheduler.lr_warmup_iters=9"])
+    with pytest.raises(RecipeError, match=r"recipe file '.*nope.yaml' does not exist"):
+        load_recipe("nope.yaml")
+
+
+def test_parallel_layout_must_divide_world_size():
+    model = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
+    with pytest.raises(RecipeError, match=r"tensor_model_parallel_size=2 x "
+                                          r"pipeline_model_parallel_size=2 x "
+                                          r"context_parallel_size=1 = 4, but the world size is 6"):
+        check_parallel_layout(model, 6, 8, 1, 4)
+    assert check_parallel_layout(model, 8, 8, 1, 4) == 2
+    with pytest.raises(RecipeError, match=r"'model.num_layers' = 6: expected a multiple of"):
+        check_parallel_layout({**model, "virtual_pipeline_model_parallel_size": 2}, 4, 8, 1, 6)
+
+
+def test_missing_dataset_path_is_named(tmp_path):
+    from nemo_msa.training.data import build_train_dataset
+
+    recipe = load_recipe(None, [f"dataset.data_path=[{tmp_path}/corpus]"])
+    with pytest.raises(RecipeError, match=r"dataset prefix '.*corpus' has no .*corpus.bin and "
+                                          r"no .*corpus.idx"):
+        build_train_dataset(recipe.dataset, recipe.gpt, 1, 8)
+
+
+def test_cli_reports_bad_key_and_exits_2():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "pretrain.py"), "model.hiden_size=64"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == 2
+    assert "error: recipe key 'model.hiden_size' is unknown" in proc.stderr
