@@ -49,7 +49,7 @@ register_backend(
         attention_forward=_forward,
         attention_backward=_backward,
         unavailable_reason=_unavailable_reason,
-        description="Triton kernels for SM90: fused select+top-k, GQA-group forward, "
-        "deterministic KV-outer backward",
+        description="Triton kernels for SM90: fused select+top-k, hybrid union/per-token "
+        "forward, deterministic backward (KV-outer dk/dv)",
     )
 )

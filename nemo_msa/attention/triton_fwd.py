@@ -1,12 +1,16 @@
-"""MSA sparse attention forward for SM90 in Triton (query-outer, GQA-group tiles).
+"""MSA sparse attention forward for SM90 in Triton: a per-tile hybrid of two query-outer kernels.
 
-Schedule. One program owns one query token and one KV head ``g``: the ``G = Hq / Hkv`` query
-heads of the group share the token's ``top_k`` selected blocks (q2k is per KV head), so the
-program's tile is [G (padded to >= 16), d] and it streams the selected key blocks with an
-online softmax. Every selected key is read once per (token, KV head); there is no union
-overhead. Consecutive program ids are consecutive tokens of the same document block, which
-select overlapping blocks (always their own), so repeated block reads hit L2. ADR 0003 records
-the alternatives measured and why this one stayed.
+Per-token kernel. One program owns one query token and one KV head ``g``: the ``G = Hq / Hkv``
+query heads of the group share the token's ``top_k`` selected blocks (q2k is per KV head), so
+the program's tile is [G (padded to >= 16), d] and it streams the selected key blocks with an
+online softmax. Every selected key is read once per (token, KV head); no union overhead, but
+16 FLOP per K/V byte, which bounds it by memory traffic.
+
+Union kernel. One program owns ``union_qt`` consecutive tokens of one document block (M =
+union_qt * G rows) and walks the sorted union of their blocks; a row sees only blocks its own
+token selected. Tiles whose union is small (coherent selections, as trained indexers give) run
+here and share each K/V read; the others exit and are done by the per-token kernel. The split
+is decided per tile on the device (no host sync). ADR 0003 has the measurements.
 
 Masking. Key ``j`` (document-local) of block ``b`` is visible to the query at position ``p``
 iff ``b >= 0`` and ``j <= p``; ``j <= p`` also keeps the reads inside the document, so q2k
