@@ -248,10 +248,17 @@ class MSASelfAttention(SelfAttention):
             query = apply_rotary_pos_emb(query, freqs, config=self.config, cp_group=cp_group)
             key = apply_rotary_pos_emb(key, freqs, config=self.config, cp_group=cp_group)
 
+        need_loss = (
+            self.is_msa_layer
+            and self.training
+            and torch.is_grad_enabled()
+            and self.config.msa_indexer_loss_coeff > 0
+        )
+        sparse = self.is_msa_layer and not dense_warmup_active(self.config)
         q2k = index_q = index_k = None
-        if self.is_msa_layer:
+        if sparse or need_loss:
             index_q, index_k = self.indexer(hidden_states, msa, freqs)
-            if not dense_warmup_active(self.config):
+            if sparse:
                 q2k = msa.select_blocks(
                     index_q.detach(),
                     index_k.detach(),
@@ -261,12 +268,7 @@ class MSASelfAttention(SelfAttention):
                 )
         core = self.core_attention(query, key, value, msa, q2k=q2k)
 
-        if (
-            self.is_msa_layer
-            and self.training
-            and torch.is_grad_enabled()
-            and self.config.msa_indexer_loss_coeff > 0
-        ):
+        if need_loss:
             # The dense warm-up has no selection, so its loss is always the dense one.
             sparse_loss = self.config.msa_indexer_loss_type == "sparse" and q2k is not None
             loss, stats = compute_indexer_loss(
