@@ -188,10 +188,23 @@ def _section_keys(name: str) -> list[str]:
     return sorted(f.name for f in dataclasses.fields(SECTION_DATACLASSES[name]))
 
 
+_BACKING_CLASS = {"model": "TransformerConfig (megatron.core.transformer)",
+                  "optimizer": "OptimizerConfig (megatron.core.optimizer)",
+                  "ddp": "DistributedDataParallelConfig (megatron.core.distributed)"}
+
+
 def _unknown_key_error(section: str, key: str, valid: list[str]) -> RecipeError:
     close = difflib.get_close_matches(key, valid, n=3)
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    shown = ", ".join(valid) if len(valid) <= 40 else ", ".join(valid[:40]) + ", ..."
+    if section in _BACKING_CLASS:
+        # Hundreds of Megatron fields would bury the message: name ours, point at the class.
+        ours = [k for k in valid if k.startswith("msa_")] if section == "model" else []
+        if section == "model":
+            ours += [f.name for f in dataclasses.fields(GPTModelArgs)]
+        shown = (", ".join(ours) + ", and " if ours else "") + (
+            f"every field of {_BACKING_CLASS[section]}")
+    else:
+        shown = ", ".join(valid)
     return RecipeError(
         f"recipe key '{section}.{key}' is unknown.{hint} Valid keys of section '{section}': "
         f"{shown}"

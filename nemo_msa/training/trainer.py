@@ -277,6 +277,7 @@ def build_optimizer(recipe: Recipe, config, chunks: list, ctx: RunContext):
     if indexer_ids:
         # The indexer gets param groups of its own (marked msa_indexer), so that the dense
         # warm-up can hold every other group still while the indexer learns.
+        _register_group_identifier("msa_indexer")
         is_indexer = ParamPredicate(name="msa_indexer", fn=lambda p: id(p) in indexer_ids)
         overrides[ParamKey(predicate=is_indexer)] = {"msa_indexer": True}
     optimizer = get_megatron_optimizer(opt_config, chunks, config_overrides=overrides)
@@ -299,6 +300,23 @@ def build_optimizer(recipe: Recipe, config, chunks: list, ctx: RunContext):
         lr_wsd_decay_style=s.lr_wsd_decay_style,
     )
     return optimizer, scheduler
+
+
+def _register_group_identifier(key: str) -> None:
+    """Make Megatron tell param groups apart by ``key`` when it loads optimizer state.
+
+    Megatron matches saved to current param groups by a tuple of per-group keys
+    (``param_group_identifier_keys``); groups that differ only in a key missing from that tuple
+    collide and the load fails (or, worse, pairs the wrong groups). Megatron's own comment names
+    extending the tuple as the fix for a new distinguishing field.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    # distrib_optimizer imported the tuple by value, so both module globals are extended.
+    for module in (mcore_optimizer, distrib_optimizer):
+        if key not in module.param_group_identifier_keys:
+            module.param_group_identifier_keys = (*module.param_group_identifier_keys, key)
 
 
 def _hold_main_parameters(optimizer) -> None:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from nemo_msa.training.checkpoint import POINTER, latest_iteration
 from nemo_msa.training.recipe import load_recipe
@@ -121,13 +122,30 @@ def test_pp2_vpp2_on_gloo_matches_one_process(reference, tmp_path):
         assert idx_got[it] == pytest.approx(idx_want[it], rel=1e-4)
 
 
-def test_dense_warmup_trains_the_indexer(tmp_path):
+def test_dense_warmup_trains_only_the_indexer(tmp_path):
+    from megatron.core import dist_checkpointing
+
     summary = _train(["train.train_iters=10", "model.msa_dense_warmup_steps=10",
-                      f"logger.output_dir={tmp_path}"])
+                      f"checkpoint.save={tmp_path}", "checkpoint.save_interval=5"])
     hist = summary["history"]
     idx = [h["indexer_loss"] for h in hist]
     assert summary["last phase"] == "dense-warmup"
     assert sum(idx[-3:]) / 3 < 0.8 * sum(idx[:3]) / 3, idx
+    # Between steps 5 and 10 of the warm-up only indexer weights moved.
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1)
+    try:
+        early = dist_checkpointing.load_plain_tensors(str(tmp_path / "iter_0000005"))
+        late = dist_checkpointing.load_plain_tensors(str(tmp_path / "iter_0000010"))
+    finally:
+        torch.distributed.destroy_process_group()
+    weights = [k for k in early if not k.startswith("optimizer") and "_extra_state" not in k
+               and isinstance(early[k], torch.Tensor)]
+    indexer = [k for k in weights if ".indexer." in k]
+    main = [k for k in weights if ".indexer." not in k]
+    assert indexer and main
+    assert all(torch.equal(early[k], late[k]) for k in main)
+    assert any(not torch.equal(early[k], late[k]) for k in indexer)
     recall = [h["recall"] for h in hist if "recall" in h]
     if not recall:
         pytest.xfail("the MSA layers record selection recall only in the sparse phase; "

@@ -33,9 +33,35 @@ def test_default_recipe_is_msa_tiny_and_overrides_apply():
 
 @pytest.mark.parametrize("name", ["msa_tiny.yaml", "minimax_m3_msa.yaml",
                                   "msa_pp2_vpp2_tp2.yaml"])
-def test_shipped_recipes_validate(name):
+def test_shipped_recipes_make_valid_msa_configs(name):
+    import torch
+
+    from nemo_msa.training.trainer import RunContext, build_config
+
     recipe = load_recipe(RECIPES_DIR / name)
-    assert recipe.train.train_iters > 0
+    # As on a GPU node (no CPU restrictions): the config class validates every field.
+    config = build_config(recipe, RunContext(0, 1, torch.device("cpu"), False, False))
+    assert type(config).__name__ == "MSATransformerConfig"
+    if name == "minimax_m3_msa.yaml":
+        assert (config.num_attention_heads, config.num_query_groups, config.kv_channels) == (
+            64, 4, 128)
+        assert (config.msa_num_index_heads, config.msa_index_head_dim, config.msa_block_size,
+                config.msa_topk) == (4, 128, 128, 16)
+        assert recipe.gpt.rotary_base == 5_000_000 and recipe.gpt.rotary_percent == 0.5
+        # TP x PP = 8 GPUs per replica; 8..64 GPUs give DP 1..8.
+        for world in (8, 16, 32, 64):
+            assert check_parallel_layout(recipe.model, world, recipe.train.global_batch_size,
+                                         recipe.train.micro_batch_size, config.num_layers)
+
+
+def test_cpu_refuses_what_megatron_cannot_run_there():
+    import torch
+
+    from nemo_msa.training.trainer import RunContext, build_config
+
+    cpu = RunContext(0, 1, torch.device("cpu"), True, False)
+    with pytest.raises(RecipeError, match=r"'model.bf16' = True: expected false on the CPU"):
+        build_config(load_recipe(None, ["model.bf16=true"]), cpu)
 
 
 def test_unknown_key_names_key_section_and_valid_keys():
