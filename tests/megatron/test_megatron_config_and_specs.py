@@ -4,6 +4,7 @@ per-microbatch data cache."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -120,11 +121,17 @@ def test_transformer_engine_spec_where_te_imports():
         pytest.skip(f"TE spec not buildable here: {reason}")
     if not torch.cuda.is_available():
         pytest.skip("Transformer Engine imports but there is no CUDA device to run its layers")
+    from _megatron_harness import spawn, transformer_engine_worker
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
 
     spec = get_msa_layer_spec(tiny_config(transformer_impl="transformer_engine"))
     attention = spec.submodules.self_attention.submodules
     assert attention.linear_qkv is TEColumnParallelLinear
+    result = spawn(transformer_engine_worker, 1, _cuda=True)[0]
+    assert result["linear_qkv"] == "TEColumnParallelLinear", result
+    assert math.isfinite(result["loss"]) and abs(result["loss"] - math.log(96)) < 1.0, result
+    norms = result["indexer_grad_norms"]
+    assert len(norms) == 12 and min(norms.values()) > 0, norms
 
 
 # ---------------------------------------------------------------------- construction gate
