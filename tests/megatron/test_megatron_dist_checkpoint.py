@@ -27,6 +27,10 @@ def test_dist_checkpoint_round_trip_across_tp(round_trips, save_tp, load_tp):
             f"rank {rank}: saved at TP={save_tp}, loaded at TP={load_tp}: max |param diff| "
             f"{result['param_diff']:.2e}, losses {saved} vs {loaded} (max diff {loss_diff:.2e})"
         )
+        print(
+            f"[parity] rank {rank} TP={save_tp} -> TP={load_tp}: max |param diff| "
+            f"{result['param_diff']:.2e}, max |loss diff| {loss_diff:.2e}"
+        )
         assert result["before_diff"] > 0, (
             f"rank {rank}: the fresh model's indexer must differ before loading "
             f"(smallest max |diff| {result['before_diff']:.2e})"

@@ -53,6 +53,10 @@ def _compare(runs, name, atol, reference_name="tp1"):
         f"{ref_loss}); max |grad diff| {worst:.2e} at {worst_name} (largest grad {scale:.2e}, "
         f"tol {atol})"
     )
+    print(
+        f"[parity] {name} vs {reference_name}: max |loss diff| {loss_diff:.2e}, max |grad diff| "
+        f"{worst:.2e} (largest grad {scale:.2e})"
+    )
     return worst
 
 
