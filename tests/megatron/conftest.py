@@ -24,15 +24,22 @@ def single_rank():
         set_training_iteration,
     )
 
+    # Reuse a one-rank group another test module left behind; never tear down what we did not
+    # create.
+    owns_group = not torch.distributed.is_initialized()
+    if not owns_group and torch.distributed.get_world_size() != 1:
+        pytest.fail("single_rank needs a one-rank process group; another one is initialized")
     with cpu_shim.enabled():
-        cpu_shim.init_gloo_process_group(0, 1, free_port())
+        if owns_group:
+            cpu_shim.init_gloo_process_group(0, 1, free_port())
         try:
             ps.initialize_model_parallel(1, 1)
             model_parallel_cuda_manual_seed(1234)
             yield
         finally:
             ps.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
+            if owns_group:
+                torch.distributed.destroy_process_group()
             MSAIndexerLossAutoScaler.reset()
             MSAIndexerMetrics.reset()
             set_training_iteration(None)
