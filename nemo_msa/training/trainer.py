@@ -367,6 +367,21 @@ def _reduce_step_losses(losses: list[dict], device) -> dict[str, float]:
     return {"loss": float(buf[0] / buf[1].clamp(min=1)), "tokens_in_loss": float(buf[1])}
 
 
+def _count_parameters(chunks: list, device) -> int:
+    """Parameters of the whole model (collective over the model-parallel group).
+
+    Tensor-parallel shards add up; parameters replicated across TP ranks count once.
+    """
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    local = sum(p.numel() for c in chunks for p in c.parameters()
+                if getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
+    total = torch.tensor([local], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(total, group=ps.get_model_parallel_group())
+    return int(total.item())
+
+
 def _output_dir(recipe: Recipe) -> Path:
     if recipe.checkpoint.save:
         return Path(recipe.checkpoint.save)
@@ -405,6 +420,7 @@ def pretrain(recipe: Recipe) -> dict[str, Any]:
     config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     msa_hooks.configure(config)
+    num_params = _count_parameters(chunks, ctx.device)
 
     state = TrainState()
     ck = recipe.checkpoint
@@ -507,6 +523,7 @@ def pretrain(recipe: Recipe) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "recipe": recipe.source,
         "attention": "MSA" if msa_hooks.is_msa_config(config) else "dense (local GPT spec)",
+        "parameters": f"{num_params / 1e6:.2f}M",
         "world size": ctx.world_size,
         "layout TPxPPxVPPxDP": f"{config.tensor_model_parallel_size}x"
                                f"{config.pipeline_model_parallel_size}x{vpp or 1}x{dp}",
@@ -528,7 +545,8 @@ def pretrain(recipe: Recipe) -> dict[str, Any]:
         summary["checkpoint"] = str(ck.save) + (f"/iter_{last_saved:07d}" if last_saved else "")
     summary["metrics"] = str(out_dir / "metrics.jsonl")
     if is_rank0 and recipe.logger.plot and hist:
-        png = plot_loss_curve(hist, out_dir / "loss_curve.png", Path(recipe.source).stem)
+        png = plot_loss_curve(hist, out_dir / "loss_curve.png", Path(recipe.source).stem,
+                              msa_hooks.dense_warmup_steps(config))
         if png is not None:
             summary["loss curve"] = str(png)
     if is_rank0:

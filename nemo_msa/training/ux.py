@@ -85,8 +85,11 @@ class MetricsLog:
             fh.write(json.dumps(metrics) + "\n")
 
 
-def plot_loss_curve(history: list[dict[str, float]], path: Path, title: str) -> Path | None:
+def plot_loss_curve(history: list[dict[str, float]], path: Path, title: str,
+                    warmup_steps: int = 0) -> Path | None:
     """Write the loss (and indexer loss / recall when present) against the step as a PNG.
+
+    The MSA dense warm-up (the first ``warmup_steps`` iterations) is shaded.
 
     Returns:
         The PNG path, or None when matplotlib is not installed (a message says how to get it).
@@ -110,6 +113,12 @@ def plot_loss_curve(history: list[dict[str, float]], path: Path, title: str) -> 
     ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
+    if warmup_steps:
+        for row in axes:
+            for a in row:
+                a.axvspan(0.5, warmup_steps + 0.5, color="0.9", zorder=0)
+        ax.text(0.5, 0.02, " dense warm-up", transform=ax.get_xaxis_transform(), fontsize=8,
+                color="0.4")
     if has_idx:
         ax2 = axes[0][1]
         pts = [(h["iteration"], h["indexer_loss"]) for h in history if "indexer_loss" in h]

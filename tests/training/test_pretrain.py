@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,13 @@ def reference(tmp_path_factory):
     summary = _train(["train.train_iters=6", "model.msa_dense_warmup_steps=2",
                       f"checkpoint.save={root}", "checkpoint.save_interval=3"])
     return root, summary
+
+
+def _free_port() -> int:
+    # Other suites on this machine launch torchrun too; a fixed port would collide.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _copy_checkpoint(src_root: Path, iteration: int, dst_root: Path) -> None:
@@ -102,7 +110,7 @@ def test_pp2_vpp2_on_gloo_matches_one_process(reference, tmp_path):
     out = tmp_path / "pp"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", "29537", str(REPO / "scripts" / "pretrain.py"), *SMALL,
+           "--master-port", str(_free_port()), str(REPO / "scripts" / "pretrain.py"), *SMALL,
            "train.train_iters=6", "model.msa_dense_warmup_steps=2",
            "model.pipeline_model_parallel_size=2",
            "model.virtual_pipeline_model_parallel_size=2",
