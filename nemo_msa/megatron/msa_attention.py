@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -266,7 +267,15 @@ class MSASelfAttention(SelfAttention):
                     score=self.config.msa_score_type,
                     backend=self.config.msa_backend,
                 )
-        core = self.core_attention(query, key, value, msa, q2k=q2k)
+        if self.checkpoint_core_attention and self.training:
+            # Selective recompute ("core_attn" in recompute_modules): keep only q/k/v and redo the
+            # attention in the backward; the layout and the selection are reused, not redone.
+            def run_core(q, k, v):
+                return self.core_attention(q, k, v, msa, q2k=q2k)
+
+            core = tensor_parallel.checkpoint(run_core, False, query, key, value)
+        else:
+            core = self.core_attention(query, key, value, msa, q2k=q2k)
 
         if need_loss:
             # The dense warm-up has no selection, so its loss is always the dense one.

@@ -283,13 +283,22 @@ def _loss_and_grads(**overrides):
     return float(out.mean()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_full_activation_recompute_gives_the_same_gradients():
-    """The indexer loss is attached once, in the recomputed forward (the first one runs without
-    grad), and its gradient survives recomputation."""
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    ],
+    ids=["full", "selective-core-attn"],
+)
+def test_activation_recompute_gives_the_same_gradients(recompute):
+    """Full: the indexer loss is attached once, in the recomputed forward (the first one runs
+    without grad), and its gradient survives recomputation. Selective: the core attention is
+    recomputed with the same layout and selection."""
+    attention = _model(**recompute).decoder.layers[0].self_attention
+    assert attention.checkpoint_core_attention == (recompute["recompute_granularity"] != "full")
     loss, grads = _loss_and_grads()
-    loss_r, grads_r = _loss_and_grads(
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-    )
+    loss_r, grads_r = _loss_and_grads(**recompute)
     worst = max(float((grads[k] - grads_r[k]).abs().max()) for k in grads)
     index = min(float(g.norm()) for k, g in grads_r.items() if ".indexer." in k)
     assert loss == loss_r and worst < 1e-7 and index > 0, (
