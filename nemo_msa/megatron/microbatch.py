@@ -149,15 +149,25 @@ def layout_for_layer(
                 f"attention_mask (document ids) has shape {tuple(attention_mask.shape)}; "
                 f"expected [batch={batch_size}, sequence={seq_len}]"
             )
-    return MSAMicrobatch.build(
-        attention_mask=attention_mask,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        device=device,
-        block_size=config.msa_block_size,
-        init_blocks=config.msa_init_blocks,
-        local_blocks=config.msa_local_blocks,
-    )
+    try:
+        return MSAMicrobatch.build(
+            attention_mask=attention_mask,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            device=device,
+            block_size=config.msa_block_size,
+            init_blocks=config.msa_init_blocks,
+            local_blocks=config.msa_local_blocks,
+        )
+    except ValueError as error:
+        if attention_mask is not None and attention_mask.dim() == 4:
+            # The common mistake: Megatron's GPT datasets build 4-D masks with True = masked out.
+            raise ValueError(
+                f"{error}. Note: MSA reads a 4-D attention_mask as True = keep (block-causal), "
+                "while Megatron's GPT datasets build True = masked out; pass the loader's "
+                "packed_seq_ids [b, s] as attention_mask instead"
+            ) from error
+        raise
 
 
 def _sbhd_rows(msa) -> torch.Tensor:

@@ -192,6 +192,9 @@ def test_runtime_rejections():
         attention(hidden, None, key_value_states=hidden)
     with pytest.raises(ValueError, match=r"shape \(2, 31\)"):
         attention(hidden, torch.ones(2, 31, dtype=torch.long))
+    megatron_causal = torch.triu(torch.ones(2, 1, 32, 32, dtype=torch.bool), diagonal=1)
+    with pytest.raises(ValueError, match="True = masked out; pass the loader's packed_seq_ids"):
+        attention(hidden, megatron_causal)
 
 
 # ---------------------------------------------------------------------- checkpoint names
