@@ -325,3 +325,43 @@ def test_sparse_indexer_loss_in_the_model():
     loss, grads = _loss_and_grads(msa_indexer_loss_type="sparse")
     index = {k: float(g.norm()) for k, g in grads.items() if ".indexer." in k}
     assert math.isfinite(loss) and len(index) == 12 and min(index.values()) > 0, index
+
+
+def test_indexer_matches_a_hand_written_reference():
+    """index_q/index_k = Gemma RMSNorm (1 + w) per head, then rotate-half RoPE on the first
+    rot_dim channels at document positions (theta 5e6), written out by hand here."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    model = _model()
+    attention = model.decoder.layers[0].self_attention
+    indexer = attention.indexer
+    ids = torch.tensor([[1] * 50 + [2] * 60 + [0] * 18, [3] * 128])
+    msa = MSAMicrobatch.build(packed_seq_ids=ids, block_size=16)
+    hidden = torch.randn(SEQ, MICRO_BATCH, 64, generator=torch.Generator().manual_seed(2))
+    rotary = RotaryEmbedding(kv_channels=32, rotary_percent=0.5, rotary_base=5_000_000)(SEQ)
+    freqs = attention._token_rotary_freqs(rotary, msa)
+    with torch.no_grad():
+        index_q, index_k = indexer(hidden, msa, freqs)
+
+        x = hidden.transpose(0, 1).reshape(-1, 64)[msa.token_rows].double()
+        positions = msa.document_positions.double()
+        rot = 16
+        inv_freq = 1.0 / (5_000_000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+        angles = positions[:, None] * inv_freq[None, :]
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+        def gemma(v, weight):
+            return v / v.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt() * (1 + weight.double())
+
+        def rope(v):
+            head, rest = v[..., :rot], v[..., rot:]
+            half = torch.cat([-head[..., rot // 2 :], head[..., : rot // 2]], -1)
+            shape = (-1,) + (1,) * (v.dim() - 2) + (rot,)
+            return torch.cat([head * cos.view(shape) + half * sin.view(shape), rest], -1)
+
+        q = x @ indexer.index_q_proj.weight.double().T
+        q = rope(gemma(q.view(-1, 2, 32), indexer.index_q_norm.weight))
+        k = rope(gemma(x @ indexer.index_k_proj.weight.double().T, indexer.index_k_norm.weight))
+    errors = (_rel(index_q.double(), q), _rel(index_k.double(), k))
+    assert max(errors) < 1e-5, f"relative error of index_q, index_k vs by hand: {errors}"
+    assert float(indexer.index_q_norm.weight.abs().max()) > 0  # the (1 + w) term is exercised
