@@ -137,6 +137,12 @@ def build_train_dataset(dataset: DatasetConfig, gpt: GPTModelArgs, seed: int, nu
         create_attention_mask=False,
     )
     cls = MockGPTDataset if blend is None else GPTDataset
+    if blend is None:
+        eod = eod_token_id(dataset, gpt)
+        # Megatron's mock documents count up modulo the tokenizer's vocabulary and end with its
+        # EOD; with EOD = vocab - 1 the count would hit the EOD id every vocab tokens and split
+        # one mock document into many. Counting modulo the EOD id keeps EOD for document ends.
+        config.tokenizer = _Tokenizer(eod if eod == gpt.vocab_size - 1 else gpt.vocab_size, eod)
     train, _, _ = BlendedMegatronDatasetBuilder(
         cls, [num_samples, None, None], lambda: True, config
     ).build()

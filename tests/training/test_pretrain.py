@@ -160,3 +160,22 @@ def test_dense_warmup_trains_only_the_indexer(tmp_path):
                      "recall during the dense warm-up needs nemo_msa.megatron to select blocks "
                      "for logging while attending densely")
     assert sum(recall[-3:]) / 3 > sum(recall[:3]) / 3, recall
+
+
+def test_trains_on_a_real_indexed_corpus(tmp_path):
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(1)
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(60):
+        doc = rng.integers(1, 200, size=int(rng.integers(20, 400))).tolist() + [255]
+        builder.add_document(torch.tensor(doc), [len(doc)])
+    builder.finalize(prefix + ".idx")
+    summary = _train(["train.train_iters=3", "model.msa_dense_warmup_steps=1",
+                      f"dataset.data_path=[{prefix}]", "dataset.eod_id=255",
+                      f"dataset.path_to_cache={tmp_path / 'cache'}",
+                      f"logger.output_dir={tmp_path / 'out'}"])
+    losses = [h["loss"] for h in summary["history"]]
+    assert len(losses) == 3 and all(4.0 < x < 7.0 for x in losses), losses
