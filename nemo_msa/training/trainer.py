@@ -417,7 +417,17 @@ def pretrain(recipe: Recipe) -> dict[str, Any]:
     chunks = wrap_ddp(recipe, config, build_model(recipe, config), ctx.device)
     optimizer, scheduler = build_optimizer(recipe, config, chunks, ctx)
     config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    def per_chunk(name: str):
+        funcs = [getattr(c, name) for c in chunks]
+        return funcs if len(funcs) > 1 else funcs[0]
+
+    # As Megatron-LM wires them: the schedules use these to overlap DP communication.
+    config.no_sync_func = per_chunk("no_sync")
+    ddp_config = chunks[0].ddp_config
+    if ddp_config.overlap_grad_reduce:
+        config.grad_sync_func = per_chunk("start_grad_sync")
+    if ddp_config.overlap_param_gather and getattr(ddp_config, "align_param_gather", False):
+        config.param_sync_func = per_chunk("start_param_sync")
     config.finalize_model_grads_func = finalize_model_grads
     msa_hooks.configure(config)
     num_params = _count_parameters(chunks, ctx.device)
