@@ -121,3 +121,12 @@ def pop_step_metrics(config: Any) -> dict[str, float]:
     if "selection_recall" in raw:
         out["recall"] = raw["selection_recall"]
     return out
+
+
+def layout_builds() -> int:
+    """MSA layouts built so far in this process (memo hits excluded); 0 without MSA."""
+    try:
+        from nemo_msa import MSAMicrobatch
+    except ImportError:
+        return 0
+    return MSAMicrobatch.num_builds()

@@ -476,6 +476,7 @@ def pretrain(recipe: Recipe) -> dict[str, Any]:
         optimizer.zero_grad()
         # Every chunk of the interleaved schedule gets the very same microbatch objects (already
         # on the device), so the MSA layout built from packed_seq_ids is shared by all chunks.
+        builds_before = msa_hooks.layout_builds()
         shared = SharedMicrobatchIterators(iter(source.step_microbatches()), len(chunks))
         iterators = shared.iterators()
         losses = forward_backward(
@@ -497,6 +498,11 @@ def pretrain(recipe: Recipe) -> dict[str, Any]:
         dt = timer.lap()
         metrics = _reduce_step_losses(losses, ctx.device)
         metrics.update(msa_hooks.pop_step_metrics(config))
+        if msa_hooks.is_msa_config(config):
+            # This rank's MSA layouts per microbatch: 1.0 when every layer and every virtual
+            # pipeline chunk shared the microbatch's layout (the per-microbatch cache works).
+            metrics["layouts_per_microbatch"] = (
+                (msa_hooks.layout_builds() - builds_before) / source.num_microbatches)
         metrics.update({
             "iteration": state.iteration,
             "lr": float(scheduler.get_lr(optimizer.param_groups[0])),

@@ -124,6 +124,8 @@ def test_pp2_vpp2_on_gloo_matches_one_process(reference, tmp_path):
     assert sorted(got) == [4, 5, 6]
     for it in (4, 5, 6):
         assert got[it] == pytest.approx(want[it], rel=1e-5), (it, got[it], want[it])
+    # Rank 0 holds two virtual chunks with MSA layers; both used one layout per microbatch.
+    assert all(r["layouts_per_microbatch"] == 1.0 for r in rows)
     idx_want = _losses(ref["history"], "indexer_loss")
     idx_got = {r["iteration"]: r["indexer_loss"] for r in rows}
     for it in (4, 5, 6):
