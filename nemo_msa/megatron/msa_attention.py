@@ -256,17 +256,21 @@ class MSASelfAttention(SelfAttention):
             and self.config.msa_indexer_loss_coeff > 0
         )
         sparse = self.is_msa_layer and not dense_warmup_active(self.config)
-        q2k = index_q = index_k = None
+        log_recall = need_loss and self.config.msa_log_selection_recall
+        selected = index_q = index_k = None
         if sparse or need_loss:
             index_q, index_k = self.indexer(hidden_states, msa, freqs)
-            if sparse:
-                q2k = msa.select_blocks(
+            # During the dense warm-up the selection feeds only the recall metric (how much dense
+            # attention mass the indexer's blocks would hold); attention stays dense.
+            if sparse or log_recall:
+                selected = msa.select_blocks(
                     index_q.detach(),
                     index_k.detach(),
                     top_k=self.config.msa_topk,
                     score=self.config.msa_score_type,
                     backend=self.config.msa_backend,
                 )
+        q2k = selected if sparse else None
         if self.checkpoint_core_attention and self.training:
             # Selective recompute ("core_attn" in recompute_modules): keep only q/k/v and redo the
             # attention in the backward; the layout and the selection are reused, not redone.
@@ -290,7 +294,7 @@ class MSASelfAttention(SelfAttention):
                 num_index_heads_total=self.config.msa_num_index_heads,
                 loss_coeff=self.config.msa_indexer_loss_coeff,
                 score_type=self.config.msa_score_type,
-                q2k=q2k if (sparse_loss or self.config.msa_log_selection_recall) else None,
+                q2k=selected if (sparse_loss or log_recall) else None,
                 query_chunk=self.config.msa_indexer_loss_query_chunk,
                 sparse=sparse_loss,
             )
