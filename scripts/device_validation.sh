@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call that checks the GPU paths end to end (run from the repo root on the H200):
+#   1. every test marked `gpu` (core on CUDA, Triton kernels at full size, Megatron GPU tests);
+#   2. a few hundred steps of single-GPU pretraining, bf16, Triton backend (issue 5, item 9);
+#   3. the pipeline integration recipe collapsed to TP=1/PP=1 on one GPU (issue 6, what one GPU
+#      allows).
+# Needs the megatron-core and omegaconf wheels in .whl/ (see README "GPU"); writes to $OUT.
+set -uo pipefail
+OUT="${OUT:-runs/device}"
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:$PWD"
+fi
+export PYTHONUNBUFFERED=1
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$OUT/environment.txt"
+
+timeout "${GPU_TESTS_S:-200}" python3 -m pytest -q -m gpu tests -rs -p no:cacheprovider \
+  2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
+
+timeout "${PRETRAIN_S:-240}" python3 scripts/pretrain.py \
+  model.bf16=true optimizer.clip_grad=1.0 model.msa_backend=triton \
+  model.seq_length=2048 model.msa_block_size=64 model.msa_topk=8 model.kv_channels=64 \
+  model.msa_index_head_dim=64 model.msa_dense_warmup_steps=50 \
+  train.train_iters="${PRETRAIN_STEPS:-300}" train.global_batch_size=8 train.micro_batch_size=4 \
+  logger.progress_bar=false logger.log_interval=25 logger.output_dir="$OUT/pretrain" \
+  2>&1 | tail -60 | tee "$OUT/pretrain.log"
+
+timeout "${PP1_S:-90}" python3 scripts/pretrain.py --recipe recipes/msa_pp2_vpp2_tp2.yaml \
+  model.tensor_model_parallel_size=1 model.pipeline_model_parallel_size=1 \
+  model.virtual_pipeline_model_parallel_size=null model.bf16=true optimizer.clip_grad=1.0 \
+  model.msa_backend=triton checkpoint.save="$OUT/pp1/checkpoints" logger.progress_bar=false \
+  logger.output_dir="$OUT/pp1" 2>&1 | tail -30 | tee "$OUT/pp1.log"
