@@ -16,6 +16,8 @@ microbatch layout, and either
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -58,6 +60,10 @@ def _varlen_attn():
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
+        return None
+    # Older torch releases ship varlen_attn without causal windows or GQA; use SDPA there.
+    parameters = inspect.signature(varlen_attn).parameters
+    if "window_size" not in parameters or "enable_gqa" not in parameters:
         return None
     return varlen_attn
 
