@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
 SUPPORTED_SCORE_TYPES = ("max", "lse")
 MAX_TOP_K = 32
 
@@ -85,8 +86,8 @@ class MSATopology:
              f"equal to num_query_groups={self.num_kv_heads} (index head h serves KV head h)"),
             ("msa_index_head_dim", self.index_head_dim,
              self.index_head_dim in SUPPORTED_HEAD_DIMS, f"one of {SUPPORTED_HEAD_DIMS}"),
-            ("msa_block_size", self.block_size, self.block_size in (16, 32, 64, 128, 256),
-             "one of (16, 32, 64, 128, 256)"),
+            ("msa_block_size", self.block_size, self.block_size in SUPPORTED_BLOCK_SIZES,
+             f"one of {SUPPORTED_BLOCK_SIZES}"),
             ("msa_topk", self.top_k, 1 <= self.top_k <= MAX_TOP_K, f"1..{MAX_TOP_K}"),
             ("msa_init_blocks", self.init_blocks, self.init_blocks >= 0, ">= 0"),
             ("msa_local_blocks", self.local_blocks, self.local_blocks >= 0, ">= 0"),

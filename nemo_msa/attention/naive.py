@@ -21,7 +21,8 @@ from nemo_msa.layout import MSAMicrobatch
 _GATHER_ELEMENTS_PER_CHUNK = 1 << 24
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp64 for fp64 inputs (the tight oracle), fp32 for everything else."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
@@ -112,7 +113,7 @@ def sparse_attention_forward_reference(
     q2k = _trim_unused_slots(q2k, msa)
     kv_heads, _, top_k = q2k.shape
     group = q_heads // kv_heads
-    dtype = _compute_dtype(q)
+    dtype = accumulation_dtype(q)
     k_blocks = _workspace_blocks(msa, k, dtype)
     v_blocks = _workspace_blocks(msa, v, dtype)
     out = torch.empty(tokens, q_heads, dim, dtype=q.dtype, device=q.device)
@@ -159,7 +160,7 @@ def sparse_attention_backward_reference(
     kv_heads, _, top_k = q2k.shape
     group = q_heads // kv_heads
     block = msa.block_size
-    dtype = _compute_dtype(q)
+    dtype = accumulation_dtype(q)
     k_blocks = _workspace_blocks(msa, k, dtype)
     v_blocks = _workspace_blocks(msa, v, dtype)
     dk_blocks = torch.zeros_like(k_blocks)
@@ -224,7 +225,7 @@ def dense_document_attention(
     kv_heads = k.shape[1]
     group = q_heads // kv_heads
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(dim)
-    dtype = _compute_dtype(q)
+    dtype = accumulation_dtype(q)
     visible = document_causal_mask(msa)[None].expand(kv_heads, -1, -1)  # [Hkv, T, T]
     if q2k is not None:
         visible = visible & selected_key_mask(msa, q2k)

@@ -6,12 +6,9 @@ import torch
 
 from nemo_msa.backends import resolve_backend
 from nemo_msa.layout import MSAMicrobatch
-from nemo_msa.support import reject_cuda_graph_capture
+from nemo_msa.support import MAX_TOP_K, SUPPORTED_SCORE_TYPES, reject_cuda_graph_capture
 
-__all__ = ["SCORE_TYPES", "MAX_TOP_K", "select_blocks", "validate_selection_inputs"]
-
-SCORE_TYPES = ("max", "lse")
-MAX_TOP_K = 32
+__all__ = ["select_blocks", "validate_selection_inputs"]
 
 
 def validate_selection_inputs(
@@ -52,8 +49,8 @@ def validate_selection_inputs(
         )
     if not 1 <= top_k <= MAX_TOP_K:
         raise ValueError(f"top_k={top_k}; expected 1 <= top_k <= {MAX_TOP_K}")
-    if score not in SCORE_TYPES:
-        raise ValueError(f"score={score!r}; expected one of {SCORE_TYPES}")
+    if score not in SUPPORTED_SCORE_TYPES:
+        raise ValueError(f"score={score!r}; expected one of {SUPPORTED_SCORE_TYPES}")
     init_blocks, local_blocks = msa.forced_blocks
     if init_blocks + local_blocks > top_k:
         raise ValueError(

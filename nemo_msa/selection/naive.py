@@ -16,14 +16,11 @@ import math
 
 import torch
 
+from nemo_msa.attention.naive import accumulation_dtype
 from nemo_msa.layout import MSAMicrobatch
 
 # Elements of one chunk's [H, chunk, W] score tensor; bounds the reference's peak memory.
 _SCORE_ELEMENTS_PER_CHUNK = 1 << 25
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def select_blocks_reference(
@@ -53,7 +50,7 @@ def select_blocks_reference(
     tokens, heads, dim = index_q.shape
     block = msa.block_size
     nblocks = msa.num_workspace_blocks
-    dtype = _compute_dtype(index_q)
+    dtype = accumulation_dtype(index_q)
     device = index_q.device
 
     keys = msa.to_workspace(index_k.to(dtype))  # [W, d], zero rows past document ends
