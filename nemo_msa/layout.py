@@ -28,14 +28,13 @@ from nemo_msa.document_map import (
     select_document_map_source,
     summarize_document_map,
 )
-
-_SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
+from nemo_msa.support import SUPPORTED_BLOCK_SIZES
 
 
 def _check_forced_blocks(block_size: int, init_blocks: int, local_blocks: int) -> None:
-    if block_size not in _SUPPORTED_BLOCK_SIZES:
+    if block_size not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(
-            f"block_size={block_size} is not supported; expected one of {_SUPPORTED_BLOCK_SIZES}"
+            f"block_size={block_size} is not supported; expected one of {SUPPORTED_BLOCK_SIZES}"
         )
     if init_blocks < 0:
         raise ValueError(f"init_blocks={init_blocks}; expected >= 0")
@@ -87,6 +86,8 @@ class _LayoutMemo:
 
 
 _MEMO = _LayoutMemo()
+# Layouts of batches with no document-map source, keyed by shape and device (bounded).
+_NO_SOURCE_CACHE: dict[tuple, MSAMicrobatch] = {}
 _BUILD_COUNT = 0
 
 
@@ -173,20 +174,18 @@ class MSAMicrobatch:
         """
         _check_forced_blocks(block_size, init_blocks, local_blocks)
         source = select_document_map_source(packed_seq_ids, attention_mask, padding_mask)
-        key = (block_size, init_blocks, local_blocks, batch_size, seq_len, str(device))
-        if source.tensor is None:
-            memo_tensor = None
-            key = ("none", *key)
-        else:
-            memo_tensor = source.tensor
-            key = (source.name, *key[:3])
+        params = (block_size, init_blocks, local_blocks)
+        memo_tensor = source.tensor
+        if memo_tensor is not None:
+            key = (source.name, *params)
             cached = _MEMO.get(memo_tensor, key)
-            if cached is not None:
-                return cached
-        if memo_tensor is None:
+        else:
+            # No source: the layout depends only on the shape and device (no sync to save, but
+            # every layer should still share one object).
+            key = ("none", *params, batch_size, seq_len, str(device))
             cached = _NO_SOURCE_CACHE.get(key)
-            if cached is not None:
-                return cached
+        if cached is not None:
+            return cached
 
         document_map, bad_mask_row = document_map_from_source(source, batch_size, seq_len, device)
         layout = cls._from_map(
@@ -416,5 +415,3 @@ class MSAMicrobatch:
 
         return select_blocks(index_q, index_k, self, top_k=top_k, score=score, backend=backend)
 
-
-_NO_SOURCE_CACHE: dict[tuple, MSAMicrobatch] = {}
