@@ -115,7 +115,10 @@ def document_map_from_source(
         ``(document_map, bad_mask_row)``: int64 [b, s], and an int64 scalar tensor holding the
         first row of a 4-D mask that is not exactly block-causal (a large sentinel if none).
     """
-    no_bad = torch.full((), _NO_BAD_ROW, dtype=torch.int64)
+    def no_bad(on: torch.device | str | None) -> torch.Tensor:
+        # Filled on the device: a host tensor moved there would be a second synchronization.
+        return torch.full((), _NO_BAD_ROW, dtype=torch.int64, device=on)
+
     if source.name == "none":
         if batch_size is None or seq_len is None:
             raise ValueError(
@@ -124,7 +127,7 @@ def document_map_from_source(
             )
         _check_extent(batch_size, seq_len)
         ones = torch.ones(batch_size, seq_len, dtype=torch.int64, device=device)
-        return ones, no_bad.to(ones.device)
+        return ones, no_bad(ones.device)
 
     tensor = source.tensor
     b, s = tensor.shape[0], tensor.shape[-1]
@@ -135,9 +138,9 @@ def document_map_from_source(
     _check_extent(b, s)
 
     if source.name in ("packed_seq_ids", "attention_mask_2d"):
-        return tensor.to(torch.int64), no_bad.to(tensor.device)
+        return tensor.to(torch.int64), no_bad(tensor.device)
     if source.name == "padding_mask":
-        return (~tensor).to(torch.int64), no_bad.to(tensor.device)
+        return (~tensor).to(torch.int64), no_bad(tensor.device)
     return _document_map_from_block_causal(tensor[:, 0])
 
 
@@ -240,7 +243,7 @@ def summarize_document_map(
             (real & (local_positions % block_size == 0)).sum(),
             negative_row,
             interrupted_row,
-            bad_mask_row.to(device),
+            bad_mask_row,
         ]
     )
     # The one device-to-host synchronization of the layout.

@@ -249,9 +249,8 @@ class MSAMicrobatch:
         token_documents = document_of_flat[token_rows].to(torch.int32)
         document_positions = local_positions[token_rows]
         compact_starts = torch.argsort((document_positions != 0).to(torch.int8), stable=True)
-        cu_seqlens = torch.cat(
-            [compact_starts[:documents], torch.tensor([tokens], device=document_map.device)]
-        )
+        # The end offset is filled on the device (torch.tensor(..., device=cuda) would sync).
+        cu_seqlens = torch.cat([compact_starts[:documents], compact_starts.new_full((1,), tokens)])
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         blocks = (lengths + block_size - 1) // block_size
         workspace_starts = (torch.cumsum(blocks, dim=0) - blocks) * block_size

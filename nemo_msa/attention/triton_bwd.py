@@ -23,7 +23,12 @@ import triton
 import triton.language as tl
 
 from nemo_msa.attention.triton_fwd import LOG2E, _next_pow2, check_attention_inputs
-from nemo_msa.attention.triton_layout import INTERPRET, block_query_csr, doc_blocks
+from nemo_msa.attention.triton_layout import (
+    INTERPRET,
+    block_query_csr,
+    check_kernel_devices,
+    doc_blocks,
+)
 
 # Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003). dq: keys per tile, warps,
 # stages. dkdv: keys per program (a block is split into bs / kv_bn programs), rows per query
@@ -265,6 +270,7 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     if lse.shape != (hq, t) or lse.dtype != torch.float32:
         raise ValueError(f"lse must be fp32 [Hq={hq}, T={t}], got {lse.dtype} "
                          f"{tuple(lse.shape)}")
+    check_kernel_devices(msa, dout=dout, out=out, lse=lse)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)

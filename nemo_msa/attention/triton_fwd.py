@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_layout import INTERPRET, doc_blocks
+from nemo_msa.attention.triton_layout import INTERPRET, check_kernel_devices, doc_blocks
 
 LOG2E = 1.4426950408889634
 
@@ -313,6 +313,7 @@ def check_attention_inputs(q, k, v, q2k, msa, block_size):
         raise ValueError(f"block_size={block_size}: expected one of 16, 32, 64, 128")
     if t != getattr(msa, "num_tokens", t):
         raise ValueError(f"q has T={t} tokens but msa.num_tokens={msa.num_tokens}")
+    check_kernel_devices(msa, q=q, k=k, v=v, q2k=q2k)
     return t, hq, hkv, d, hq // hkv, q2k.shape[2]
 
 

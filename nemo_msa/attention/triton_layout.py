@@ -33,6 +33,33 @@ def _host_int(msa, name: str) -> int:
     return value
 
 
+def check_kernel_devices(msa, **tensors: torch.Tensor) -> None:
+    """Checks that the kernel inputs and the layout share a device the kernels can run on.
+
+    Compiled kernels need CUDA tensors; the interpreter (``TRITON_INTERPRET=1``) needs host ones.
+    Without this check a wrong device surfaces as Triton's bare "Pointer argument (at 0)" error.
+
+    Raises:
+        ValueError: naming the first tensor on the wrong device.
+    """
+    expected = "cpu" if INTERPRET else "cuda"
+    layout_device = getattr(getattr(msa, "cu_seqlens", None), "device", None)
+    if layout_device is not None:
+        tensors = {**tensors, "msa.cu_seqlens": msa.cu_seqlens}
+    first = None
+    for name, x in tensors.items():
+        if x.device.type != expected:
+            how = ("TRITON_INTERPRET=1 is set, so the interpreter runs the kernels on the host"
+                   if INTERPRET else "compiled Triton kernels need CUDA tensors (set "
+                   "TRITON_INTERPRET=1 before importing nemo_msa to interpret them on the CPU)")
+            raise ValueError(f"{name} is on {x.device}: expected a {expected} tensor ({how})")
+        if first is None:
+            first = (name, x.device)
+        elif x.device != first[1]:
+            raise ValueError(f"{name} is on {x.device} but {first[0]} is on {first[1]}: expected "
+                             "every input and the layout on one device")
+
+
 @dataclass(frozen=True)
 class DocBlocks:
     """Doc-block map of one layout for one block size.

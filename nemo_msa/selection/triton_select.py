@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_layout import INTERPRET, doc_blocks
+from nemo_msa.attention.triton_layout import INTERPRET, check_kernel_devices, doc_blocks
 
 _FORCED_CODE = tl.constexpr(0xFFFFFFF0)
 _NAN_CODE = tl.constexpr(1)
@@ -226,6 +226,7 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
                          f"non-negative with a sum <= top_k={top_k}")
     if t != getattr(msa, "num_tokens", t):
         raise ValueError(f"index_q has T={t} tokens but msa.num_tokens={msa.num_tokens}")
+    check_kernel_devices(msa, index_q=index_q, index_k=index_k)
     out = torch.empty((h, t, top_k), dtype=torch.int32, device=index_q.device)
     if t == 0:
         return out

@@ -11,6 +11,24 @@ from types import SimpleNamespace
 
 import torch
 
+#: Where the kernels run in these tests: compiled on a CUDA GPU, else under the interpreter on
+#: the host. Inputs and float64 references are built on the host either way (same seeds, same
+#: cases); only the kernel calls see device tensors.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_kernel_device(*tensors: torch.Tensor):
+    """The tensors moved to :data:`KERNEL_DEVICE` (a tuple, or one tensor for one argument)."""
+    moved = tuple(x.to(KERNEL_DEVICE) for x in tensors)
+    return moved[0] if len(moved) == 1 else moved
+
+
+def layout_on_kernel_device(msa):
+    """A copy of a :func:`make_layout` namespace with its tensors on :data:`KERNEL_DEVICE`."""
+    fields = {name: value.to(KERNEL_DEVICE) if isinstance(value, torch.Tensor) else value
+              for name, value in vars(msa).items()}
+    return SimpleNamespace(**fields)
+
 
 def make_layout(rows: list[list[int]], seq_len: int, block_size: int, device="cpu"):
     """Builds the layout fields the kernels read, for documents packed into padded rows.

@@ -1,6 +1,7 @@
-"""Triton sparse attention forward/backward vs float64 dense masked attention (CPU interpreter).
+"""Triton sparse attention forward/backward vs float64 dense masked attention.
 
-Also runs at full production size on a GPU (marked ``gpu``).
+The kernels run under the interpreter on CPU-only machines and compiled on a CUDA GPU; the
+inputs and float64 references are the same host tensors either way.
 """
 
 from __future__ import annotations
@@ -9,7 +10,14 @@ import math
 
 import pytest
 import torch
-from _msa_support import attention_reference_grads, make_layout, random_q2k, rel_err
+from _msa_support import (
+    attention_reference_grads,
+    layout_on_kernel_device,
+    make_layout,
+    on_kernel_device,
+    random_q2k,
+    rel_err,
+)
 
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
@@ -29,7 +37,10 @@ def _run_case(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own=False, repeat
     scale = 1.0 / math.sqrt(d)
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = attention_reference_grads(
         q, k, v, q2k, msa, scale, bs, dout)
-    out, lse = triton_attention_forward(q, k, v, q2k, msa, scale, block_size=bs)
+    dmsa = layout_on_kernel_device(msa)
+    dev = on_kernel_device(q, k, v, q2k, dout)
+    out, lse = triton_attention_forward(*dev[:4], dmsa, scale, block_size=bs)
+    out, lse = out.cpu(), lse.cpu()
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == torch.float32 and lse.shape == (hq, t)
     assert rel_err(out, ref_out) < TOL
@@ -37,8 +48,9 @@ def _run_case(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own=False, repeat
     assert torch.equal(torch.isfinite(lse), fin), "lse must be -inf exactly where no key is seen"
     assert rel_err(lse[fin], ref_lse[fin]) < 1e-4
     assert (out[~fin.t()] == 0).all()
-    dq, dk, dv = triton_attention_backward(dout, q, k, v, out, lse, q2k, msa, scale,
-                                           block_size=bs)
+    grads = triton_attention_backward(dev[4], *dev[:3], *on_kernel_device(out, lse), dev[3],
+                                      dmsa, scale, block_size=bs)
+    dq, dk, dv = (g.cpu() for g in grads)
     for name, x, ref in (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)):
         assert x.dtype == torch.bfloat16
         err = rel_err(x, ref)
@@ -46,9 +58,9 @@ def _run_case(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own=False, repeat
     if not repeat:
         return
     # Deterministic: a second backward is bitwise identical.
-    dq2, dk2, dv2 = triton_attention_backward(dout, q, k, v, out, lse, q2k, msa, scale,
-                                              block_size=bs)
-    assert torch.equal(dq, dq2) and torch.equal(dk, dk2) and torch.equal(dv, dv2)
+    grads2 = triton_attention_backward(dev[4], *dev[:3], *on_kernel_device(out, lse), dev[3],
+                                       dmsa, scale, block_size=bs)
+    assert all(torch.equal(a, b.cpu()) for a, b in zip((dq, dk, dv), grads2, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -81,6 +93,8 @@ def test_attention_rejects_bad_inputs():
         triton_attention_forward(q.float(), k, k, q2k, msa, block_size=16)
     with pytest.raises(ValueError, match="q2k must be int32"):
         triton_attention_forward(q, k, k, q2k.long(), msa, block_size=16)
+    with pytest.raises(ValueError, match="q is on meta: expected a (cpu|cuda) tensor"):
+        triton_attention_forward(q.to("meta"), k, k, q2k, msa, block_size=16)
     with pytest.raises(ValueError, match="Hq=2 must be a multiple of KV heads Hkv=3"):
         k3 = torch.zeros((16, 3, 16), dtype=torch.bfloat16)
         triton_attention_forward(q, k3, k3, q2k, msa, block_size=16)
@@ -100,7 +114,9 @@ def test_kvouter_forward_matches_reference():
     dout = torch.randn((t, hq, d), generator=gen).to(torch.bfloat16)
     q2k = random_q2k(msa, hkv, 2, bs, gen, drop_own=True)
     ref_out, ref_lse, *_ = attention_reference_grads(q, k, v, q2k, msa, 0.25, bs, dout)
-    out, lse = triton_attention_forward_kvouter(q, k, v, q2k, msa, 0.25, block_size=bs)
+    out, lse = triton_attention_forward_kvouter(*on_kernel_device(q, k, v, q2k),
+                                                layout_on_kernel_device(msa), 0.25, block_size=bs)
+    out, lse = out.cpu(), lse.cpu()
     assert rel_err(out, ref_out) < TOL
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), fin)
@@ -136,7 +152,9 @@ def test_union_forward_matches_reference(monkeypatch, qt, max_count):
     dout = torch.randn((t, hq, d), generator=gen).to(torch.bfloat16)
     q2k = random_q2k(msa, hkv, 2, bs, gen, drop_own=True)
     ref_out, ref_lse, *_ = attention_reference_grads(q, k, v, q2k, msa, 0.25, bs, dout)
-    out, lse = tf.triton_attention_forward(q, k, v, q2k, msa, 0.25, block_size=bs)
+    out, lse = tf.triton_attention_forward(*on_kernel_device(q, k, v, q2k),
+                                           layout_on_kernel_device(msa), 0.25, block_size=bs)
+    out, lse = out.cpu(), lse.cpu()
     assert rel_err(out, ref_out) < TOL
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), fin)

@@ -1,10 +1,11 @@
-"""Triton block selection vs a brute-force float64 reference (interpreter on CPU)."""
+"""Triton block selection vs a brute-force float64 reference (interpreter on CPU, compiled on a
+CUDA GPU; the inputs and the reference are the same host tensors either way)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _msa_support import make_layout, select_reference
+from _msa_support import layout_on_kernel_device, make_layout, on_kernel_device, select_reference
 
 from nemo_msa.selection.triton_select import triton_select_blocks
 
@@ -34,8 +35,8 @@ def test_selection_matches_reference(rows, seq_len, bs, d, top_k, init, local, i
     gen = torch.Generator().manual_seed(hash((seq_len, bs, d, top_k)) % 2**31)
     msa = make_layout(rows, seq_len, bs)
     q, k = _inputs(msa, 2, d, integer, gen)
-    got = triton_select_blocks(q, k, msa, top_k=top_k, init_blocks=init, local_blocks=local,
-                               block_size=bs)
+    got = triton_select_blocks(*on_kernel_device(q, k), layout_on_kernel_device(msa), top_k=top_k,
+                               init_blocks=init, local_blocks=local, block_size=bs).cpu()
     ref, _ = select_reference(q, k, msa, top_k=top_k, init_blocks=init, local_blocks=local,
                               block_size=bs)
     assert got.dtype == torch.int32 and got.shape == ref.shape
@@ -48,8 +49,8 @@ def test_selection_nan_ranks_last():
     msa = make_layout([[96]], 96, 16)
     q, k = _inputs(msa, 1, 16, False, gen)
     k[20] = float("nan")  # block 1 scores NaN for every query that sees key 20
-    got = triton_select_blocks(q, k, msa, top_k=3, init_blocks=0, local_blocks=1,
-                               block_size=16)
+    got = triton_select_blocks(*on_kernel_device(q, k), layout_on_kernel_device(msa), top_k=3,
+                               init_blocks=0, local_blocks=1, block_size=16).cpu()
     ref, _ = select_reference(q, k, msa, top_k=3, init_blocks=0, local_blocks=1, block_size=16)
     assert torch.equal(got, ref)
     # From block 3 on there are more candidates than slots: block 1 (NaN) must be dropped.
@@ -65,6 +66,9 @@ def test_selection_rejects_bad_arguments():
     with pytest.raises(ValueError, match="index_k"):
         triton_select_blocks(q, k[:, :8], msa, top_k=4, init_blocks=0, local_blocks=1,
                              block_size=16)
+    with pytest.raises(ValueError, match="index_k is on meta: expected a (cpu|cuda) tensor"):
+        triton_select_blocks(on_kernel_device(q), k.to("meta"), layout_on_kernel_device(msa),
+                             top_k=4, init_blocks=0, local_blocks=1, block_size=16)
     with pytest.raises(ValueError, match="dtype"):
         triton_select_blocks(q.float(), k.float(), msa, top_k=4, init_blocks=0, local_blocks=1,
                              block_size=16)
