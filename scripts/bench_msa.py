@@ -543,6 +543,8 @@ def main(argv=None):
                     "like a trained indexer's; attention inputs stay random")
     ap.add_argument("--union-qt", type=int, default=None,
                     help="override the forward's union tile (0 = per-token kernel only)")
+    ap.add_argument("--dq-union-qt", type=int, default=None,
+                    help="override the dq union tile (0 = per-token dq kernel only)")
     args = ap.parse_args(argv)
     global COHERENT
     COHERENT = args.coherent
@@ -550,6 +552,10 @@ def main(argv=None):
         import nemo_msa.attention.triton_fwd as tf
 
         tf.CONFIG["union_qt"] = args.union_qt
+    if args.dq_union_qt is not None:
+        import nemo_msa.attention.triton_bwd as tb
+
+        tb.CONFIG["dq_union_qt"] = args.dq_union_qt
     if not torch.cuda.is_available():
         sys.exit("bench_msa.py needs a CUDA GPU (the CPU kernel tests live in tests/msa_kernels)")
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
@@ -575,7 +581,8 @@ def main(argv=None):
     notes = [
         "index inputs: "
         + ("coherent (shared per 128-token block + 5% noise)" if COHERENT else "random")
-        + f"; forward union_qt={tf.CONFIG['union_qt']}, union_max={tf.CONFIG['union_max']}.",
+        + f"; forward union_qt={tf.CONFIG['union_qt']}, union_max={tf.CONFIG['union_max']}"
+        + f"; dq union_qt={tb.CONFIG['dq_union_qt']}, union_max={tb.CONFIG['dq_union_max']}.",
         "s = checked on a random subset of query rows (incl. the last) against float64; "
         "f = all rows against the package reference (selection in fp32, attention in float64).",
         "TF/s: fwd on selected, causally visible block FLOPs (4 d G per key); bwd counts 2.5x "

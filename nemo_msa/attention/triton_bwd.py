@@ -2,10 +2,11 @@
 
 Two kernels:
 
-* ``dq`` (query-outer, like the forward): one program per (token, KV head) recomputes the
-  probabilities of its ``top_k`` blocks for the ``G`` heads of the group and accumulates
-  ``dq = scale * dS K``. It also computes ``delta = rowsum(dO * O)`` and stores it for the
-  second kernel.
+* ``dq`` (query-outer, the forward's hybrid schedule): one program per (token, KV head)
+  recomputes the probabilities of its ``top_k`` blocks for the ``G`` heads of the group and
+  accumulates ``dq = scale * dS K``; tiles of ``dq_union_qt`` tokens whose union of blocks is
+  small run a union program instead (M = 128 rows share each K/V read). Either computes
+  ``delta = rowsum(dO * O)`` for its rows and stores it for the second kernel.
 * ``dk, dv`` (KV-outer): one program per (KV head, key block, key chunk) walks the list of
   query tokens that selected the block (a CSR built with one stable sort, so the list and the
   summation order are fixed) in tiles of ``QT`` tokens x ``G`` heads (M = 64 rows at G = 16) and
@@ -22,18 +23,21 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_fwd import LOG2E, _next_pow2, check_attention_inputs
+from nemo_msa.attention.triton_fwd import check_attention_inputs, union_schedule
 from nemo_msa.attention.triton_layout import (
     INTERPRET,
     block_query_csr,
     check_kernel_devices,
     doc_blocks,
 )
+from nemo_msa.attention.triton_tiles import LOG2E, LOG2E_C, dq_tile, load_kv_tile, next_pow2
 
 # Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003). dq: keys per tile, warps,
 # stages. dkdv: keys per program (a block is split into bs / kv_bn programs), rows per query
 # tile (tokens x padded group), warps, stages.
+# dq_union_*: the query-tile union path of dq (as the forward's union_*); 0 tokens disables it.
 CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
+          "dq_union_qt": 8, "dq_union_max": 30, "dq_union_warps": 8,
           "kv_bn": 64, "kv_rows": 64, "kv_warps": 4, "kv_stages": 2,
           # Benchmark hook only: "dq" or "dkdv" leaves that kernel out to time the other.
           "skip": ""}
@@ -46,12 +50,17 @@ def _dq_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
     stride_sg, stride_st, stride_lh,
-    scale, scale_log2,
+    scale, scale_log2, count_ptr, tok_tile_ptr, num_tiles, max_count,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr,
+    HYBRID: tl.constexpr,
 ):
     t = tl.program_id(0)
     g = tl.program_id(1)
+    if HYBRID:
+        # The union kernel already wrote this token's rows (its tile's union is small).
+        if tl.load(count_ptr + g * num_tiles + tl.load(tok_tile_ptr + t)) <= max_count:
+            return
     t64 = t.to(tl.int64)
     if TRANS:
         _dq_body_trans(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
@@ -75,7 +84,7 @@ def _dq_kernel(
                 mask=hmask[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
     tl.store(delta_ptr + heads * stride_lh + t, delta, mask=hmask)
-    lse2 = tl.load(lse_ptr + heads * stride_lh + t, mask=hmask, other=0.0) * 1.4426950408889634
+    lse2 = tl.load(lse_ptr + heads * stride_lh + t, mask=hmask, other=0.0) * LOG2E_C
     if FP32_DOT:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -86,22 +95,10 @@ def _dq_kernel(
         for c in tl.static_range(0, BS, BN):
             j = b * BS + c + kn
             kmask = (j <= p) & (b >= 0)
-            rows_k = (start + j).to(tl.int64)
-            k = tl.load(k_ptr + rows_k[:, None] * stride_kt + g * stride_kh + dd[None, :],
-                        mask=kmask[:, None], other=0.0)
-            v = tl.load(v_ptr + rows_k[:, None] * stride_vt + g * stride_vh + dd[None, :],
-                        mask=kmask[:, None], other=0.0)
-            if FP32_DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            sc = tl.dot(q, tl.trans(k)) * scale_log2
-            pr = tl.where(kmask[None, :] & hmask[:, None], tl.exp2(sc - lse2[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
-            ds = pr * (dp - delta[:, None])
-            if FP32_DOT:
-                dq += tl.dot(ds, k)
-            else:
-                dq += tl.dot(ds.to(k.dtype), k)
+            k, v = load_kv_tile(k_ptr, v_ptr, (start + j).to(tl.int64), kmask, g, stride_kt,
+                                stride_kh, stride_vt, stride_vh, D, FP32_DOT)
+            dq += dq_tile(q, do, k, v, kmask[None, :] & hmask[:, None], lse2, delta,
+                          scale_log2)
     dq = dq * scale
     tl.store(dq_ptr + t64 * stride_dqt + heads[:, None] * stride_dqh + dd[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=hmask[:, None])
@@ -131,7 +128,7 @@ def _dq_body_trans(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_pt
                  mask=hmask[None, :], other=0.0)
     delta = tl.sum(dot_.to(tl.float32) * ot.to(tl.float32), axis=0)
     tl.store(delta_ptr + heads * stride_lh + t, delta, mask=hmask)
-    lse2 = tl.load(lse_ptr + heads * stride_lh + t, mask=hmask, other=0.0) * 1.4426950408889634
+    lse2 = tl.load(lse_ptr + heads * stride_lh + t, mask=hmask, other=0.0) * LOG2E_C
     if FP32_DOT:
         qt = qt.to(tl.float32)
         dot_ = dot_.to(tl.float32)
@@ -142,25 +139,81 @@ def _dq_body_trans(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_pt
         for c in tl.static_range(0, BS, BN):
             j = b * BS + c + kn
             kmask = (j <= p) & (b >= 0)
-            rows_k = (start + j).to(tl.int64)
-            k = tl.load(k_ptr + rows_k[:, None] * stride_kt + g * stride_kh + dd[None, :],
-                        mask=kmask[:, None], other=0.0)
-            v = tl.load(v_ptr + rows_k[:, None] * stride_vt + g * stride_vh + dd[None, :],
-                        mask=kmask[:, None], other=0.0)
-            if FP32_DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = load_kv_tile(k_ptr, v_ptr, (start + j).to(tl.int64), kmask, g, stride_kt,
+                                stride_kh, stride_vt, stride_vh, D, FP32_DOT)
             sc = tl.dot(k, qt) * scale_log2  # [BN, GP]
             pr = tl.where(kmask[:, None] & hmask[None, :], tl.exp2(sc - lse2[None, :]), 0.0)
             dp = tl.dot(v, dot_)  # [BN, GP]
             ds = pr * (dp - delta[None, :])
-            if FP32_DOT:
-                dq += tl.dot(tl.trans(k), ds)
-            else:
-                dq += tl.dot(tl.trans(k), ds.to(k.dtype))
+            dq += tl.dot(tl.trans(k), ds.to(k.dtype))
     dq = dq * scale
     tl.store(dq_ptr + t64 * stride_dqt + heads[None, :] * stride_dqh + dd[:, None],
              dq.to(dq_ptr.dtype.element_ty), mask=hmask[None, :])
+
+
+@triton.jit
+def _dq_union_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
+    union_ptr, count_ptr, cu_ptr, block_doc_ptr, block_local_ptr, num_tiles, max_count,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
+    stride_sg, stride_st, stride_lh, stride_ug, stride_ut,
+    scale, scale_log2,
+    TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+    QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """dq of QT tokens of one document block x G heads in one pass over the union of their
+    selected blocks (the forward's union tile); a row only sees blocks its token selected."""
+    BM: tl.constexpr = QT * GP
+    SUB: tl.constexpr = BS // QT
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    blk = tile // SUB
+    doc = tl.load(block_doc_ptr + blk)
+    count = tl.load(count_ptr + g * num_tiles + tile)
+    # Large unions (incoherent selections) are left to the per-token kernel.
+    if (doc < 0) | (count > max_count):
+        return
+    o = tl.load(block_local_ptr + blk)
+    start = tl.load(cu_ptr + doc)
+    length = tl.load(cu_ptr + doc + 1) - start
+    r = tl.arange(0, BM)
+    pos = o * BS + (tile % SUB) * QT + r // GP
+    hr = r % GP
+    rmask = (pos < length) & (hr < G)
+    tok = (start + pos).to(tl.int64)
+    heads = g * G + hr
+    dd = tl.arange(0, D)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + dd[None, :],
+                mask=rmask[:, None], other=0.0)
+    do = tl.load(do_ptr + tok[:, None] * stride_dot + heads[:, None] * stride_doh + dd[None, :],
+                 mask=rmask[:, None], other=0.0)
+    out = tl.load(o_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + dd[None, :],
+                  mask=rmask[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * out.to(tl.float32), axis=1)
+    tl.store(delta_ptr + heads * stride_lh + tok, delta, mask=rmask)
+    lse2 = tl.load(lse_ptr + heads * stride_lh + tok, mask=rmask, other=0.0) * LOG2E_C
+    if FP32_DOT:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    kk = tl.arange(0, KP)
+    lists = tl.load(q2k_ptr + g * stride_sg + tok[:, None] * stride_st + kk[None, :],
+                    mask=rmask[:, None] & (kk[None, :] < TOPK), other=-1)
+    dq = tl.zeros((BM, D), tl.float32)
+    kn = tl.arange(0, BN)
+    for u in range(count):
+        b = tl.load(union_ptr + g * stride_ug + tile * stride_ut + u)
+        selrow = tl.max((lists == b).to(tl.int32), axis=1) > 0
+        for c in tl.static_range(0, BS, BN):
+            j = b * BS + c + kn
+            k, v = load_kv_tile(k_ptr, v_ptr, (start + j).to(tl.int64), j < length, g,
+                                stride_kt, stride_kh, stride_vt, stride_vh, D, FP32_DOT)
+            vis = (j[None, :] <= pos[:, None]) & (selrow & rmask)[:, None]
+            dq += dq_tile(q, do, k, v, vis, lse2, delta, scale_log2)
+    dq = dq * scale
+    tl.store(dq_ptr + tok[:, None] * stride_dqt + heads[:, None] * stride_dqh + dd[None, :],
+             dq.to(dq_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
@@ -190,13 +243,8 @@ def _dkdv_kernel(
     kvalid = j < length
     rows_k = (start + j).to(tl.int64)
     dd = tl.arange(0, D)
-    k = tl.load(k_ptr + rows_k[:, None] * stride_kt + g * stride_kh + dd[None, :],
-                mask=kvalid[:, None], other=0.0)
-    v = tl.load(v_ptr + rows_k[:, None] * stride_vt + g * stride_vh + dd[None, :],
-                mask=kvalid[:, None], other=0.0)
-    if FP32_DOT:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k, v = load_kv_tile(k_ptr, v_ptr, rows_k, kvalid, g, stride_kt, stride_kh, stride_vt,
+                        stride_vh, D, FP32_DOT)
     dk = tl.zeros((BN, D), tl.float32)
     dv = tl.zeros((BN, D), tl.float32)
     lo = tl.load(offsets_ptr + seg)
@@ -215,7 +263,7 @@ def _dkdv_kernel(
         do = tl.load(do_ptr + tok[:, None] * stride_dot + heads[:, None] * stride_doh
                      + dd[None, :], mask=rmask[:, None], other=0.0)
         lse2 = tl.load(lse_ptr + heads * stride_lh + tok, mask=rmask, other=0.0)
-        lse2 = lse2 * 1.4426950408889634
+        lse2 = lse2 * LOG2E_C
         delta = tl.load(delta_ptr + heads * stride_lh + tok, mask=rmask, other=0.0)
         if FP32_DOT:
             q = q.to(tl.float32)
@@ -225,17 +273,46 @@ def _dkdv_kernel(
         pr = tl.where(vis, tl.exp2(sc - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = pr * (dp - delta[:, None])
-        if FP32_DOT:
-            dv += tl.dot(tl.trans(pr), do)
-            dk += tl.dot(tl.trans(ds), q)
-        else:
-            dv += tl.dot(tl.trans(pr.to(do.dtype)), do)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        dv += tl.dot(tl.trans(pr.to(do.dtype)), do)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
     dk = dk * scale
     tl.store(dk_ptr + rows_k[:, None] * stride_dkt + g * stride_dkh + dd[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=kvalid[:, None])
     tl.store(dv_ptr + rows_k[:, None] * stride_dvt + g * stride_dvh + dd[None, :],
              dv.to(dv_ptr.dtype.element_ty), mask=kvalid[:, None])
+
+
+def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
+               t, hkv, top_k, grp, gp, bs, bn, d):
+    """dq and delta: the union kernel for tiles with a small union, per token for the rest."""
+    qt = int(CONFIG["dq_union_qt"])
+    hybrid = qt > 0
+    common = (q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0),
+              v_.stride(1), do_.stride(0), do_.stride(1), o_.stride(0), o_.stride(1),
+              dq.stride(0), dq.stride(1), q2k_.stride(0), q2k_.stride(1), lse_.stride(0))
+    if hybrid:
+        qt = max(1, min(qt, bs, 128 // gp))
+        union, count, tok_tile = union_schedule(q2k_, blocks, msa, qt)
+        num_tiles = union.shape[1]
+        max_count = int(CONFIG["dq_union_max"])
+        _dq_union_kernel[(num_tiles, hkv)](
+            q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, union, count,
+            msa.cu_seqlens, blocks.block_doc, blocks.block_local, num_tiles, max_count,
+            *common, union.stride(0), union.stride(1), scale, scale * LOG2E,
+            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=qt, BS=bs, BN=bn, D=d,
+            FP32_DOT=INTERPRET, num_warps=CONFIG["dq_union_warps"],
+            num_stages=CONFIG["dq_stages"],
+        )
+    else:
+        count = tok_tile = delta  # placeholders, never read (HYBRID=False)
+        num_tiles = max_count = 0
+    _dq_kernel[(t, hkv)](
+        q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks.token_start, blocks.token_pos,
+        *common, scale, scale * LOG2E, count, tok_tile, num_tiles, max_count,
+        TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
+        TRANS=bool(CONFIG["dq_trans"]) and bn >= 64, HYBRID=hybrid,
+        num_warps=CONFIG["dq_warps"], num_stages=CONFIG["dq_stages"],
+    )
 
 
 def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -283,19 +360,11 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     lse_ = lse.contiguous()
     q2k_ = q2k.contiguous()
     delta = torch.empty_like(lse_)
-    gp = max(16, _next_pow2(grp))
+    gp = max(16, next_pow2(grp))
     bn = min(bs, CONFIG["dq_bn"]) if d == 128 else bs
     if CONFIG["skip"] != "dq":
-        _dq_kernel[(t, hkv)](
-            q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks.token_start, blocks.token_pos,
-            q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
-            do_.stride(0), do_.stride(1), o_.stride(0), o_.stride(1), dq.stride(0), dq.stride(1),
-            q2k_.stride(0), q2k_.stride(1), lse_.stride(0),
-            scale, scale * LOG2E,
-            TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
-            TRANS=bool(CONFIG["dq_trans"]) and bn >= 64,
-            num_warps=CONFIG["dq_warps"], num_stages=CONFIG["dq_stages"],
-        )
+        _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
+                   t, hkv, top_k, grp, gp, bs, bn, d)
     csr = block_query_csr(q2k_, blocks, msa)
     qt = max(1, CONFIG["kv_rows"] // gp)
     bn_kv = min(bs, CONFIG["kv_bn"])

@@ -26,8 +26,13 @@ import triton
 import triton.language as tl
 
 from nemo_msa.attention.triton_layout import INTERPRET, check_kernel_devices, doc_blocks
-
-LOG2E = 1.4426950408889634
+from nemo_msa.attention.triton_tiles import (
+    LOG2E,
+    finish_softmax,
+    load_kv_tile,
+    next_pow2,
+    online_softmax_step,
+)
 
 # Launch parameters for d = 128 (keys per inner tile, warps, pipeline depth); scripts/bench_msa.py
 # sweeps them (ADR 0003). Smaller head dims use a whole block per tile.
@@ -83,33 +88,14 @@ def _fwd_kernel(
         for c in tl.static_range(0, BS, BN):
             j = b * BS + c + kn
             kmask = (j <= p) & (b >= 0)
-            rows_k = (start + j).to(tl.int64)
-            k = tl.load(k_ptr + rows_k[:, None] * stride_kt + g * stride_kh + dd[None, :],
-                        mask=kmask[:, None], other=0.0)
-            v = tl.load(v_ptr + rows_k[:, None] * stride_vt + g * stride_vh + dd[None, :],
-                        mask=kmask[:, None], other=0.0)
-            if FP32_DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = load_kv_tile(k_ptr, v_ptr, (start + j).to(tl.int64), kmask, g, stride_kt,
+                                stride_kh, stride_vt, stride_vh, D, FP32_DOT)
             sc = tl.dot(q, tl.trans(k)) * scale_log2
             sc = tl.where(kmask[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            # A row that has seen no visible key yet keeps m = -inf; shift by 0 instead.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            pr = tl.exp2(sc - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            if FP32_DOT:
-                acc = acc * alpha[:, None] + tl.dot(pr, v)
-            else:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-            m_i = m_new
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+            m_i, l_i, acc = online_softmax_step(sc, v, m_i, l_i, acc)
+    out, lse = finish_softmax(m_i, l_i, acc)
     tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + dd[None, :],
              out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-    lse2 = m_i + tl.log2(tl.where(empty, 1.0, l_i))
-    lse = tl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
     tl.store(lse_ptr + heads * stride_lh + t, lse, mask=hmask)
 
 
@@ -138,14 +124,8 @@ def _fwd_body_trans(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start,
         for c in tl.static_range(0, BS, BN):
             j = b * BS + c + kn
             kmask = (j <= p) & (b >= 0)
-            rows_k = (start + j).to(tl.int64)
-            k = tl.load(k_ptr + rows_k[:, None] * stride_kt + g * stride_kh + dd[None, :],
-                        mask=kmask[:, None], other=0.0)
-            v = tl.load(v_ptr + rows_k[:, None] * stride_vt + g * stride_vh + dd[None, :],
-                        mask=kmask[:, None], other=0.0)
-            if FP32_DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = load_kv_tile(k_ptr, v_ptr, (start + j).to(tl.int64), kmask, g, stride_kt,
+                                stride_kh, stride_vt, stride_vh, D, FP32_DOT)
             sc = tl.dot(k, qt) * scale_log2  # [BN, GP]
             sc = tl.where(kmask[:, None], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=0))
@@ -153,17 +133,12 @@ def _fwd_body_trans(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start,
             alpha = tl.exp2(m_i - m_use)
             pr = tl.exp2(sc - m_use[None, :])
             l_i = l_i * alpha + tl.sum(pr, axis=0)
-            if FP32_DOT:
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), pr)
-            else:
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), pr.to(v.dtype))
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), pr.to(v.dtype))
             m_i = m_new
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[None, :]
-    tl.store(out_ptr + t64 * stride_ot + heads[None, :] * stride_oh + dd[:, None],
-             out.to(out_ptr.dtype.element_ty), mask=hmask[None, :])
-    lse2 = m_i + tl.log2(tl.where(empty, 1.0, l_i))
-    lse = tl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
+    # finish_softmax works on rows: hand it the [GP, D] view and store it transposed back.
+    out, lse = finish_softmax(m_i, l_i, tl.trans(acc))
+    tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + dd[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
     tl.store(lse_ptr + heads * stride_lh + t, lse, mask=hmask)
 
 
@@ -216,43 +191,35 @@ def _fwd_union_kernel(
         selrow = tl.max((lists == b).to(tl.int32), axis=1) > 0
         for c in tl.static_range(0, BS, BN):
             j = b * BS + c + kn
-            kmask = j < length
-            rows_k = (start + j).to(tl.int64)
-            k = tl.load(k_ptr + rows_k[:, None] * stride_kt + g * stride_kh + dd[None, :],
-                        mask=kmask[:, None], other=0.0)
-            v = tl.load(v_ptr + rows_k[:, None] * stride_vt + g * stride_vh + dd[None, :],
-                        mask=kmask[:, None], other=0.0)
-            if FP32_DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = load_kv_tile(k_ptr, v_ptr, (start + j).to(tl.int64), j < length, g,
+                                stride_kt, stride_kh, stride_vt, stride_vh, D, FP32_DOT)
             vis = (j[None, :] <= pos[:, None]) & (selrow & rmask)[:, None]
             sc = tl.dot(q, tl.trans(k)) * scale_log2
             sc = tl.where(vis, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            pr = tl.exp2(sc - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            if FP32_DOT:
-                acc = acc * alpha[:, None] + tl.dot(pr, v)
-            else:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-            m_i = m_new
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+            m_i, l_i, acc = online_softmax_step(sc, v, m_i, l_i, acc)
+    out, lse = finish_softmax(m_i, l_i, acc)
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + dd[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
-    lse2 = m_i + tl.log2(tl.where(empty, 1.0, l_i))
-    lse = tl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
     tl.store(lse_ptr + heads * stride_lh + tok, lse, mask=rmask)
+
+
+#: Tiles per chunk of :func:`tile_unions`: bounds its temporaries (sort values and int64 sort
+#: indices) to a few MiB whatever the sequence length; the chunk loop adds no host sync.
+UNION_CHUNK_TILES = 8192
 
 
 def tile_unions(q2k: torch.Tensor, blocks, msa, qt: int):
     """Per (KV head, query tile of ``qt`` tokens of one document block): the sorted union of the
     tokens' selected blocks.
 
+    Args:
+        q2k: int32 [Hkv, T, top_k] document-local block ids, -1 for none.
+        blocks: the doc-block map of the layout (:func:`doc_blocks`).
+        msa: the layout; ``cu_seqlens`` and the host int ``max_seqlen`` are read.
+        qt: tokens per tile; divides ``blocks.block_size``.
+
     Returns:
-        ``(union int32 [Hkv, tiles, qt * top_k] (unused entries past ``count``), count int32
+        ``(union int32 [Hkv, tiles, qt * top_k] (entries past ``count`` are 0), count int32
         [Hkv, tiles])`` with ``tiles = num_blocks_bound * block_size // qt``; device ops only.
     """
     hkv, t, top_k = q2k.shape
@@ -260,30 +227,49 @@ def tile_unions(q2k: torch.Tensor, blocks, msa, qt: int):
     sub = bs // qt
     tiles = blocks.num_blocks_bound * sub
     dev = q2k.device
-    tid = torch.arange(tiles, device=dev)
-    blk = tid // sub
-    doc = blocks.block_doc[blk].long()
+    width = qt * top_k
+    # Local block ids stay below max_seqlen / bs: 16-bit sort keys when they fit.
+    max_blocks = -(-int(getattr(msa, "max_seqlen", 2**31 - 1)) // bs)
+    key_dtype = torch.int16 if max_blocks < 2**15 - 1 else torch.int32
+    big = torch.iinfo(key_dtype).max
+    union = torch.empty((hkv, tiles, width), dtype=torch.int32, device=dev)
+    count = torch.empty((hkv, tiles), dtype=torch.int32, device=dev)
     cu = msa.cu_seqlens.long()
-    docc = doc.clamp(min=0)
-    start = cu[docc]
-    length = cu[docc + 1] - start
-    pos = (blocks.block_local[blk].long() * bs + (tid % sub) * qt)[:, None] + torch.arange(
-        qt, device=dev)
-    valid = (doc >= 0)[:, None] & (pos < length[:, None])
-    tok = torch.where(valid, start[:, None] + pos, torch.zeros_like(pos)).clamp(max=max(t - 1, 0))
-    lists = q2k[:, tok.reshape(-1)].view(hkv, tiles, qt, top_k).long()
-    big = 1 << 40
-    lists = torch.where(valid[None, :, :, None] & (lists >= 0), lists, big)
-    srt = torch.sort(lists.view(hkv, tiles, qt * top_k), dim=-1).values
-    dup = torch.zeros_like(srt, dtype=torch.bool)
-    dup[..., 1:] = srt[..., 1:] == srt[..., :-1]
-    srt = torch.sort(torch.where(dup, big, srt), dim=-1).values
-    count = (srt < big).sum(-1).to(torch.int32)
-    return torch.where(srt < big, srt, 0).to(torch.int32).contiguous(), count.contiguous()
+    for lo in range(0, tiles, UNION_CHUNK_TILES):
+        hi = min(tiles, lo + UNION_CHUNK_TILES)
+        tid = torch.arange(lo, hi, device=dev)
+        blk = tid // sub
+        doc = blocks.block_doc[blk].long()
+        docc = doc.clamp(min=0)
+        start = cu[docc]
+        length = cu[docc + 1] - start
+        pos = (blocks.block_local[blk].long() * bs + (tid % sub) * qt)[:, None] + torch.arange(
+            qt, device=dev)
+        valid = (doc >= 0)[:, None] & (pos < length[:, None])
+        tok = torch.where(valid, start[:, None] + pos, 0).clamp(max=max(t - 1, 0))
+        lists = q2k[:, tok.reshape(-1)].view(hkv, hi - lo, qt, top_k)
+        keys = torch.where(valid[None, :, :, None] & (lists >= 0), lists, big).to(key_dtype)
+        srt = torch.sort(keys.view(hkv, hi - lo, width), dim=-1).values
+        dup = torch.zeros_like(srt, dtype=torch.bool)
+        dup[..., 1:] = srt[..., 1:] == srt[..., :-1]
+        srt = torch.sort(srt.masked_fill_(dup, big), dim=-1).values
+        real = srt != big
+        count[:, lo:hi] = real.sum(-1)
+        union[:, lo:hi] = srt.masked_fill_(~real, 0)
+    return union, count
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+def union_schedule(q2k: torch.Tensor, blocks, msa, qt: int):
+    """The hybrid schedule's inputs: :func:`tile_unions` plus each token's tile index.
+
+    Returns:
+        ``(union, count, tok_tile int32 [T])``; tile ``tok_tile[i]`` holds token ``i``.
+    """
+    union, count = tile_unions(q2k, blocks, msa, qt)
+    bs = blocks.block_size
+    tok_tile = ((blocks.doc_first_block[msa.token_documents.long()] + blocks.token_pos // bs)
+                * (bs // qt) + (blocks.token_pos % bs) // qt).to(torch.int32)
+    return union, count, tok_tile
 
 
 def check_attention_inputs(q, k, v, q2k, msa, block_size):
@@ -349,25 +335,22 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     blocks = doc_blocks(msa, bs)
     q_, k_, v_ = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     q2k_ = q2k.contiguous()
-    gp = max(16, _next_pow2(grp))
+    gp = max(16, next_pow2(grp))
     bn = min(bs, CONFIG["bn"]) if d == 128 else bs
     qt = int(CONFIG["union_qt"])
     hybrid = qt > 0
     if hybrid:
         qt = max(1, min(qt, bs, 128 // gp))
-        union, count = tile_unions(q2k_, blocks, msa, qt)
+        union, count, tok_tile = union_schedule(q2k_, blocks, msa, qt)
         num_tiles = union.shape[1]
         max_count = int(CONFIG["union_max"])
-        tok_tile = ((blocks.doc_first_block[msa.token_documents.long()]
-                     + blocks.token_pos // bs) * (bs // qt)
-                    + (blocks.token_pos % bs) // qt).to(torch.int32)
         _fwd_union_kernel[(num_tiles, hkv)](
             q_, k_, v_, q2k_, out, lse, union, count,
             msa.cu_seqlens, blocks.block_doc, blocks.block_local, num_tiles, max_count,
             q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
             out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
             union.stride(0), union.stride(1), scale * LOG2E,
-            TOPK=top_k, KP=_next_pow2(top_k), G=grp, GP=gp, QT=qt, BS=bs, BN=bn, D=d,
+            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=qt, BS=bs, BN=bn, D=d,
             FP32_DOT=INTERPRET, num_warps=CONFIG["union_warps"], num_stages=CONFIG["num_stages"],
         )
     else:

@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_fwd import LOG2E, _next_pow2, check_attention_inputs
+from nemo_msa.attention.triton_fwd import check_attention_inputs
 from nemo_msa.attention.triton_layout import INTERPRET, block_query_csr, doc_blocks
+from nemo_msa.attention.triton_tiles import LOG2E, next_pow2
 
 CONFIG = {"rows": 64, "num_warps": 4, "num_stages": 2}
 
@@ -115,7 +116,7 @@ def triton_attention_forward_kvouter(q, k, v, q2k, msa, softmax_scale=None, *,
     q2k_ = q2k.contiguous()
     csr = block_query_csr(q2k_, blocks, msa)
     n_entries = hkv * t * top_k
-    gp = max(16, _next_pow2(grp))
+    gp = max(16, next_pow2(grp))
     qt = max(1, CONFIG["rows"] // gp)
     m = torch.full((gp, n_entries), float("-inf"), dtype=torch.float32, device=q.device)
     lsum = torch.zeros((gp, n_entries), dtype=torch.float32, device=q.device)

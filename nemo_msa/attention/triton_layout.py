@@ -168,15 +168,21 @@ def block_query_csr(q2k: torch.Tensor, blocks: DocBlocks, msa) -> BlockQueryCSR:
     bound = blocks.num_blocks_bound
     device = q2k.device
     bs = blocks.block_size
-    b = q2k.to(torch.int64)
-    own = (blocks.token_pos.to(torch.int64) // bs).view(1, t, 1)
-    first = blocks.doc_first_block[msa.token_documents.to(torch.int64)].view(1, t, 1)
-    head = torch.arange(hkv, device=device, dtype=torch.int64).view(hkv, 1, 1)
+    # 32-bit keys and entry ids whenever they fit (always, short of 2^31 entries): the sort's
+    # temporaries are most of the backward's extra memory.
+    wide = hkv * bound + 1 >= 2**31 or hkv * t * top_k >= 2**31
+    idx = torch.int64 if wide else torch.int32
+    b = q2k.to(idx)
+    own = (blocks.token_pos // bs).to(idx).view(1, t, 1)
+    first = blocks.doc_first_block[msa.token_documents.to(torch.int64)].to(idx).view(1, t, 1)
+    head = torch.arange(hkv, device=device, dtype=idx).view(hkv, 1, 1)
     valid = (b >= 0) & (b <= own)
-    key = torch.where(valid, head * bound + first + b, torch.full_like(b, hkv * bound))
+    key = torch.where(valid, head * bound + first + b, hkv * bound)
     sorted_keys, order = torch.sort(key.reshape(-1), stable=True)
-    tokens = ((order // top_k) % max(t, 1)).to(torch.int32)
-    seg = torch.arange(hkv * bound + 1, device=device, dtype=torch.int64)
+    del key, valid, b
+    tokens = ((order.to(idx) // top_k) % max(t, 1)).to(torch.int32)
+    del order
+    seg = torch.arange(hkv * bound + 1, device=device, dtype=idx)
     offsets = torch.searchsorted(sorted_keys, seg)
     sizes = offsets[1:] - offsets[:-1]
     seg_order = torch.sort(sizes, descending=True, stable=True).indices.to(torch.int32)

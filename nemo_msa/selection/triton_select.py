@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from nemo_msa.attention.triton_layout import INTERPRET, check_kernel_devices, doc_blocks
+from nemo_msa.attention.triton_tiles import next_pow2
 
 _FORCED_CODE = tl.constexpr(0xFFFFFFF0)
 _NAN_CODE = tl.constexpr(1)
@@ -176,10 +177,6 @@ def _select_kernel(
     tl.store(optr, ids, mask=row_ok[:, None] & (cols[None, :] < top_k))
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, top_k: int,
                          init_blocks: int, local_blocks: int, score: str = "max",
                          block_size: int | None = None) -> torch.Tensor:
@@ -237,7 +234,7 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     kbad = _nonfinite_rows(k)  # int8 [T]
     bm = min(bs, CONFIG["bm"])
     bn = min(bs, CONFIG["bn"]) if d == 128 else bs
-    kp = max(_next_pow2(top_k), 2)
+    kp = max(next_pow2(top_k), 2)
     grid = (blocks.num_blocks_bound * (bs // bm), h)
     _select_kernel[grid](
         q, k, qbad, kbad, out, msa.cu_seqlens, blocks.block_doc, blocks.block_local,

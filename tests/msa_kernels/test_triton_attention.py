@@ -76,10 +76,12 @@ def _run_case(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own=False, repeat
 )
 def test_attention_matches_reference(monkeypatch, rows, seq_len, bs, hq, hkv, d, top_k,
                                      drop_own):
+    import nemo_msa.attention.triton_bwd as tb
     import nemo_msa.attention.triton_fwd as tf
 
-    # The per-token forward alone; the union/hybrid paths have their own tests below.
+    # The per-token forward and dq alone; the union/hybrid paths have their own tests below.
     monkeypatch.setitem(tf.CONFIG, "union_qt", 0)
+    monkeypatch.setitem(tb.CONFIG, "dq_union_qt", 0)
     _run_case(rows, seq_len, bs, hq, hkv, d, top_k, seed=seq_len * 31 + d, drop_own=drop_own,
               repeat=hq // hkv == 16)
 
@@ -134,28 +136,40 @@ def test_transposed_tiles_match_reference(monkeypatch):
     _run_case([[70, 1], [64]], 72, 64, 16, 1, 16, 2, seed=9, drop_own=True)
 
 
-@pytest.mark.parametrize("qt,max_count", [(2, 1000), (4, 1000), (4, 3)])
-def test_union_forward_matches_reference(monkeypatch, qt, max_count):
-    """The query-tile union forward alone (max_count 1000) and the hybrid (tiles with more than
-    3 union blocks go to the per-token kernel) compute the same function."""
+@pytest.mark.parametrize("qt,max_count", [(2, 1000), (4, 1000), (4, 3), (8, 2)])
+def test_union_forward_and_dq_match_reference(monkeypatch, qt, max_count):
+    """The query-tile union forward and dq alone (max_count 1000), and the hybrids (tiles with
+    more than ``max_count`` union blocks go to the per-token kernels), against float64."""
+    import nemo_msa.attention.triton_bwd as tb
     import nemo_msa.attention.triton_fwd as tf
 
     monkeypatch.setitem(tf.CONFIG, "union_qt", qt)
     monkeypatch.setitem(tf.CONFIG, "union_max", max_count)
-    gen = torch.Generator().manual_seed(13 + qt)
-    bs, hq, hkv, d = 16, 8, 2, 16
-    msa = make_layout([[1, 37], [18, 3]], 40, bs)
-    t = msa.num_tokens
-    q = torch.randn((t, hq, d), generator=gen).to(torch.bfloat16)
-    k = torch.randn((t, hkv, d), generator=gen).to(torch.bfloat16)
-    v = torch.randn((t, hkv, d), generator=gen).to(torch.bfloat16)
-    dout = torch.randn((t, hq, d), generator=gen).to(torch.bfloat16)
-    q2k = random_q2k(msa, hkv, 2, bs, gen, drop_own=True)
-    ref_out, ref_lse, *_ = attention_reference_grads(q, k, v, q2k, msa, 0.25, bs, dout)
-    out, lse = tf.triton_attention_forward(*on_kernel_device(q, k, v, q2k),
-                                           layout_on_kernel_device(msa), 0.25, block_size=bs)
-    out, lse = out.cpu(), lse.cpu()
-    assert rel_err(out, ref_out) < TOL
-    fin = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), fin)
-    assert rel_err(lse[fin], ref_lse[fin]) < 1e-4
+    monkeypatch.setitem(tb.CONFIG, "dq_union_qt", qt)
+    monkeypatch.setitem(tb.CONFIG, "dq_union_max", max_count)
+    # G = 4 (padded to 16 rows) at bs 16, and G = 16 with tiles that straddle a document end.
+    rows, seq_len, hq, hkv = ([[1, 37], [18, 3]], 40, 8, 2) if qt < 8 else ([[45, 30]], 80, 16, 1)
+    _run_case(rows, seq_len, 16, hq, hkv, 16, 2, seed=13 + qt, drop_own=True, repeat=True)
+
+
+def test_tile_unions_are_the_same_in_chunks(monkeypatch):
+    """Chunking the union build (bounded temporaries) gives the whole build's lists and counts,
+    and each count is the number of distinct selected blocks of the tile's tokens."""
+    import nemo_msa.attention.triton_fwd as tf
+    from nemo_msa.attention.triton_layout import doc_blocks
+
+    gen = torch.Generator().manual_seed(21)
+    msa = make_layout([[1, 37, 60], [18, 3]], 100, 16)
+    q2k = random_q2k(msa, 2, 3, 16, gen, drop_own=True)
+    blocks = doc_blocks(msa, 16)
+    whole, whole_count = tf.tile_unions(q2k, blocks, msa, 4)
+    monkeypatch.setattr(tf, "UNION_CHUNK_TILES", 3)
+    union, count = tf.tile_unions(q2k, blocks, msa, 4)
+    assert torch.equal(union, whole) and torch.equal(count, whole_count)
+    _, _, tok_tile = tf.union_schedule(q2k, blocks, msa, 4)
+    for g in range(2):
+        for tile in torch.unique(tok_tile).tolist():
+            toks = (tok_tile == tile).nonzero().flatten()
+            want = sorted({b for b in q2k[g, toks].flatten().tolist() if b >= 0})
+            n = int(count[g, tile])
+            assert n == len(want) and union[g, tile, :n].tolist() == want
