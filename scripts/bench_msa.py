@@ -524,6 +524,22 @@ def fmt_table(results, notes):
     return "\n".join(lines + [""] + notes)
 
 
+def apply_overrides(items: list[str]) -> None:
+    """Applies ``--set KERNEL.KEY=VALUE`` to the kernels' CONFIG dicts (values parsed as JSON)."""
+    import nemo_msa.attention.triton_bwd as tb
+    import nemo_msa.attention.triton_fwd as tf
+    import nemo_msa.selection.triton_select as ts
+
+    configs = {"sel": ts.CONFIG, "fwd": tf.CONFIG, "bwd": tb.CONFIG}
+    for item in items:
+        name, _, value = item.partition("=")
+        kernel, _, key = name.partition(".")
+        if kernel not in configs or key not in configs[kernel] or not value:
+            known = {k: sorted(c) for k, c in configs.items()}
+            sys.exit(f"--set {item!r}: expected KERNEL.KEY=VALUE with KEY one of {known}")
+        configs[kernel][key] = json.loads(value)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="8192,32768,65536,131072")
@@ -545,7 +561,11 @@ def main(argv=None):
                     help="override the forward's union tile (0 = per-token kernel only)")
     ap.add_argument("--dq-union-qt", type=int, default=None,
                     help="override the dq union tile (0 = per-token dq kernel only)")
+    ap.add_argument("--set", action="append", default=[], metavar="KERNEL.KEY=VALUE",
+                    help="override one launch parameter, e.g. fwd.union_max=48 or "
+                    "bwd.dq_union_warps=4 (KERNEL is sel, fwd or bwd; repeatable)")
     args = ap.parse_args(argv)
+    apply_overrides(args.set)
     global COHERENT
     COHERENT = args.coherent
     if args.union_qt is not None:
@@ -582,7 +602,8 @@ def main(argv=None):
         "index inputs: "
         + ("coherent (shared per 128-token block + 5% noise)" if COHERENT else "random")
         + f"; forward union_qt={tf.CONFIG['union_qt']}, union_max={tf.CONFIG['union_max']}"
-        + f"; dq union_qt={tb.CONFIG['dq_union_qt']}, union_max={tb.CONFIG['dq_union_max']}.",
+        + f"; dq union_qt={tb.CONFIG['dq_union_qt']}, union_max={tb.CONFIG['dq_union_max']}"
+        + (f"; overrides {args.set}" if args.set else "") + ".",
         "s = checked on a random subset of query rows (incl. the last) against float64; "
         "f = all rows against the package reference (selection in fp32, attention in float64).",
         "TF/s: fwd on selected, causally visible block FLOPs (4 d G per key); bwd counts 2.5x "

@@ -37,7 +37,8 @@ from nemo_msa.attention.triton_tiles import LOG2E, LOG2E_C, dq_tile, load_kv_til
 # tile (tokens x padded group), warps, stages.
 # dq_union_*: the query-tile union path of dq (as the forward's union_*); 0 tokens disables it.
 CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
-          "dq_union_qt": 8, "dq_union_max": 30, "dq_union_warps": 8,
+          "dq_union_qt": 8, "dq_union_max": 30, "dq_union_warps": 8, "dq_union_bn": 64,
+          "dq_union_stages": 2,
           "kv_bn": 64, "kv_rows": 64, "kv_warps": 4, "kv_stages": 2,
           # Benchmark hook only: "dq" or "dkdv" leaves that kernel out to time the other.
           "skip": ""}
@@ -299,9 +300,10 @@ def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
             q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, union, count,
             msa.cu_seqlens, blocks.block_doc, blocks.block_local, num_tiles, max_count,
             *common, union.stride(0), union.stride(1), scale, scale * LOG2E,
-            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=qt, BS=bs, BN=bn, D=d,
+            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=qt, BS=bs,
+            BN=min(bs, CONFIG["dq_union_bn"]) if d == 128 else bs, D=d,
             FP32_DOT=INTERPRET, num_warps=CONFIG["dq_union_warps"],
-            num_stages=CONFIG["dq_stages"],
+            num_stages=CONFIG["dq_union_stages"],
         )
     else:
         count = tok_tile = delta  # placeholders, never read (HYBRID=False)
