@@ -43,7 +43,8 @@ from nemo_msa.attention.triton_tiles import (
 # K/V read once per tile); the others run the per-token kernel. Break-even measured at about
 # 30 blocks for 8-token tiles (ADR 0003). union_qt = 0 disables the union kernel.
 CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
-          "union_qt": 8, "union_max": 30, "union_warps": 8, "union_stages": 2}
+          "union_qt": 8, "union_max": 30, "union_warps": 8, "union_stages": 2,
+          "union_bn": 128}
 
 
 @triton.jit
@@ -350,7 +351,8 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
             out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
             union.stride(0), union.stride(1), scale * LOG2E,
-            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=qt, BS=bs, BN=bn, D=d,
+            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=qt, BS=bs,
+            BN=min(bs, CONFIG["union_bn"]) if d == 128 else bs, D=d,
             FP32_DOT=INTERPRET, num_warps=CONFIG["union_warps"],
             num_stages=CONFIG["union_stages"],
         )
