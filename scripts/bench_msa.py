@@ -320,6 +320,14 @@ def run_case(case, args, gen, results):
         for n in ("out", "lse", "q2k"):
             s.pop(n)
 
+    if args.no_dense:  # parameter sweeps: MSA times only, no ratio
+        for key in ("dense_fwd_ms", "dense_fwdbwd_ms", "dense_tflops_fwd", "speedup_fwd",
+                    "speedup_fwdbwd"):
+            r[key] = float("nan")
+        _log(json.dumps(r))
+        results.append(r)
+        return
+
     # --- dense cuDNN SDPA, causal over each padded row, GQA
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -561,6 +569,8 @@ def main(argv=None):
                     help="override the forward's union tile (0 = per-token kernel only)")
     ap.add_argument("--dq-union-qt", type=int, default=None,
                     help="override the dq union tile (0 = per-token dq kernel only)")
+    ap.add_argument("--no-dense", action="store_true",
+                    help="skip the dense baseline (launch-parameter sweeps; no speedup ratios)")
     ap.add_argument("--set", action="append", default=[], metavar="KERNEL.KEY=VALUE",
                     help="override one launch parameter, e.g. fwd.union_max=48 or "
                     "bwd.dq_union_warps=4 (KERNEL is sel, fwd or bwd; repeatable)")
