@@ -1,9 +1,10 @@
 """Registers the Triton (SM90) MSA backend; imported lazily by nemo_msa.backends.
 
 The kernels live in nemo_msa/selection/triton_select.py, nemo_msa/attention/triton_fwd.py and
-nemo_msa/attention/triton_bwd.py (design and measurements: docs/adr/0003-*). The backward has
-no atomics, so it is deterministic and also serves under
-``torch.use_deterministic_algorithms(True)``.
+nemo_msa/attention/triton_bwd.py (design and measurements: docs/adr/0003-*). dk and dv never
+use atomics; dq does on the fast path (fp32 atomic adds from the dk/dv kernel), which the
+backward leaves under ``torch.use_deterministic_algorithms(True)`` for an atomic-free, bitwise
+repeatable dq pass.
 """
 
 from __future__ import annotations
@@ -50,6 +51,6 @@ register_backend(
         attention_backward=_backward,
         unavailable_reason=_unavailable_reason,
         description="Triton kernels for SM90: fused select+top-k, hybrid union/per-token "
-        "forward, deterministic backward (KV-outer dk/dv)",
+        "forward, KV-outer dk/dv backward (atomic-free dq in deterministic mode)",
     )
 )

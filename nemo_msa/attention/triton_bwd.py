@@ -13,6 +13,12 @@ Two kernels:
   accumulates ``dv += P^T dO`` and ``dk += scale * dS^T Q`` in registers. Every key row belongs
   to exactly one program, so dk/dv are written once, without atomics; the result is bitwise
   reproducible run to run.
+
+Fast path (``CONFIG["dq_atomic"]``, never under ``torch.use_deterministic_algorithms(True)``):
+the dk/dv kernel also adds each tile's ``dS K`` into an fp32 dq with atomics, as FlashAttention's
+backward does, so dq costs one matmul per tile instead of a second pass that recomputes S and dP
+(three matmuls). dk and dv stay atomic-free; dq's summation order then varies run to run, and
+the fp32 accumulator costs 4 bytes per dq element while the kernel runs.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from nemo_msa.attention.triton_tiles import LOG2E, LOG2E_C, dq_tile, load_kv_til
 CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
           "dq_union_qt": 8, "dq_union_max": 30, "dq_union_warps": 8, "dq_union_bn": 64,
           "dq_union_stages": 2,
+          # Fused dk/dv + atomic dq (outside deterministic mode): on/off and its warps.
+          "dq_atomic": True, "fused_warps": 8,
           "kv_bn": 64, "kv_rows": 64, "kv_warps": 4, "kv_stages": 2,
           # Benchmark hook only: "dq" or "dkdv" leaves that kernel out to time the other.
           "skip": ""}
@@ -218,14 +226,31 @@ def _dq_union_kernel(
 
 
 @triton.jit
+def _delta_kernel(do_ptr, o_ptr, delta_ptr, stride_dot, stride_doh, stride_ot, stride_oh,
+                  stride_lh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+    """delta [Hq, T] = rowsum(dO * O) for the G heads of one (token, KV head)."""
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, GP)
+    hmask = rows < G
+    heads = tl.program_id(1) * G + rows
+    dd = tl.arange(0, D)
+    do = tl.load(do_ptr + t * stride_dot + heads[:, None] * stride_doh + dd[None, :],
+                 mask=hmask[:, None], other=0.0)
+    o = tl.load(o_ptr + t * stride_ot + heads[:, None] * stride_oh + dd[None, :],
+                mask=hmask[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    tl.store(delta_ptr + heads * stride_lh + t, delta, mask=hmask)
+
+
+@triton.jit
 def _dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     offsets_ptr, list_ptr, order_ptr, block_doc_ptr, block_local_ptr, cu_ptr, tok_pos_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-    num_blocks_bound, scale, scale_log2,
+    num_blocks_bound, scale, scale_log2, dq32_ptr, stride_dq32t, stride_dq32h,
     G: tl.constexpr, GP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
+    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     CHUNKS: tl.constexpr = BS // BN
     BM: tl.constexpr = QT * GP
@@ -276,6 +301,11 @@ def _dkdv_kernel(
         ds = pr * (dp - delta[:, None])
         dv += tl.dot(tl.trans(pr.to(do.dtype)), do)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        if DQ_ATOMIC:
+            # This key chunk's share of dq; the other chunks and blocks add theirs.
+            part = tl.dot(ds.to(k.dtype), k) * scale
+            tl.atomic_add(dq32_ptr + tok[:, None] * stride_dq32t + heads[:, None] * stride_dq32h
+                          + dd[None, :], part, mask=rmask[:, None], sem="relaxed")
     dk = dk * scale
     tl.store(dk_ptr + rows_k[:, None] * stride_dkt + g * stride_dkh + dd[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=kvalid[:, None])
@@ -364,15 +394,23 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     delta = torch.empty_like(lse_)
     gp = max(16, next_pow2(grp))
     bn = min(bs, CONFIG["dq_bn"]) if d == 128 else bs
-    if CONFIG["skip"] != "dq":
-        _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
-                   t, hkv, top_k, grp, gp, bs, bn, d)
+    fused = bool(CONFIG["dq_atomic"]) and not torch.are_deterministic_algorithms_enabled()
+    if fused:
+        _delta_kernel[(t, hkv)](do_, o_, delta, do_.stride(0), do_.stride(1), o_.stride(0),
+                                o_.stride(1), delta.stride(0), G=grp, GP=gp, D=d)
+        dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    else:
+        dq32 = delta  # placeholder, never read (DQ_ATOMIC=False)
+        if CONFIG["skip"] != "dq":
+            _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
+                       t, hkv, top_k, grp, gp, bs, bn, d)
     csr = block_query_csr(q2k_, blocks, msa)
     qt = max(1, CONFIG["kv_rows"] // gp)
     bn_kv = min(bs, CONFIG["kv_bn"])
     grid = (hkv * blocks.num_blocks_bound * (bs // bn_kv),)
-    if CONFIG["skip"] == "dkdv":
+    if CONFIG["skip"] == "dkdv" and not fused:
         return dq, dk, dv
+    warps = CONFIG["fused_warps" if fused else "kv_warps"] if d == 128 else 4
     _dkdv_kernel[grid](
         q_, k_, v_, do_, lse_, delta, dk, dv,
         csr.offsets, csr.tokens, csr.order, blocks.block_doc, blocks.block_local,
@@ -381,7 +419,10 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         do_.stride(0), do_.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         lse_.stride(0),
         blocks.num_blocks_bound, scale, scale * LOG2E,
-        G=grp, GP=gp, QT=qt, BS=bs, BN=bn_kv, D=d, FP32_DOT=INTERPRET,
-        num_warps=CONFIG["kv_warps"] if d == 128 else 4, num_stages=CONFIG["kv_stages"],
+        dq32, dq32.stride(0), dq32.stride(1) if fused else 0,
+        G=grp, GP=gp, QT=qt, BS=bs, BN=bn_kv, D=d, FP32_DOT=INTERPRET, DQ_ATOMIC=fused,
+        num_warps=warps, num_stages=CONFIG["kv_stages"],
     )
+    if fused:
+        dq.copy_(dq32)
     return dq, dk, dv
