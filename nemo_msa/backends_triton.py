@@ -1,10 +1,9 @@
 """Registers the Triton (SM90) MSA backend; imported lazily by nemo_msa.backends.
 
 The kernels live in nemo_msa/selection/triton_select.py, nemo_msa/attention/triton_fwd.py and
-nemo_msa/attention/triton_bwd.py (design and measurements: docs/adr/0003-*). dk and dv never
-use atomics; dq does on the fast path (fp32 atomic adds from the dk/dv kernel), which the
-backward leaves under ``torch.use_deterministic_algorithms(True)`` for an atomic-free, bitwise
-repeatable dq pass.
+nemo_msa/attention/triton_bwd.py (design and measurements: docs/adr/0003-*). By default the
+backward uses no atomics and is bitwise repeatable; an opt-in dq path with fp32 atomics
+(measured slower) is never taken under ``torch.use_deterministic_algorithms(True)``.
 """
 
 from __future__ import annotations
@@ -51,6 +50,6 @@ register_backend(
         attention_backward=_backward,
         unavailable_reason=_unavailable_reason,
         description="Triton kernels for SM90: fused select+top-k, hybrid union/per-token "
-        "forward, KV-outer dk/dv backward (atomic-free dq in deterministic mode)",
+        "forward, deterministic backward (union/per-token dq, KV-outer dk/dv)",
     )
 )

@@ -14,11 +14,12 @@ Two kernels:
   to exactly one program, so dk/dv are written once, without atomics; the result is bitwise
   reproducible run to run.
 
-Fast path (``CONFIG["dq_atomic"]``, never under ``torch.use_deterministic_algorithms(True)``):
+Opt-in path (``CONFIG["dq_atomic"]``, never under ``torch.use_deterministic_algorithms(True)``):
 the dk/dv kernel also adds each tile's ``dS K`` into an fp32 dq with atomics, as FlashAttention's
 backward does, so dq costs one matmul per tile instead of a second pass that recomputes S and dP
 (three matmuls). dk and dv stay atomic-free; dq's summation order then varies run to run, and
-the fp32 accumulator costs 4 bytes per dq element while the kernel runs.
+the fp32 accumulator costs 4 bytes per dq element while the kernel runs. On the H200 it measured
+slower than the two atomic-free kernels (ADR 0003), so it is off by default.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ from nemo_msa.attention.triton_tiles import LOG2E, LOG2E_C, dq_tile, load_kv_til
 CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
           "dq_union_qt": 8, "dq_union_max": 30, "dq_union_warps": 8, "dq_union_bn": 64,
           "dq_union_stages": 2,
-          # Fused dk/dv + atomic dq (outside deterministic mode): on/off and its warps.
-          "dq_atomic": True, "fused_warps": 8,
+          # Fused dk/dv + atomic dq (never in deterministic mode): measured slower than the
+          # atomic-free path on the H200 (ADR 0003, v5) and 4 bytes per dq element, so opt-in.
+          "dq_atomic": False, "fused_warps": 8,
           "kv_bn": 64, "kv_rows": 64, "kv_warps": 4, "kv_stages": 2,
           # Benchmark hook only: "dq" or "dkdv" leaves that kernel out to time the other.
           "skip": ""}
