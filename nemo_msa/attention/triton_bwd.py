@@ -37,7 +37,17 @@ from nemo_msa.attention.triton_layout import (
     check_kernel_devices,
     doc_blocks,
 )
-from nemo_msa.attention.triton_tiles import LOG2E, LOG2E_C, dq_tile, load_kv_tile, next_pow2
+from nemo_msa.attention.triton_tiles import (
+    LOG2E,
+    LOG2E_C,
+    dq_tile,
+    load_kv_tile,
+    load_rows,
+    load_selection_rows,
+    next_pow2,
+    token_rows,
+    union_tile_rows,
+)
 
 # Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003). dq: keys per tile, warps,
 # stages. dkdv: keys per program (a block is split into bs / kv_bn programs), rows per query
@@ -87,12 +97,10 @@ def _dq_kernel(
     hmask = rows < G
     heads = g * G + rows
     dd = tl.arange(0, D)
-    q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + dd[None, :],
-                mask=hmask[:, None], other=0.0)
-    do = tl.load(do_ptr + t64 * stride_dot + heads[:, None] * stride_doh + dd[None, :],
-                 mask=hmask[:, None], other=0.0)
-    o = tl.load(o_ptr + t64 * stride_ot + heads[:, None] * stride_oh + dd[None, :],
-                mask=hmask[:, None], other=0.0)
+    toks = token_rows(t64, heads)
+    q = load_rows(q_ptr, toks, heads, hmask, stride_qt, stride_qh, D)
+    do = load_rows(do_ptr, toks, heads, hmask, stride_dot, stride_doh, D)
+    o = load_rows(o_ptr, toks, heads, hmask, stride_ot, stride_oh, D)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
     tl.store(delta_ptr + heads * stride_lh + t, delta, mask=hmask)
     lse2 = tl.load(lse_ptr + heads * stride_lh + t, mask=hmask, other=0.0) * LOG2E_C
@@ -177,40 +185,26 @@ def _dq_union_kernel(
     """dq of QT tokens of one document block x G heads in one pass over the union of their
     selected blocks (the forward's union tile); a row only sees blocks its token selected."""
     BM: tl.constexpr = QT * GP
-    SUB: tl.constexpr = BS // QT
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    blk = tile // SUB
-    doc = tl.load(block_doc_ptr + blk)
+    doc = tl.load(block_doc_ptr + tile // (BS // QT))
     count = tl.load(count_ptr + g * num_tiles + tile)
     # Large unions (incoherent selections) are left to the per-token kernel.
     if (doc < 0) | (count > max_count):
         return
-    o = tl.load(block_local_ptr + blk)
-    start = tl.load(cu_ptr + doc)
-    length = tl.load(cu_ptr + doc + 1) - start
-    r = tl.arange(0, BM)
-    pos = o * BS + (tile % SUB) * QT + r // GP
-    hr = r % GP
-    rmask = (pos < length) & (hr < G)
-    tok = (start + pos).to(tl.int64)
-    heads = g * G + hr
+    start, length, pos, rmask, tok, heads = union_tile_rows(tile, g, doc, cu_ptr,
+                                                            block_local_ptr, G, GP, QT, BS)
     dd = tl.arange(0, D)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + dd[None, :],
-                mask=rmask[:, None], other=0.0)
-    do = tl.load(do_ptr + tok[:, None] * stride_dot + heads[:, None] * stride_doh + dd[None, :],
-                 mask=rmask[:, None], other=0.0)
-    out = tl.load(o_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + dd[None, :],
-                  mask=rmask[:, None], other=0.0)
+    q = load_rows(q_ptr, tok, heads, rmask, stride_qt, stride_qh, D)
+    do = load_rows(do_ptr, tok, heads, rmask, stride_dot, stride_doh, D)
+    out = load_rows(o_ptr, tok, heads, rmask, stride_ot, stride_oh, D)
     delta = tl.sum(do.to(tl.float32) * out.to(tl.float32), axis=1)
     tl.store(delta_ptr + heads * stride_lh + tok, delta, mask=rmask)
     lse2 = tl.load(lse_ptr + heads * stride_lh + tok, mask=rmask, other=0.0) * LOG2E_C
     if FP32_DOT:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    kk = tl.arange(0, KP)
-    lists = tl.load(q2k_ptr + g * stride_sg + tok[:, None] * stride_st + kk[None, :],
-                    mask=rmask[:, None] & (kk[None, :] < TOPK), other=-1)
+    lists = load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK, KP)
     dq = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
     for u in range(count):
@@ -235,11 +229,9 @@ def _delta_kernel(do_ptr, o_ptr, delta_ptr, stride_dot, stride_doh, stride_ot, s
     rows = tl.arange(0, GP)
     hmask = rows < G
     heads = tl.program_id(1) * G + rows
-    dd = tl.arange(0, D)
-    do = tl.load(do_ptr + t * stride_dot + heads[:, None] * stride_doh + dd[None, :],
-                 mask=hmask[:, None], other=0.0)
-    o = tl.load(o_ptr + t * stride_ot + heads[:, None] * stride_oh + dd[None, :],
-                mask=hmask[:, None], other=0.0)
+    toks = token_rows(t, heads)
+    do = load_rows(do_ptr, toks, heads, hmask, stride_dot, stride_doh, D)
+    o = load_rows(o_ptr, toks, heads, hmask, stride_ot, stride_oh, D)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
     tl.store(delta_ptr + heads * stride_lh + t, delta, mask=hmask)
 

@@ -30,8 +30,11 @@ from nemo_msa.attention.triton_tiles import (
     LOG2E,
     finish_softmax,
     load_kv_tile,
+    load_rows,
+    load_selection_rows,
     next_pow2,
     online_softmax_step,
+    union_tile_rows,
 )
 
 # Launch parameters for d = 128 (keys per inner tile, warps, pipeline depth); scripts/bench_msa.py
@@ -157,32 +160,20 @@ def _fwd_union_kernel(
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected."""
     BM: tl.constexpr = QT * GP
-    SUB: tl.constexpr = BS // QT
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    blk = tile // SUB
-    doc = tl.load(block_doc_ptr + blk)
+    doc = tl.load(block_doc_ptr + tile // (BS // QT))
     count = tl.load(count_ptr + g * num_tiles + tile)
     # Large unions (incoherent selections) are left to the per-token kernel.
     if (doc < 0) | (count > max_count):
         return
-    o = tl.load(block_local_ptr + blk)
-    start = tl.load(cu_ptr + doc)
-    length = tl.load(cu_ptr + doc + 1) - start
-    r = tl.arange(0, BM)
-    pos = o * BS + (tile % SUB) * QT + r // GP
-    hr = r % GP
-    rmask = (pos < length) & (hr < G)
-    tok = (start + pos).to(tl.int64)
-    heads = g * G + hr
+    start, length, pos, rmask, tok, heads = union_tile_rows(tile, g, doc, cu_ptr,
+                                                            block_local_ptr, G, GP, QT, BS)
     dd = tl.arange(0, D)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + dd[None, :],
-                mask=rmask[:, None], other=0.0)
+    q = load_rows(q_ptr, tok, heads, rmask, stride_qt, stride_qh, D)
     if FP32_DOT:
         q = q.to(tl.float32)
-    kk = tl.arange(0, KP)
-    lists = tl.load(q2k_ptr + g * stride_sg + tok[:, None] * stride_st + kk[None, :],
-                    mask=rmask[:, None] & (kk[None, :] < TOPK), other=-1)
+    lists = load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK, KP)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)

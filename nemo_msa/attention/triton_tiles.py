@@ -86,3 +86,51 @@ def dq_tile(q, do, k, v, pr_mask, lse2, delta, scale_log2):
     dp = tl.dot(do, tl.trans(v))
     ds = pr * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k)
+
+
+@triton.jit
+def load_rows(ptr, tok, heads, mask, stride_t, stride_h, D: tl.constexpr):
+    """Rows ``[tok, heads, :]`` of a [T, H, D] tensor as an [M, D] tile (0 where ~mask);
+    ``tok`` int64 [M], ``heads`` [M] (one token: see :func:`token_rows`)."""
+    dd = tl.arange(0, D)
+    offsets = tok[:, None] * stride_t + heads[:, None] * stride_h + dd[None, :]
+    return tl.load(ptr + offsets, mask=mask[:, None], other=0.0)
+
+
+@triton.jit
+def token_rows(t, heads):
+    """Token ``t`` repeated for every row of ``heads``: int64 [M], for :func:`load_rows`."""
+    return (heads * 0).to(tl.int64) + t.to(tl.int64)
+
+
+@triton.jit
+def union_tile_rows(tile, g, doc, cu_ptr, block_local_ptr, G: tl.constexpr, GP: tl.constexpr,
+                    QT: tl.constexpr, BS: tl.constexpr):
+    """The rows of a query-tile union program: QT tokens x GP (padded) heads, M = QT * GP.
+
+    Tile ``tile`` covers tokens ``[QT * (tile % (BS / QT)), ...)`` of local block ``
+    block_local[tile // (BS / QT)]`` of document ``doc``.
+
+    Returns:
+        ``(start, length, pos, rmask, tok, heads)``: the document's first compact row and
+        length, then per row its document position, validity (real token, real head), int64
+        compact token row and query head.
+    """
+    SUB: tl.constexpr = BS // QT
+    o = tl.load(block_local_ptr + tile // SUB)
+    start = tl.load(cu_ptr + doc)
+    length = tl.load(cu_ptr + doc + 1) - start
+    r = tl.arange(0, QT * GP)
+    pos = o * BS + (tile % SUB) * QT + r // GP
+    hr = r % GP
+    rmask = (pos < length) & (hr < G)
+    return start, length, pos, rmask, (start + pos).to(tl.int64), g * G + hr
+
+
+@triton.jit
+def load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK: tl.constexpr,
+                        KP: tl.constexpr):
+    """q2k[g, tok, :] as an int32 [M, KP] tile, -1 past TOPK and on masked rows."""
+    kk = tl.arange(0, KP)
+    return tl.load(q2k_ptr + g * stride_sg + tok[:, None] * stride_st + kk[None, :],
+                   mask=rmask[:, None] & (kk[None, :] < TOPK), other=-1)

@@ -37,17 +37,40 @@ def test_layout_build_synchronizes_exactly_once_on_cuda():
     assert msa.num_tokens == int((ids > 0).sum())
 
 
-def test_triton_selection_and_attention_add_no_synchronization():
-    """After the layout's one sync, selection, forward and backward never wait on the host."""
-    g = torch.Generator().manual_seed(2)
-    ids = random_document_map(g, batch=2, seq=4096, max_doc=3000).cuda()
+def _production_inputs(seed: int, max_doc: int):
+    """A packed [2, 4096] batch in the production topology (64/4 heads, d 128, index 4 x 128),
+    bf16 on CUDA: ``(msa, index_q, index_k, q, k, v, dout)``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = random_document_map(g, batch=2, seq=4096, max_doc=max_doc).cuda()
     msa = MSAMicrobatch.build(packed_seq_ids=ids, block_size=128)
     t = msa.num_tokens
-    iq = torch.randn(t, 4, 128, device="cuda", dtype=torch.bfloat16)
-    ik = torch.randn(t, 128, device="cuda", dtype=torch.bfloat16)
-    q, k, v = (torch.randn(t, h, 128, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-               for h in (64, 4, 4))
-    dout = torch.randn(t, 64, 128, device="cuda", dtype=torch.bfloat16)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to("cuda", torch.bfloat16)
+
+    return msa, rnd(t, 4, 128), rnd(t, 128), rnd(t, 64, 128), rnd(t, 4, 128), rnd(t, 4, 128), \
+        rnd(t, 64, 128)
+
+
+def _two_deterministic_runs(q, k, v, dout, q2k, msa, backend):
+    """Two (out, dq, dk, dv) runs of the op under torch.use_deterministic_algorithms(True)."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(2):
+            xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+            out = sparse_attention(*xs, q2k, msa, backend=backend)
+            runs.append((out, *torch.autograd.grad(out, xs, dout)))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    return runs
+
+
+def test_triton_selection_and_attention_add_no_synchronization():
+    """After the layout's one sync, selection, forward and backward never wait on the host."""
+    msa, iq, ik, q, k, v, dout = _production_inputs(2, max_doc=3000)
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
     for _ in range(2):  # the first round compiles the kernels (and may sync while doing so)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("warn")
@@ -65,25 +88,9 @@ def test_triton_selection_and_attention_add_no_synchronization():
 
 
 def test_triton_backward_is_bitwise_repeatable_in_deterministic_mode():
-    g = torch.Generator().manual_seed(3)
-    ids = random_document_map(g, batch=2, seq=4096, max_doc=4096).cuda()
-    msa = MSAMicrobatch.build(packed_seq_ids=ids, block_size=128)
-    t = msa.num_tokens
-    iq = torch.randn(t, 4, 128, device="cuda", dtype=torch.bfloat16)
-    ik = torch.randn(t, 128, device="cuda", dtype=torch.bfloat16)
-    q, k, v = (torch.randn(t, h, 128, device="cuda", dtype=torch.bfloat16) for h in (64, 4, 4))
-    dout = torch.randn(t, 64, 128, device="cuda", dtype=torch.bfloat16)
+    msa, iq, ik, q, k, v, dout = _production_inputs(3, max_doc=4096)
     q2k = select_blocks(iq, ik, msa, top_k=16, backend="triton")
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        runs = []
-        for _ in range(2):
-            xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
-            out = sparse_attention(*xs, q2k, msa, backend="triton")
-            runs.append((out, *torch.autograd.grad(out, xs, dout)))
-    finally:
-        torch.use_deterministic_algorithms(previous)
+    runs = _two_deterministic_runs(q, k, v, dout, q2k, msa, "triton")
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
 
@@ -110,16 +117,7 @@ def test_reference_on_cuda_matches_float64_and_is_deterministic():
     ik = torch.randn(t, 128, generator=g).cuda().bfloat16()
     q2k = select_blocks(iq, ik, msa, top_k=4, backend="reference")
     dout = torch.randn(t, 32, 128, generator=g).cuda().bfloat16()
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        runs = []
-        for _ in range(2):
-            xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
-            out = sparse_attention(*xs, q2k, msa, backend="reference")
-            runs.append((out, *torch.autograd.grad(out, xs, dout)))
-    finally:
-        torch.use_deterministic_algorithms(previous)
+    runs = _two_deterministic_runs(q, k, v, dout, q2k, msa, "reference")
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
     x64 = [x.double().requires_grad_(True) for x in (q, k, v)]
