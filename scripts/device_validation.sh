@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks the GPU paths end to end (run from the repo root on the H200):
-#   1. every test marked `gpu` (core on CUDA, Triton kernels at full size, Megatron GPU tests);
+#   1. every test of tests/core and tests/msa_kernels compiled on the GPU, plus the gpu-marked ones;
 #   2. a few hundred steps of single-GPU pretraining, bf16, Triton backend (issue 5, item 9);
 #   3. the pipeline integration recipe collapsed to TP=1/PP=1 on one GPU (issue 6, what one GPU
 #      allows).
