@@ -233,6 +233,44 @@ def save_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
     return final
 
 
+def _reconcile_learning_rates(saved: dict, scheduler, path) -> dict[str, tuple[float, ...]]:
+    """Compare the checkpoint's max/min lr with the recipe's and decide which to train with.
+
+    Returns:
+        ``{"max_lr": (recipe, saved, chosen), "min_lr": (recipe, saved, chosen)}``.
+
+    Raises:
+        ValueError: a value changed and neither scheduler flag says which one to use.
+    """
+    result = {}
+    for name, key in (("max_lr", "optimizer.lr"), ("min_lr", "optimizer.min_lr")):
+        now = float(getattr(scheduler, name))
+        was = float(saved.get("start_lr" if name == "max_lr" and "start_lr" in saved else name,
+                              now))
+        if was != now and not (scheduler.override_opt_param_scheduler
+                               or scheduler.use_checkpoint_opt_param_scheduler):
+            raise ValueError(
+                f"recipe key '{key}' = {now} but checkpoint {path} was trained with {was}: pass "
+                "scheduler.override_opt_param_scheduler=true to train on with the recipe's "
+                "value, or scheduler.use_checkpoint_opt_param_scheduler=true to keep the "
+                "checkpoint's"
+            )
+        result[name] = (now, was, was if scheduler.use_checkpoint_opt_param_scheduler else now)
+    return result
+
+
+def _set_group_lrs(optimizer, lrs: dict[str, tuple[float, ...]], to_saved: bool) -> None:
+    """Point the param groups' max/min lr at the checkpoint's values (to match its group
+    names while loading) or at the chosen ones (to train with). Only groups that carry the
+    recipe's (or, after loading, the checkpoint's) value are touched."""
+    for group in optimizer.param_groups:
+        for name, (now, was, chosen) in lrs.items():
+            if to_saved and group.get(name) == now:
+                group[name] = was
+            elif not to_saved and group.get(name) == was:
+                group[name] = chosen
+
+
 def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler) -> TrainState:
     """Load the newest finished checkpoint under ``root`` into the model, optimizer, scheduler.
 
@@ -259,6 +297,10 @@ def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler)
     common = dist_checkpointing.load_common_state_dict(str(path))
     saved_layout = list(common["train_state"]["layout"])
     pp, tp, _, _ = _layout()
+    # Megatron names optimizer param groups by their max/min lr: build the loading state dict
+    # with the checkpoint's values, then apply whichever the scheduler flags choose.
+    chosen_lrs = _reconcile_learning_rates(common.get("scheduler", {}), scheduler, path)
+    _set_group_lrs(optimizer, chosen_lrs, to_saved=True)
     sd = sharded_state_dict(model_chunks, optimizer, scheduler, None, None, is_loading=True)
     same_layout = saved_layout == [pp, tp]
     if not same_layout:
@@ -273,6 +315,7 @@ def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler)
         for i, chunk in enumerate(model_chunks):
             chunk.load_state_dict(loaded[f"model{i}"])
     optimizer.load_state_dict(loaded["optimizer"])
+    _set_group_lrs(optimizer, chosen_lrs, to_saved=False)
     scheduler.load_state_dict(loaded["scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng_state"])

@@ -71,6 +71,11 @@ class SchedulerConfig:
     weight_decay_incr_style: str = "constant"
     lr_wsd_decay_style: str = "exponential"
     lr_wsd_decay_iters: int | None = None
+    #: On resume, take the recipe's lr / min_lr / schedule over the checkpoint's (Megatron's
+    #: --override-opt_param-scheduler). With both flags off a changed value is an error.
+    override_opt_param_scheduler: bool = False
+    #: On resume, keep the checkpoint's lr / min_lr / schedule whatever the recipe says.
+    use_checkpoint_opt_param_scheduler: bool = False
 
 
 @dataclass
@@ -326,6 +331,14 @@ def _check_values(r: Recipe) -> None:
     _require(0 <= r.scheduler.lr_warmup_iters < decay, "scheduler.lr_warmup_iters",
              r.scheduler.lr_warmup_iters,
              f"0 <= value < scheduler.lr_decay_iters (or train.train_iters) = {decay}")
+    lr, min_lr = r.optimizer.get("lr"), r.optimizer.get("min_lr")
+    if lr is not None and min_lr is not None:
+        _require(float(min_lr) <= float(lr), "optimizer.min_lr", min_lr,
+                 f"<= optimizer.lr ({lr})")
+    sch = r.scheduler
+    _require(not (sch.override_opt_param_scheduler and sch.use_checkpoint_opt_param_scheduler),
+             "scheduler.use_checkpoint_opt_param_scheduler", True,
+             "false when scheduler.override_opt_param_scheduler is true (pick one)")
     c = r.checkpoint
     if c.save_interval is not None:
         _require(c.save_interval > 0, "checkpoint.save_interval", c.save_interval, "> 0 or null")

@@ -298,6 +298,8 @@ def build_optimizer(recipe: Recipe, config, chunks: list, ctx: RunContext):
         wd_incr_style=s.weight_decay_incr_style,
         wsd_decay_steps=s.lr_wsd_decay_iters,
         lr_wsd_decay_style=s.lr_wsd_decay_style,
+        override_opt_param_scheduler=s.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
     )
     return optimizer, scheduler
 

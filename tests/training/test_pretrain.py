@@ -97,6 +97,28 @@ def test_resume_gives_the_same_next_losses(reference, tmp_path):
     assert not (tmp_path / "iter_0000006.partial").exists()
 
 
+def test_resume_with_a_changed_lr_follows_the_scheduler_flags(reference, tmp_path):
+    """A changed optimizer.lr on resume: an error naming the flags by default; the recipe's
+    peak with override_opt_param_scheduler; the checkpoint's with use_checkpoint_..."""
+    ref_root, ref = reference
+    common = ["train.train_iters=6", "model.msa_dense_warmup_steps=2", "optimizer.lr=5e-3"]
+    _copy_checkpoint(ref_root, 3, tmp_path / "plain")
+    with pytest.raises(ValueError, match="optimizer.lr' = 0.005 but checkpoint .* was trained "
+                       "with 0.003: pass scheduler.override_opt_param_scheduler=true"):
+        _train(common + [f"checkpoint.save={tmp_path / 'plain'}"])
+    want = _losses(ref["history"], "lr")
+    min_lr = 3.0e-4  # recipes/msa_tiny.yaml
+    for flag, peak in (("override_opt_param_scheduler", 5e-3),
+                       ("use_checkpoint_opt_param_scheduler", 3e-3)):
+        _copy_checkpoint(ref_root, 3, tmp_path / flag)
+        got = _losses(_train(common + [f"checkpoint.save={tmp_path / flag}",
+                                       f"scheduler.{flag}=true"])["history"], "lr")
+        # Same step, same cosine factor: the lr above min_lr scales with the peak.
+        for it in (4, 5):
+            ratio = (got[it] - min_lr) / (want[it] - min_lr)
+            assert ratio == pytest.approx((peak - min_lr) / (3e-3 - min_lr), rel=1e-6), (flag, it)
+
+
 def test_pointer_to_a_missing_checkpoint_is_an_error(tmp_path):
     (tmp_path / POINTER).write_text("9\n")
     with pytest.raises(RuntimeError, match=r"names iteration 9, but .*iter_0000009 is missing"):

@@ -20,11 +20,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_default_recipe_is_msa_tiny_and_overrides_apply():
-    recipe = load_recipe(None, ["train.train_iters=7", "optimizer.lr=1e-4", "model.msa_topk=2",
+    recipe = load_recipe(None, ["train.train_iters=7", "optimizer.lr=1e-3", "model.msa_topk=2",
                                 "dataset.data_path=null", "+logger.plot=false"])
     assert recipe.source == str(DEFAULT_RECIPE)
     assert recipe.train.train_iters == 7
-    assert recipe.optimizer["lr"] == pytest.approx(1e-4)
+    assert recipe.optimizer["lr"] == pytest.approx(1e-3)
     assert recipe.model["msa_topk"] == 2
     assert recipe.logger.plot is False
     # GPTModel arguments are split off the TransformerConfig fields.
@@ -88,6 +88,13 @@ def test_bad_values_are_named():
         load_recipe(None, ["train.micro_batch_size=2", "train.global_batch_size=3"])
     with pytest.raises(RecipeError, match=r"'scheduler.lr_warmup_iters' = 9"):
         load_recipe(None, ["train.train_iters=5", "scheduler.lr_warmup_iters=9"])
+    with pytest.raises(RecipeError, match=r"'optimizer.min_lr' = 0.003: expected <= "
+                                          r"optimizer.lr \(0.001\)"):
+        load_recipe(None, ["optimizer.lr=1e-3", "optimizer.min_lr=3e-3"])
+    with pytest.raises(RecipeError, match=r"use_checkpoint_opt_param_scheduler' = True: expected "
+                                          r"false when scheduler.override_opt_param_scheduler"):
+        load_recipe(None, ["scheduler.override_opt_param_scheduler=true",
+                           "scheduler.use_checkpoint_opt_param_scheduler=true"])
     with pytest.raises(RecipeError, match=r"recipe file '.*nope.yaml' does not exist"):
         load_recipe("nope.yaml")
 
