@@ -316,7 +316,15 @@ def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler)
             chunk.load_state_dict(loaded[f"model{i}"])
     optimizer.load_state_dict(loaded["optimizer"])
     _set_group_lrs(optimizer, chosen_lrs, to_saved=False)
-    scheduler.load_state_dict(loaded["scheduler"])
+    try:
+        scheduler.load_state_dict(loaded["scheduler"])
+    except AssertionError as exc:  # Megatron asserts equal schedules unless a flag says otherwise
+        raise ValueError(
+            f"checkpoint {path} was trained with another schedule than the recipe's ({exc}): "
+            "pass scheduler.override_opt_param_scheduler=true to continue with the recipe's "
+            "(e.g. after raising train.train_iters), or "
+            "scheduler.use_checkpoint_opt_param_scheduler=true to keep the checkpoint's"
+        ) from exc
     if same_layout:
         _set_rng_state(loaded["rng_state"])
     ts = loaded["train_state"]

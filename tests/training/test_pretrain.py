@@ -106,6 +106,11 @@ def test_resume_with_a_changed_lr_follows_the_scheduler_flags(reference, tmp_pat
     with pytest.raises(ValueError, match="optimizer.lr' = 0.005 but checkpoint .* was trained "
                        "with 0.003: pass scheduler.override_opt_param_scheduler=true"):
         _train(common + [f"checkpoint.save={tmp_path / 'plain'}"])
+    # A longer run without a flag: the schedule's length differs, named the same way.
+    with pytest.raises(ValueError, match="another schedule than the recipe's .* pass "
+                       "scheduler.override_opt_param_scheduler=true"):
+        _train(["train.train_iters=8", "model.msa_dense_warmup_steps=2",
+                f"checkpoint.save={tmp_path / 'plain'}"])
     want = _losses(ref["history"], "lr")
     min_lr = 3.0e-4  # recipes/msa_tiny.yaml
     for flag, peak in (("override_opt_param_scheduler", 5e-3),

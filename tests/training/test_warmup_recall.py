@@ -99,6 +99,8 @@ def test_dense_warmup_raises_recall_on_structured_attention(tmp_path: Path):
         f"train.train_iters={total}", f"model.msa_dense_warmup_steps={total}",
         "train.freeze_main_during_warmup=true", "model.msa_indexer_loss_coeff=1.0",
         f"checkpoint.load={tmp_path / 'phase1'}", f"checkpoint.save={tmp_path / 'phase2'}",
+        # A longer run than phase 1's schedule: continue with this recipe's (lr is constant).
+        "scheduler.override_opt_param_scheduler=true",
     ])
     assert summary["last phase"] == "dense-warmup"
     hist = summary["history"]  # phase 1's history travels with the checkpoint
