@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_fwd import check_attention_inputs, union_schedule
+from nemo_msa.attention.triton_fwd import check_attention_inputs, hybrid_plan
 from nemo_msa.attention.triton_layout import (
     INTERPRET,
     block_query_csr,
@@ -310,33 +310,26 @@ def _dkdv_kernel(
 def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
                t, hkv, top_k, grp, gp, bs, bn, d):
     """dq and delta: the union kernel for tiles with a small union, per token for the rest."""
-    qt = int(CONFIG["dq_union_qt"])
-    hybrid = qt > 0
     common = (q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0),
               v_.stride(1), do_.stride(0), do_.stride(1), o_.stride(0), o_.stride(1),
               dq.stride(0), dq.stride(1), q2k_.stride(0), q2k_.stride(1), lse_.stride(0))
-    if hybrid:
-        qt = max(1, min(qt, bs, 128 // gp))
-        union, count, tok_tile = union_schedule(q2k_, blocks, msa, qt)
-        num_tiles = union.shape[1]
-        max_count = int(CONFIG["dq_union_max"])
-        _dq_union_kernel[(num_tiles, hkv)](
-            q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, union, count,
-            msa.cu_seqlens, blocks.block_doc, blocks.block_local, num_tiles, max_count,
-            *common, union.stride(0), union.stride(1), scale, scale * LOG2E,
-            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=qt, BS=bs,
+    plan = hybrid_plan(q2k_, blocks, msa, CONFIG["dq_union_qt"], CONFIG["dq_union_max"], gp,
+                       delta)
+    if plan.enabled:
+        _dq_union_kernel[(plan.num_tiles, hkv)](
+            q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, plan.union, plan.count,
+            msa.cu_seqlens, blocks.block_doc, blocks.block_local, plan.num_tiles, plan.max_count,
+            *common, plan.union.stride(0), plan.union.stride(1), scale, scale * LOG2E,
+            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs,
             BN=min(bs, CONFIG["dq_union_bn"]) if d == 128 else bs, D=d,
             FP32_DOT=INTERPRET, num_warps=CONFIG["dq_union_warps"],
             num_stages=CONFIG["dq_union_stages"],
         )
-    else:
-        count = tok_tile = delta  # placeholders, never read (HYBRID=False)
-        num_tiles = max_count = 0
     _dq_kernel[(t, hkv)](
         q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks.token_start, blocks.token_pos,
-        *common, scale, scale * LOG2E, count, tok_tile, num_tiles, max_count,
-        TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
-        TRANS=bool(CONFIG["dq_trans"]) and bn >= 64, HYBRID=hybrid,
+        *common, scale, scale * LOG2E, plan.count, plan.tok_tile, plan.num_tiles,
+        plan.max_count, TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
+        TRANS=bool(CONFIG["dq_trans"]) and bn >= 64, HYBRID=plan.enabled,
         num_warps=CONFIG["dq_warps"], num_stages=CONFIG["dq_stages"],
     )
 

@@ -20,6 +20,7 @@ entries that are -1 or point past the own block cost a masked tile and contribut
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -251,17 +252,44 @@ def tile_unions(q2k: torch.Tensor, blocks, msa, qt: int):
     return union, count
 
 
-def union_schedule(q2k: torch.Tensor, blocks, msa, qt: int):
-    """The hybrid schedule's inputs: :func:`tile_unions` plus each token's tile index.
+@dataclass(frozen=True)
+class HybridPlan:
+    """The per-tile split of a hybrid launch (forward or dq) between union and per-token kernels.
 
-    Returns:
-        ``(union, count, tok_tile int32 [T])``; tile ``tok_tile[i]`` holds token ``i``.
+    Attributes:
+        qt: tokens per union tile; 0 when the union kernel is off.
+        union: int32 [Hkv, tiles, qt * top_k] union lists (None when off).
+        count: int32 [Hkv, tiles] union sizes; tiles with ``count <= max_count`` run the union
+            kernel and the per-token kernel skips their tokens (a never-read placeholder when off).
+        tok_tile: int32 [T] the tile of each token (placeholder when off).
+        num_tiles: tiles per KV head (0 when off).
+        max_count: the largest union the union kernel takes.
     """
-    union, count = tile_unions(q2k, blocks, msa, qt)
+
+    qt: int
+    union: torch.Tensor | None
+    count: torch.Tensor
+    tok_tile: torch.Tensor
+    num_tiles: int
+    max_count: int
+
+    @property
+    def enabled(self) -> bool:
+        return self.qt > 0
+
+
+def hybrid_plan(q2k: torch.Tensor, blocks, msa, union_qt: int, union_max: int, gp: int,
+                placeholder: torch.Tensor) -> HybridPlan:
+    """Builds the split for ``union_qt``-token tiles (capped so a tile has at most 128 rows of
+    ``gp`` padded heads), or a disabled plan whose tensors are ``placeholder`` when it is 0."""
+    if union_qt <= 0:
+        return HybridPlan(0, None, placeholder, placeholder, 0, 0)
     bs = blocks.block_size
+    qt = max(1, min(int(union_qt), bs, 128 // gp))
+    union, count = tile_unions(q2k, blocks, msa, qt)
     tok_tile = ((blocks.doc_first_block[msa.token_documents.long()] + blocks.token_pos // bs)
                 * (bs // qt) + (blocks.token_pos % bs) // qt).to(torch.int32)
-    return union, count, tok_tile
+    return HybridPlan(qt, union, count, tok_tile, union.shape[1], int(union_max))
 
 
 def check_attention_inputs(q, k, v, q2k, msa, block_size):
@@ -329,34 +357,26 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q2k_ = q2k.contiguous()
     gp = max(16, next_pow2(grp))
     bn = min(bs, CONFIG["bn"]) if d == 128 else bs
-    qt = int(CONFIG["union_qt"])
-    hybrid = qt > 0
-    if hybrid:
-        qt = max(1, min(qt, bs, 128 // gp))
-        union, count, tok_tile = union_schedule(q2k_, blocks, msa, qt)
-        num_tiles = union.shape[1]
-        max_count = int(CONFIG["union_max"])
-        _fwd_union_kernel[(num_tiles, hkv)](
-            q_, k_, v_, q2k_, out, lse, union, count,
-            msa.cu_seqlens, blocks.block_doc, blocks.block_local, num_tiles, max_count,
+    plan = hybrid_plan(q2k_, blocks, msa, CONFIG["union_qt"], CONFIG["union_max"], gp, lse)
+    if plan.enabled:
+        _fwd_union_kernel[(plan.num_tiles, hkv)](
+            q_, k_, v_, q2k_, out, lse, plan.union, plan.count,
+            msa.cu_seqlens, blocks.block_doc, blocks.block_local, plan.num_tiles, plan.max_count,
             q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
             out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
-            union.stride(0), union.stride(1), scale * LOG2E,
-            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=qt, BS=bs,
+            plan.union.stride(0), plan.union.stride(1), scale * LOG2E,
+            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs,
             BN=min(bs, CONFIG["union_bn"]) if d == 128 else bs, D=d,
             FP32_DOT=INTERPRET, num_warps=CONFIG["union_warps"],
             num_stages=CONFIG["union_stages"],
         )
-    else:
-        count = tok_tile = lse  # placeholders, never read (HYBRID=False)
-        num_tiles = max_count = 0
     _fwd_kernel[(t, hkv)](
         q_, k_, v_, q2k_, out, lse, blocks.token_start, blocks.token_pos,
         q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
         out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
-        scale * LOG2E, count, tok_tile, num_tiles, max_count,
+        scale * LOG2E, plan.count, plan.tok_tile, plan.num_tiles, plan.max_count,
         TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
-        TRANS=bool(CONFIG["trans"]) and bn >= 64, HYBRID=hybrid,
+        TRANS=bool(CONFIG["trans"]) and bn >= 64, HYBRID=plan.enabled,
         num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )
     return out, lse
