@@ -40,13 +40,18 @@ from nemo_msa.attention.triton_layout import (
 from nemo_msa.attention.triton_tiles import (
     LOG2E,
     LOG2E_C,
+    csr_entry_rows,
     dq_tile,
+    load_do_and_delta,
+    load_dq_rows,
     load_kv_tile,
     load_rows,
     load_selection_rows,
     next_pow2,
     token_rows,
+    token_taken_by_union,
     union_tile_rows,
+    union_tile_skipped,
 )
 
 # Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003). dq: keys per tile, warps,
@@ -79,8 +84,7 @@ def _dq_kernel(
     t = tl.program_id(0)
     g = tl.program_id(1)
     if HYBRID:
-        # The union kernel already wrote this token's rows (its tile's union is small).
-        if tl.load(count_ptr + g * num_tiles + tl.load(tok_tile_ptr + t)) <= max_count:
+        if token_taken_by_union(count_ptr, tok_tile_ptr, t, g, num_tiles, max_count):
             return
     t64 = t.to(tl.int64)
     if TRANS:
@@ -97,16 +101,10 @@ def _dq_kernel(
     hmask = rows < G
     heads = g * G + rows
     dd = tl.arange(0, D)
-    toks = token_rows(t64, heads)
-    q = load_rows(q_ptr, toks, heads, hmask, stride_qt, stride_qh, D)
-    do = load_rows(do_ptr, toks, heads, hmask, stride_dot, stride_doh, D)
-    o = load_rows(o_ptr, toks, heads, hmask, stride_ot, stride_oh, D)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
-    tl.store(delta_ptr + heads * stride_lh + t, delta, mask=hmask)
-    lse2 = tl.load(lse_ptr + heads * stride_lh + t, mask=hmask, other=0.0) * LOG2E_C
-    if FP32_DOT:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q, do, delta, lse2 = load_dq_rows(q_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr,
+                                      token_rows(t64, heads), heads, hmask, stride_qt, stride_qh,
+                                      stride_dot, stride_doh, stride_ot, stride_oh, stride_lh,
+                                      D, FP32_DOT)
     dq = tl.zeros((GP, D), tl.float32)
     kn = tl.arange(0, BN)
     for s in range(TOPK):
@@ -187,23 +185,16 @@ def _dq_union_kernel(
     BM: tl.constexpr = QT * GP
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    doc = tl.load(block_doc_ptr + tile // (BS // QT))
-    count = tl.load(count_ptr + g * num_tiles + tile)
-    # Large unions (incoherent selections) are left to the per-token kernel.
-    if (doc < 0) | (count > max_count):
+    doc, count, skipped = union_tile_skipped(tile, g, count_ptr, num_tiles, max_count,
+                                             block_doc_ptr, QT, BS)
+    if skipped:
         return
     start, length, pos, rmask, tok, heads = union_tile_rows(tile, g, doc, cu_ptr,
                                                             block_local_ptr, G, GP, QT, BS)
     dd = tl.arange(0, D)
-    q = load_rows(q_ptr, tok, heads, rmask, stride_qt, stride_qh, D)
-    do = load_rows(do_ptr, tok, heads, rmask, stride_dot, stride_doh, D)
-    out = load_rows(o_ptr, tok, heads, rmask, stride_ot, stride_oh, D)
-    delta = tl.sum(do.to(tl.float32) * out.to(tl.float32), axis=1)
-    tl.store(delta_ptr + heads * stride_lh + tok, delta, mask=rmask)
-    lse2 = tl.load(lse_ptr + heads * stride_lh + tok, mask=rmask, other=0.0) * LOG2E_C
-    if FP32_DOT:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q, do, delta, lse2 = load_dq_rows(q_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, tok, heads,
+                                      rmask, stride_qt, stride_qh, stride_dot, stride_doh,
+                                      stride_ot, stride_oh, stride_lh, D, FP32_DOT)
     lists = load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK, KP)
     dq = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
@@ -229,11 +220,8 @@ def _delta_kernel(do_ptr, o_ptr, delta_ptr, stride_dot, stride_doh, stride_ot, s
     rows = tl.arange(0, GP)
     hmask = rows < G
     heads = tl.program_id(1) * G + rows
-    toks = token_rows(t, heads)
-    do = load_rows(do_ptr, toks, heads, hmask, stride_dot, stride_doh, D)
-    o = load_rows(o_ptr, toks, heads, hmask, stride_ot, stride_oh, D)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
-    tl.store(delta_ptr + heads * stride_lh + t, delta, mask=hmask)
+    load_do_and_delta(do_ptr, o_ptr, delta_ptr, token_rows(t, heads), heads, hmask, stride_dot,
+                      stride_doh, stride_ot, stride_oh, stride_lh, D)
 
 
 @triton.jit
@@ -274,14 +262,9 @@ def _dkdv_kernel(
     r_head = r % GP
     heads = g * G + r_head
     for e in range(lo, hi, QT):
-        ent = e + r_tok
-        rmask = (ent < hi) & (r_head < G)
-        tok = tl.load(list_ptr + ent, mask=rmask, other=0).to(tl.int64)
-        pos = tl.load(tok_pos_ptr + tok, mask=rmask, other=-1)
-        qoff = tok[:, None] * stride_qt + heads[:, None] * stride_qh + dd[None, :]
-        q = tl.load(q_ptr + qoff, mask=rmask[:, None], other=0.0)
-        do = tl.load(do_ptr + tok[:, None] * stride_dot + heads[:, None] * stride_doh
-                     + dd[None, :], mask=rmask[:, None], other=0.0)
+        _, rmask, tok, pos = csr_entry_rows(list_ptr, tok_pos_ptr, e, hi, r_tok, r_head, G)
+        q = load_rows(q_ptr, tok, heads, rmask, stride_qt, stride_qh, D)
+        do = load_rows(do_ptr, tok, heads, rmask, stride_dot, stride_doh, D)
         lse2 = tl.load(lse_ptr + heads * stride_lh + tok, mask=rmask, other=0.0)
         lse2 = lse2 * LOG2E_C
         delta = tl.load(delta_ptr + heads * stride_lh + tok, mask=rmask, other=0.0)

@@ -35,7 +35,9 @@ from nemo_msa.attention.triton_tiles import (
     load_selection_rows,
     next_pow2,
     online_softmax_step,
+    token_taken_by_union,
     union_tile_rows,
+    union_tile_skipped,
 )
 
 # Launch parameters for d = 128 (keys per inner tile, warps, pipeline depth); scripts/bench_msa.py
@@ -64,8 +66,7 @@ def _fwd_kernel(
     t = tl.program_id(0)
     g = tl.program_id(1)
     if HYBRID:
-        # The union kernel already wrote this token's rows (its tile's union is small).
-        if tl.load(count_ptr + g * num_tiles + tl.load(tok_tile_ptr + t)) <= max_count:
+        if token_taken_by_union(count_ptr, tok_tile_ptr, t, g, num_tiles, max_count):
             return
     start = tl.load(tok_start_ptr + t)
     p = tl.load(tok_pos_ptr + t)
@@ -163,10 +164,9 @@ def _fwd_union_kernel(
     BM: tl.constexpr = QT * GP
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    doc = tl.load(block_doc_ptr + tile // (BS // QT))
-    count = tl.load(count_ptr + g * num_tiles + tile)
-    # Large unions (incoherent selections) are left to the per-token kernel.
-    if (doc < 0) | (count > max_count):
+    doc, count, skipped = union_tile_skipped(tile, g, count_ptr, num_tiles, max_count,
+                                             block_doc_ptr, QT, BS)
+    if skipped:
         return
     start, length, pos, rmask, tok, heads = union_tile_rows(tile, g, doc, cu_ptr,
                                                             block_local_ptr, G, GP, QT, BS)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from nemo_msa.attention.triton_fwd import check_attention_inputs
 from nemo_msa.attention.triton_layout import INTERPRET, block_query_csr, doc_blocks
-from nemo_msa.attention.triton_tiles import LOG2E, next_pow2
+from nemo_msa.attention.triton_tiles import LOG2E, csr_entry_rows, load_rows, next_pow2
 
 CONFIG = {"rows": 64, "num_warps": 4, "num_stages": 2}
 
@@ -68,12 +68,8 @@ def _kv_pass_kernel(
     r_head = r % GP
     heads = g * G + r_head
     for e in range(lo, hi, QT):
-        ent = e + r_tok
-        rmask = (ent < hi) & (r_head < G)
-        tok = tl.load(list_ptr + ent, mask=rmask, other=0).to(tl.int64)
-        pos = tl.load(tok_pos_ptr + tok, mask=rmask, other=-1)
-        q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + dd[None, :],
-                    mask=rmask[:, None], other=0.0)
+        ent, rmask, tok, pos = csr_entry_rows(list_ptr, tok_pos_ptr, e, hi, r_tok, r_head, G)
+        q = load_rows(q_ptr, tok, heads, rmask, stride_qt, stride_qh, D)
         if FP32_DOT:
             q = q.to(tl.float32)
         vis = (j[None, :] <= pos[:, None]) & rmask[:, None]

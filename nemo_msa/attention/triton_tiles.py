@@ -134,3 +134,66 @@ def load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK: tl.c
     kk = tl.arange(0, KP)
     return tl.load(q2k_ptr + g * stride_sg + tok[:, None] * stride_st + kk[None, :],
                    mask=rmask[:, None] & (kk[None, :] < TOPK), other=-1)
+
+
+@triton.jit
+def union_tile_skipped(tile, g, count_ptr, num_tiles, max_count, block_doc_ptr,
+                       QT: tl.constexpr, BS: tl.constexpr):
+    """The hybrid split seen from a union program: ``(doc, count, skipped)``, the tile's
+    document and union size, and whether the tile is skipped: it lies past the last document
+    block, or its union is larger than ``max_count`` (the per-token kernel then does its
+    tokens, see :func:`token_taken_by_union`)."""
+    doc = tl.load(block_doc_ptr + tile // (BS // QT))
+    count = tl.load(count_ptr + g * num_tiles + tile)
+    return doc, count, (doc < 0) | (count > max_count)
+
+
+@triton.jit
+def token_taken_by_union(count_ptr, tok_tile_ptr, t, g, num_tiles, max_count):
+    """The same split seen from a per-token program: True when token ``t``'s tile ran in the
+    union kernel (its union has at most ``max_count`` blocks), so its rows are already written."""
+    return tl.load(count_ptr + g * num_tiles + tl.load(tok_tile_ptr + t)) <= max_count
+
+
+@triton.jit
+def load_do_and_delta(do_ptr, o_ptr, delta_ptr, tok, heads, mask, stride_dot, stride_doh,
+                      stride_ot, stride_oh, stride_lh, D: tl.constexpr):
+    """dO rows [M, D] and ``delta = rowsum(dO * O)`` fp32 [M], also stored at
+    ``delta[heads, tok]`` ([Hq, T]) for the dk/dv kernel."""
+    do = load_rows(do_ptr, tok, heads, mask, stride_dot, stride_doh, D)
+    o = load_rows(o_ptr, tok, heads, mask, stride_ot, stride_oh, D)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    tl.store(delta_ptr + heads * stride_lh + tok, delta, mask=mask)
+    return do, delta
+
+
+@triton.jit
+def load_dq_rows(q_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, tok, heads, mask,
+                 stride_qt, stride_qh, stride_dot, stride_doh, stride_ot, stride_oh, stride_lh,
+                 D: tl.constexpr, FP32_DOT: tl.constexpr):
+    """The per-row inputs of a dq program; also stores ``delta = rowsum(dO * O)`` [Hq, T] for
+    the dk/dv kernel.
+
+    Returns:
+        ``(q, do, delta, lse2)``: [M, D] tiles (fp32 when ``FP32_DOT``), fp32 [M] delta and
+        fp32 [M] LSE in the log2 domain.
+    """
+    q = load_rows(q_ptr, tok, heads, mask, stride_qt, stride_qh, D)
+    do, delta = load_do_and_delta(do_ptr, o_ptr, delta_ptr, tok, heads, mask, stride_dot,
+                                  stride_doh, stride_ot, stride_oh, stride_lh, D)
+    lse2 = tl.load(lse_ptr + heads * stride_lh + tok, mask=mask, other=0.0) * LOG2E_C
+    if FP32_DOT:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    return q, do, delta, lse2
+
+
+@triton.jit
+def csr_entry_rows(list_ptr, tok_pos_ptr, e, hi, r_tok, r_head, G: tl.constexpr):
+    """Rows of one step of a KV-outer program over its block's query list (CSR entries
+    ``[e, e + QT)`` x GP padded heads): ``(ent, rmask, tok int64, pos)`` per row."""
+    ent = e + r_tok
+    rmask = (ent < hi) & (r_head < G)
+    tok = tl.load(list_ptr + ent, mask=rmask, other=0).to(tl.int64)
+    pos = tl.load(tok_pos_ptr + tok, mask=rmask, other=-1)
+    return ent, rmask, tok, pos
