@@ -5,7 +5,9 @@
 #   3. the pipeline integration recipe collapsed to TP=1/PP=1 on one GPU (issue 6, what one GPU
 #      allows).
 # Needs the megatron-core and omegaconf wheels in .whl/ (see README "GPU"); writes to $OUT.
-# STAGES picks the parts to run (default: all three, "tests pretrain pp1").
+# STAGES picks the parts to run (default: all three, "tests pretrain pp1"); "bench" adds
+# scripts/bench_msa.py runs, one per ';'-separated argument list in BENCH_RUNS, each logged to
+# $OUT/bench_<n>.log (its table is the log's tail).
 set -uo pipefail
 OUT="${OUT:-runs/device}"
 mkdir -p "$OUT"
@@ -52,4 +54,17 @@ timeout "${PP1_S:-90}" python3 scripts/pretrain.py --recipe recipes/msa_pp2_vpp2
 mkdir -p "$OUT/pp1"
 cp /tmp/pp1_checkpoints/metrics.jsonl /tmp/pp1_checkpoints/loss_curve.png "$OUT/pp1/" 2>/dev/null
 ls /tmp/pp1_checkpoints | tee -a "$OUT/pp1.log"
+fi
+
+if [[ " $STAGES " == *" bench "* ]]; then
+IFS=';' read -ra runs <<< "${BENCH_RUNS:---sizes 131072 --packed 0}"
+n=0
+for args in "${runs[@]}"; do
+  n=$((n + 1))
+  echo "== bench $n: scripts/bench_msa.py $args" | tee "$OUT/bench_$n.log"
+  # shellcheck disable=SC2086  # the argument list is split on purpose
+  timeout "${BENCH_S:-300}" python3 scripts/bench_msa.py $args >> "$OUT/bench_$n.log" 2>&1
+  echo "rc $?" >> "$OUT/bench_$n.log"
+  grep -E "^\| (doc|packed)|^rc |Error" "$OUT/bench_$n.log" || tail -n 5 "$OUT/bench_$n.log"
+done
 fi

@@ -42,14 +42,18 @@ from nemo_msa.attention.triton_tiles import (
     LOG2E_C,
     csr_entry_rows,
     dq_tile,
+    dq_tile_rows,
+    kv_descriptors,
     load_do_and_delta,
     load_dq_rows,
     load_kv_tile,
+    load_kv_tile_tma,
     load_rows,
     load_selection_rows,
     next_pow2,
     token_rows,
     token_taken_by_union,
+    union_full_blocks,
     union_tile_rows,
     union_tile_skipped,
 )
@@ -60,7 +64,7 @@ from nemo_msa.attention.triton_tiles import (
 # dq_union_*: the query-tile union path of dq (as the forward's union_*); 0 tokens disables it.
 CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
           "dq_union_qt": 8, "dq_union_max": 30, "dq_union_warps": 8, "dq_union_bn": 64,
-          "dq_union_stages": 2,
+          "dq_union_stages": 2, "dq_union_split": True, "dq_union_tma": True,
           # Fused dk/dv + atomic dq (never in deterministic mode): measured slower than the
           # atomic-free path on the H200 (ADR 0003, v5) and 4 bytes per dq element, so opt-in.
           "dq_atomic": False, "fused_warps": 8,
@@ -170,7 +174,7 @@ def _dq_body_trans(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_pt
 
 @triton.jit
 def _dq_union_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
     union_ptr, count_ptr, cu_ptr, block_doc_ptr, block_local_ptr, num_tiles, max_count,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
@@ -178,10 +182,11 @@ def _dq_union_kernel(
     scale, scale_log2,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
 ):
     """dq of QT tokens of one document block x G heads in one pass over the union of their
-    selected blocks (the forward's union tile); a row only sees blocks its token selected."""
+    selected blocks (the forward's union tile); a row only sees blocks its token selected.
+    SPLIT and TMA: as in the forward's union kernel (whole blocks first, no per-score mask)."""
     BM: tl.constexpr = QT * GP
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -189,8 +194,8 @@ def _dq_union_kernel(
                                              block_doc_ptr, QT, BS)
     if skipped:
         return
-    start, length, pos, rmask, tok, heads = union_tile_rows(tile, g, doc, cu_ptr,
-                                                            block_local_ptr, G, GP, QT, BS)
+    start, length, pos, rmask, tok, heads, own = union_tile_rows(tile, g, doc, cu_ptr,
+                                                                 block_local_ptr, G, GP, QT, BS)
     dd = tl.arange(0, D)
     q, do, delta, lse2 = load_dq_rows(q_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, tok, heads,
                                       rmask, stride_qt, stride_qh, stride_dot, stride_doh,
@@ -198,8 +203,23 @@ def _dq_union_kernel(
     lists = load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK, KP)
     dq = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
-    for u in range(count):
-        b = tl.load(union_ptr + g * stride_ug + tile * stride_ut + u)
+    urow = union_ptr + g * stride_ug + tile * stride_ut
+    full = 0
+    if SPLIT:
+        full = union_full_blocks(urow, count, own, UW)
+    for u in range(full):
+        b = tl.load(urow + u)
+        sel = (tl.max((lists == b).to(tl.int32), axis=1) > 0) & rmask
+        for c in tl.static_range(0, BS, BN):
+            if TMA:
+                k, v = load_kv_tile_tma(k_desc, v_desc, start + b * BS + c, g, D, FP32_DOT)
+            else:
+                k, v = load_kv_tile(k_ptr, v_ptr, (start + b * BS + c + kn).to(tl.int64),
+                                    kn < BN, g, stride_kt, stride_kh, stride_vt, stride_vh, D,
+                                    FP32_DOT)
+            dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
+    for u in range(full, count):
+        b = tl.load(urow + u)
         selrow = tl.max((lists == b).to(tl.int32), axis=1) > 0
         for c in tl.static_range(0, BS, BN):
             j = b * BS + c + kn
@@ -299,13 +319,18 @@ def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
     plan = hybrid_plan(q2k_, blocks, msa, CONFIG["dq_union_qt"], CONFIG["dq_union_max"], gp,
                        delta)
     if plan.enabled:
+        ubn = min(bs, CONFIG["dq_union_bn"]) if d == 128 else bs
+        split = bool(CONFIG["dq_union_split"])
+        descs = kv_descriptors(k_, v_, ubn, INTERPRET) if split and CONFIG["dq_union_tma"] \
+            else None
         _dq_union_kernel[(plan.num_tiles, hkv)](
-            q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, plan.union, plan.count,
+            q_, k_, v_, *(descs or (k_, v_)), do_, o_, lse_, delta, dq, q2k_, plan.union,
+            plan.count,
             msa.cu_seqlens, blocks.block_doc, blocks.block_local, plan.num_tiles, plan.max_count,
             *common, plan.union.stride(0), plan.union.stride(1), scale, scale * LOG2E,
-            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs,
-            BN=min(bs, CONFIG["dq_union_bn"]) if d == 128 else bs, D=d,
-            FP32_DOT=INTERPRET, num_warps=CONFIG["dq_union_warps"],
+            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
+            FP32_DOT=INTERPRET, SPLIT=split, TMA=descs is not None,
+            UW=next_pow2(plan.union.shape[2]), num_warps=CONFIG["dq_union_warps"],
             num_stages=CONFIG["dq_union_stages"],
         )
     _dq_kernel[(t, hkv)](

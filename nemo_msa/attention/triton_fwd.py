@@ -30,12 +30,16 @@ from nemo_msa.attention.triton_layout import INTERPRET, check_kernel_devices, do
 from nemo_msa.attention.triton_tiles import (
     LOG2E,
     finish_softmax,
+    kv_descriptors,
     load_kv_tile,
+    load_kv_tile_tma,
     load_rows,
     load_selection_rows,
     next_pow2,
+    online_softmax_rows,
     online_softmax_step,
     token_taken_by_union,
+    union_full_blocks,
     union_tile_rows,
     union_tile_skipped,
 )
@@ -48,9 +52,11 @@ from nemo_msa.attention.triton_tiles import (
 # have a union of at most "union_max" blocks run the query-tile union kernel (M = 128 rows,
 # K/V read once per tile); the others run the per-token kernel. Break-even measured at about
 # 30 blocks for 8-token tiles (ADR 0003). union_qt = 0 disables the union kernel.
+# union_split: the union kernel walks the whole blocks before a tile's own block without a
+# per-score mask; union_tma: and reads them by TMA (Hopper; pointer loads elsewhere).
 CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           "union_qt": 8, "union_max": 30, "union_warps": 8, "union_stages": 2,
-          "union_bn": 128}
+          "union_bn": 128, "union_split": True, "union_tma": True}
 
 
 @triton.jit
@@ -150,17 +156,22 @@ def _fwd_body_trans(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start,
 
 @triton.jit
 def _fwd_union_kernel(
-    q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, union_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, q2k_ptr, out_ptr, lse_ptr, union_ptr, count_ptr,
     cu_ptr, block_doc_ptr, block_local_ptr, num_tiles, max_count,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_sg, stride_st, stride_lh, stride_ug, stride_ut,
     scale_log2,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
-    union of their selected blocks; a row only sees blocks its own token selected."""
+    union of their selected blocks; a row only sees blocks its own token selected.
+
+    With SPLIT, the union entries before the tile's own block (whole blocks, every key visible
+    to every row) run first without a per-score mask, read by TMA when TMA is set; the rest
+    (the own block, and any entry past it) run with the causal mask and masked pointer loads.
+    """
     BM: tl.constexpr = QT * GP
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -168,8 +179,8 @@ def _fwd_union_kernel(
                                              block_doc_ptr, QT, BS)
     if skipped:
         return
-    start, length, pos, rmask, tok, heads = union_tile_rows(tile, g, doc, cu_ptr,
-                                                            block_local_ptr, G, GP, QT, BS)
+    start, length, pos, rmask, tok, heads, own = union_tile_rows(tile, g, doc, cu_ptr,
+                                                                 block_local_ptr, G, GP, QT, BS)
     dd = tl.arange(0, D)
     q = load_rows(q_ptr, tok, heads, rmask, stride_qt, stride_qh, D)
     if FP32_DOT:
@@ -179,8 +190,24 @@ def _fwd_union_kernel(
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
-    for u in range(count):
-        b = tl.load(union_ptr + g * stride_ug + tile * stride_ut + u)
+    urow = union_ptr + g * stride_ug + tile * stride_ut
+    full = 0
+    if SPLIT:
+        full = union_full_blocks(urow, count, own, UW)
+    for u in range(full):
+        b = tl.load(urow + u)
+        sel = (tl.max((lists == b).to(tl.int32), axis=1) > 0) & rmask
+        for c in tl.static_range(0, BS, BN):
+            if TMA:
+                k, v = load_kv_tile_tma(k_desc, v_desc, start + b * BS + c, g, D, FP32_DOT)
+            else:
+                k, v = load_kv_tile(k_ptr, v_ptr, (start + b * BS + c + kn).to(tl.int64),
+                                    kn < BN, g, stride_kt, stride_kh, stride_vt, stride_vh, D,
+                                    FP32_DOT)
+            m_i, l_i, acc = online_softmax_rows(tl.dot(q, tl.trans(k)), v, sel, m_i, l_i, acc,
+                                                scale_log2)
+    for u in range(full, count):
+        b = tl.load(urow + u)
         selrow = tl.max((lists == b).to(tl.int32), axis=1) > 0
         for c in tl.static_range(0, BS, BN):
             j = b * BS + c + kn
@@ -359,15 +386,18 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     bn = min(bs, CONFIG["bn"]) if d == 128 else bs
     plan = hybrid_plan(q2k_, blocks, msa, CONFIG["union_qt"], CONFIG["union_max"], gp, lse)
     if plan.enabled:
+        ubn = min(bs, CONFIG["union_bn"]) if d == 128 else bs
+        descs = (kv_descriptors(k_, v_, ubn, INTERPRET)
+                 if CONFIG["union_split"] and CONFIG["union_tma"] else None)
         _fwd_union_kernel[(plan.num_tiles, hkv)](
-            q_, k_, v_, q2k_, out, lse, plan.union, plan.count,
+            q_, k_, v_, *(descs or (k_, v_)), q2k_, out, lse, plan.union, plan.count,
             msa.cu_seqlens, blocks.block_doc, blocks.block_local, plan.num_tiles, plan.max_count,
             q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
             out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
             plan.union.stride(0), plan.union.stride(1), scale * LOG2E,
-            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs,
-            BN=min(bs, CONFIG["union_bn"]) if d == 128 else bs, D=d,
-            FP32_DOT=INTERPRET, num_warps=CONFIG["union_warps"],
+            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
+            FP32_DOT=INTERPRET, SPLIT=bool(CONFIG["union_split"]), TMA=descs is not None,
+            UW=next_pow2(plan.union.shape[2]), num_warps=CONFIG["union_warps"],
             num_stages=CONFIG["union_stages"],
         )
     _fwd_kernel[(t, hkv)](

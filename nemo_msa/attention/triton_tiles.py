@@ -8,8 +8,14 @@ cast to fp32 under ``TRITON_INTERPRET=1``, see PLATFORM.md).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+try:  # host-side TMA descriptors (Triton >= 3.3); the kernels fall back to pointer loads
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
 
 LOG2E = 1.4426950408889634  # host float (softmax scale -> log2 domain)
 # The same constants for use inside kernels: Triton reads only constexpr globals.
@@ -36,6 +42,70 @@ def load_kv_tile(k_ptr, v_ptr, rows, mask, g, stride_kt, stride_kh, stride_vt, s
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     return k, v
+
+
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, rows: int, interpret: bool):
+    """TMA descriptors over the [T, Hkv * d] views of k and v with [rows, d] boxes, or None.
+
+    A kernel then reads key rows ``[r, r + rows)`` of KV head ``g`` as one bulk copy at
+    ``[r, g * d]`` (rows past T read as zero) instead of computing a pointer per element. They
+    need Hopper (compute capability 9) or the interpreter, unit stride over (head, d), and
+    16-byte aligned bases and row strides; otherwise the kernels use pointer loads.
+    """
+    if TensorDescriptor is None:
+        return None
+    if not interpret and (k.device.type != "cuda"
+                          or torch.cuda.get_device_capability(k.device)[0] < 9):
+        return None
+    t, hkv, d = k.shape
+    descs = []
+    for x in (k, v):
+        if x.stride(2) != 1 or x.stride(1) != d or t == 0:
+            return None
+        if x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
+            return None
+        descs.append(TensorDescriptor(x, [t, hkv * d], [x.stride(0), 1], [rows, d]))
+    return tuple(descs)
+
+
+@triton.jit
+def load_kv_tile_tma(k_desc, v_desc, row, g, D: tl.constexpr, FP32_DOT: tl.constexpr):
+    """K and V of KV head ``g``, compact rows ``[row, row + N)``, by TMA (see
+    :func:`kv_descriptors`); every row must be a real key of the program's document."""
+    k = k_desc.load([row, g * D])
+    v = v_desc.load([row, g * D])
+    if FP32_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def online_softmax_rows(sc, v, sel, m_i, l_i, acc, scale_log2):
+    """:func:`online_softmax_step` for a key tile every key of which is visible to a selected
+    row: no per-element mask. Rows with ``sel`` False leave the tile out; they subtract +inf,
+    so the exponent and the scale are one fused multiply-add per score.
+
+    Args:
+        sc: fp32 [M, N] unscaled scores q k^T; sel: bool [M] rows that selected the block.
+        v, m_i, l_i, acc: as in :func:`online_softmax_step`; scale_log2: softmax scale * log2 e.
+    """
+    m_new = tl.where(sel, tl.maximum(m_i, tl.max(sc, axis=1) * scale_log2), m_i)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    pr = tl.exp2(sc * scale_log2 - tl.where(sel, m_use, float("inf"))[:, None])
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def union_full_blocks(union_row_ptr, count, own_block, UW: tl.constexpr):
+    """How many of a tile's ``count`` sorted union entries lie before the tile's own block:
+    those blocks are whole (inside the document) and causally visible to every row."""
+    uu = tl.arange(0, UW)
+    entries = tl.load(union_row_ptr + uu, mask=uu < count, other=2147483647)
+    return tl.sum((entries < own_block).to(tl.int32))
 
 
 @triton.jit
@@ -89,6 +159,17 @@ def dq_tile(q, do, k, v, pr_mask, lse2, delta, scale_log2):
 
 
 @triton.jit
+def dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2):
+    """:func:`dq_tile` for a key tile every key of which is visible to a selected row; rows
+    with ``sel`` False subtract +inf from their exponent, so their probabilities are 0."""
+    sc = tl.dot(q, tl.trans(k))
+    pr = tl.exp2(sc * scale_log2 - tl.where(sel, lse2, float("inf"))[:, None])
+    dp = tl.dot(do, tl.trans(v))
+    ds = pr * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k)
+
+
+@triton.jit
 def load_rows(ptr, tok, heads, mask, stride_t, stride_h, D: tl.constexpr):
     """Rows ``[tok, heads, :]`` of a [T, H, D] tensor as an [M, D] tile (0 where ~mask);
     ``tok`` int64 [M], ``heads`` [M] (one token: see :func:`token_rows`)."""
@@ -112,9 +193,9 @@ def union_tile_rows(tile, g, doc, cu_ptr, block_local_ptr, G: tl.constexpr, GP: 
     block_local[tile // (BS / QT)]`` of document ``doc``.
 
     Returns:
-        ``(start, length, pos, rmask, tok, heads)``: the document's first compact row and
+        ``(start, length, pos, rmask, tok, heads, own)``: the document's first compact row and
         length, then per row its document position, validity (real token, real head), int64
-        compact token row and query head.
+        compact token row and query head; last the tile's own local block.
     """
     SUB: tl.constexpr = BS // QT
     o = tl.load(block_local_ptr + tile // SUB)
@@ -124,7 +205,7 @@ def union_tile_rows(tile, g, doc, cu_ptr, block_local_ptr, G: tl.constexpr, GP: 
     pos = o * BS + (tile % SUB) * QT + r // GP
     hr = r % GP
     rmask = (pos < length) & (hr < G)
-    return start, length, pos, rmask, (start + pos).to(tl.int64), g * G + hr
+    return start, length, pos, rmask, (start + pos).to(tl.int64), g * G + hr, o
 
 
 @triton.jit

@@ -167,6 +167,45 @@ def test_union_forward_and_dq_match_reference(monkeypatch, qt, max_count):
     _run_case(rows, seq_len, 16, hq, hkv, 16, 2, seed=13 + qt, drop_own=True, repeat=True)
 
 
+@pytest.mark.parametrize("split,tma", [(True, False), (False, False)])
+def test_union_loop_variants_match_reference(monkeypatch, split, tma):
+    """The union kernels' other loop variants (the default, whole blocks first by TMA, runs in
+    the test above): whole blocks first by pointer loads, and every block under the mask."""
+    import nemo_msa.attention.triton_bwd as tb
+    import nemo_msa.attention.triton_fwd as tf
+
+    for mod, prefix in ((tf, "union_"), (tb, "dq_union_")):
+        monkeypatch.setitem(mod.CONFIG, prefix + "qt", 4)
+        monkeypatch.setitem(mod.CONFIG, prefix + "max", 1000)
+        monkeypatch.setitem(mod.CONFIG, prefix + "split", split)
+        monkeypatch.setitem(mod.CONFIG, prefix + "tma", tma)
+    _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=5, drop_own=True)
+
+
+def test_kv_descriptors_only_for_unit_head_stride_and_aligned_rows():
+    """TMA needs k/v viewable as [T, Hkv * d] with 16-byte aligned rows; anything else falls
+    back to pointer loads (None) rather than reading the wrong rows."""
+    from nemo_msa.attention.triton_layout import INTERPRET
+    from nemo_msa.attention.triton_tiles import TensorDescriptor, kv_descriptors
+
+    if TensorDescriptor is None:
+        pytest.skip("this Triton has no host TensorDescriptor (the kernels use pointer loads)")
+    k, v = on_kernel_device(torch.zeros((10, 2, 16), dtype=torch.bfloat16),
+                            torch.zeros((10, 2, 16), dtype=torch.bfloat16))
+    descs = kv_descriptors(k, v, 16, INTERPRET)
+    if not INTERPRET and torch.cuda.get_device_capability(k.device)[0] < 9:
+        assert descs is None
+        return
+    assert descs is not None and list(descs[0].shape) == [10, 32]
+    assert list(descs[1].block_shape) == [16, 16]
+    wide = on_kernel_device(torch.zeros((10, 2, 32), dtype=torch.bfloat16))
+    assert kv_descriptors(wide[..., :16], v, 16, INTERPRET) is None  # head stride 32, not d
+    flat = on_kernel_device(torch.zeros(10 * 32 + 1, dtype=torch.bfloat16))
+    assert kv_descriptors(k, flat[1:].view(10, 2, 16), 16, INTERPRET) is None  # 2-byte offset
+    odd = on_kernel_device(torch.zeros((10, 2, 20), dtype=torch.bfloat16))[..., :16]
+    assert kv_descriptors(odd, v, 16, INTERPRET) is None
+
+
 def test_tile_unions_are_the_same_in_chunks(monkeypatch):
     """Chunking the union build (bounded temporaries) gives the whole build's lists and counts,
     and each count is the number of distinct selected blocks of the tile's tokens."""
