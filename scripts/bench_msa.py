@@ -333,6 +333,8 @@ def run_case(case, args, gen, results):
     r["fwd_tflops"] = flops / r["fwd_ms"] / 1e9
     r["bwd_tflops"] = 2.5 * flops / r["bwd_ms"] / 1e9
     r["sel_tflops"] = selection_flops(msa, HI, DI) / r["sel_ms"] / 1e9
+    if args.profile:
+        profile_kernels(msa_fwdbwd, sets, case["name"])
     for s in sets:
         for n in ("out", "lse", "q2k"):
             s.pop(n)
@@ -376,6 +378,22 @@ def run_case(case, args, gen, results):
     torch.cuda.empty_cache()
     _log(json.dumps(r))
     results.append(r)
+
+
+def profile_kernels(fn, sets, name, reps=3):
+    """Per-kernel GPU time of ``fn`` (selection, forward and backward of MSA) under
+    torch.profiler: where the step's time goes, torch's sorts and copies included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(sets[0])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            fn(sets[i % len(sets)])
+        torch.cuda.synchronize()
+    _log(f"kernel profile of MSA fwd+bwd, {name}, {reps} calls (times are totals over them):")
+    _log(prof.key_averages().table(sort_by="self_device_time_total", row_limit=16,
+                                   max_name_column_width=60))
 
 
 def sweep(args, gen):
@@ -588,6 +606,8 @@ def main(argv=None):
                     help="override the forward's union tile (0 = per-token kernel only)")
     ap.add_argument("--dq-union-qt", type=int, default=None,
                     help="override the dq union tile (0 = per-token dq kernel only)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print a per-kernel torch.profiler table of MSA fwd+bwd per case")
     ap.add_argument("--no-dense", action="store_true",
                     help="skip the dense baseline (launch-parameter sweeps; no speedup ratios)")
     ap.add_argument("--set", action="append", default=[], metavar="KERNEL.KEY=VALUE",

@@ -44,28 +44,40 @@ def load_kv_tile(k_ptr, v_ptr, rows, mask, g, stride_kt, stride_kh, stride_vt, s
     return k, v
 
 
-def kv_descriptors(k: torch.Tensor, v: torch.Tensor, rows: int, interpret: bool):
-    """TMA descriptors over the [T, Hkv * d] views of k and v with [rows, d] boxes, or None.
-
-    A kernel then reads key rows ``[r, r + rows)`` of KV head ``g`` as one bulk copy at
-    ``[r, g * d]`` (rows past T read as zero) instead of computing a pointer per element. They
-    need Hopper (compute capability 9) or the interpreter, unit stride over (head, d), and
-    16-byte aligned bases and row strides; otherwise the kernels use pointer loads.
-    """
+def tma_supported(x: torch.Tensor, interpret: bool) -> bool:
+    """Whether kernels may read ``x`` by TMA: the interpreter, or a Triton with host tensor
+    descriptors on a Hopper-or-newer GPU (compute capability >= 9)."""
     if TensorDescriptor is None:
+        return False
+    if interpret:
+        return True
+    return x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def row_descriptor(x: torch.Tensor, rows: int, cols: int, interpret: bool):
+    """A TMA descriptor over ``x`` [T, ...] seen as a 2-D [T, width] matrix with [rows, cols]
+    boxes, or None where TMA cannot read it (see :func:`tma_supported`): the trailing dims must
+    be dense, the base and the row stride 16-byte aligned, and T > 0.
+
+    A kernel then reads rows ``[r, r + rows)`` at columns ``[c, c + cols)`` as one bulk copy
+    with ``desc.load([r, c])`` (rows past T read as zero) instead of a pointer per element.
+    """
+    if x.shape[0] == 0 or not tma_supported(x, interpret):
         return None
-    if not interpret and (k.device.type != "cuda"
-                          or torch.cuda.get_device_capability(k.device)[0] < 9):
+    width, dense = 1, True
+    for dim in range(x.dim() - 1, 0, -1):
+        dense = dense and x.stride(dim) == width
+        width *= x.shape[dim]
+    if not dense or x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
         return None
-    t, hkv, d = k.shape
-    descs = []
-    for x in (k, v):
-        if x.stride(2) != 1 or x.stride(1) != d or t == 0:
-            return None
-        if x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
-            return None
-        descs.append(TensorDescriptor(x, [t, hkv * d], [x.stride(0), 1], [rows, d]))
-    return tuple(descs)
+    return TensorDescriptor(x, [x.shape[0], width], [x.stride(0), 1], [rows, cols])
+
+
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, rows: int, interpret: bool):
+    """TMA descriptors of k and v [T, Hkv, d] with [rows, d] boxes (KV head ``g`` of rows
+    ``[r, r + rows)`` is the box at ``[r, g * d]``), or None when either cannot be one."""
+    descs = tuple(row_descriptor(x, rows, x.shape[2], interpret) for x in (k, v))
+    return None if None in descs else descs
 
 
 @triton.jit

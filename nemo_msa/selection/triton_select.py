@@ -29,15 +29,16 @@ import triton
 import triton.language as tl
 
 from nemo_msa.attention.triton_layout import INTERPRET, check_kernel_devices, doc_blocks
-from nemo_msa.attention.triton_tiles import next_pow2
+from nemo_msa.attention.triton_tiles import next_pow2, row_descriptor
 
 _FORCED_CODE = tl.constexpr(0xFFFFFFF0)
 _NAN_CODE = tl.constexpr(1)
 _LOW_MASK = tl.constexpr(0x7FFFFFFF)
 
 # Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003): query rows per program, keys
-# per inner tile at d = 128, warps, stages.
-CONFIG = {"bm": 128, "bn": 128, "num_warps": 4, "num_stages": 2}
+# per inner tile at d = 128, warps, stages; "tma": the whole key blocks are read by TMA (Hopper;
+# pointer loads elsewhere).
+CONFIG = {"bm": 128, "bn": 128, "num_warps": 4, "num_stages": 2, "tma": True}
 
 
 @triton.jit
@@ -85,12 +86,12 @@ def _insert(cur, cols, new_key, KP: tl.constexpr):
 
 @triton.jit
 def _select_kernel(
-    q_ptr, k_ptr, qbad_ptr, kbad_ptr, out_ptr,
+    q_ptr, k_ptr, k_desc, qbad_ptr, kbad_ptr, out_ptr,
     cu_ptr, block_doc_ptr, block_local_ptr,
     stride_qt, stride_qh, stride_kt, stride_oh, stride_ot,
     num_blocks_bound, top_k, init_blocks, local_blocks,
     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    KP: tl.constexpr, FP32_DOT: tl.constexpr,
+    KP: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr,
 ):
     SPLIT: tl.constexpr = BS // BM
     pid = tl.program_id(0)
@@ -131,7 +132,10 @@ def _select_kernel(
         kbad = 0
         for c in tl.static_range(0, BS, BN):
             krow = start + b * BS + c + kn
-            k = tl.load(k_ptr + krow[:, None].to(tl.int64) * stride_kt + dk[None, :])
+            if TMA:
+                k = k_desc.load([start + b * BS + c, 0])
+            else:
+                k = tl.load(k_ptr + krow[:, None].to(tl.int64) * stride_kt + dk[None, :])
             if FP32_DOT:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k))
@@ -236,11 +240,13 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     bn = min(bs, CONFIG["bn"]) if d == 128 else bs
     kp = max(next_pow2(top_k), 2)
     grid = (blocks.num_blocks_bound * (bs // bm), h)
+    k_desc = row_descriptor(k, bn, d, INTERPRET) if CONFIG["tma"] else None
     _select_kernel[grid](
-        q, k, qbad, kbad, out, msa.cu_seqlens, blocks.block_doc, blocks.block_local,
+        q, k, k if k_desc is None else k_desc, qbad, kbad, out, msa.cu_seqlens,
+        blocks.block_doc, blocks.block_local,
         q.stride(0), q.stride(1), k.stride(0), out.stride(0), out.stride(1),
         blocks.num_blocks_bound, top_k, init_blocks, local_blocks,
-        BS=bs, BM=bm, BN=bn, D=d, KP=kp, FP32_DOT=INTERPRET,
+        BS=bs, BM=bm, BN=bn, D=d, KP=kp, FP32_DOT=INTERPRET, TMA=k_desc is not None,
         num_warps=CONFIG["num_warps"] if bm * bn >= 64 * 64 else 4,
         num_stages=CONFIG["num_stages"],
     )

@@ -44,6 +44,15 @@ def test_selection_matches_reference(rows, seq_len, bs, d, top_k, init, local, i
     assert not mism.any(), f"{int(mism.sum())} rows differ; first at {mism.nonzero()[0].tolist()}"
 
 
+def test_selection_pointer_loads_match_reference(monkeypatch):
+    """The selection with TMA off (whole key blocks by pointer loads; the path of GPUs before
+    Hopper) gives the reference's selection too."""
+    import nemo_msa.selection.triton_select as ts
+
+    monkeypatch.setitem(ts.CONFIG, "tma", False)
+    test_selection_matches_reference([[40, 1], [16, 57], [80]], 100, 16, 32, 3, 1, 1, True)
+
+
 def test_selection_nan_ranks_last():
     gen = torch.Generator().manual_seed(7)
     msa = make_layout([[96]], 96, 16)
