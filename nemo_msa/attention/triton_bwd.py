@@ -69,9 +69,6 @@ CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
           # atomic-free path on the H200 (ADR 0003, v5) and 4 bytes per dq element, so opt-in.
           "dq_atomic": False, "fused_warps": 8,
           "kv_bn": 64, "kv_rows": 64, "kv_warps": 4, "kv_stages": 2,
-          # kv_split: the tokens past the key block (all but its own) run without the causal
-          # mask, one fused multiply-add per score.
-          "kv_split": True,
           # Benchmark hook only: "dq" or "dkdv" leaves that kernel out to time the other.
           "skip": ""}
 
@@ -248,15 +245,6 @@ def _delta_kernel(do_ptr, o_ptr, delta_ptr, stride_dot, stride_doh, stride_ot, s
 
 
 @triton.jit
-def _tokens_below(list_ptr, lo, hi, bound, BS: tl.constexpr):
-    """How many of the (ascending) list entries ``[lo, hi)`` are below token ``bound``; only
-    the first BS entries are looked at (a block holds at most BS tokens of its own)."""
-    ent = lo + tl.arange(0, BS)
-    tok = tl.load(list_ptr + ent, mask=ent < hi, other=2147483647)
-    return tl.sum((tok < bound).to(tl.int32))
-
-
-@triton.jit
 def _dkdv_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, tok, heads, rmask, stride_qt, stride_qh,
                stride_dot, stride_doh, stride_lh, D: tl.constexpr, FP32_DOT: tl.constexpr):
     """One step's rows for dk/dv: q, dO [M, D], LSE (log2 domain) and delta fp32 [M]."""
@@ -296,7 +284,6 @@ def _dkdv_kernel(
     num_blocks_bound, scale, scale_log2, dq32_ptr, stride_dq32t, stride_dq32h,
     G: tl.constexpr, GP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
     CHUNKS: tl.constexpr = BS // BN
     BM: tl.constexpr = QT * GP
@@ -325,13 +312,7 @@ def _dkdv_kernel(
     r_tok = r // GP
     r_head = r % GP
     heads = g * G + r_head
-    # The list is in ascending token order and holds no token before block b, so the tokens
-    # of block b itself (the only ones that need the causal mask) come first.
-    if SPLIT:
-        diag = lo + tl.cdiv(_tokens_below(list_ptr, lo, hi, start + (b + 1) * BS, BS), QT) * QT
-    else:
-        diag = hi
-    for e in range(lo, diag, QT):
+    for e in range(lo, hi, QT):
         _, rmask, tok, pos = csr_entry_rows(list_ptr, tok_pos_ptr, e, hi, r_tok, r_head, G)
         q, do, lse2, delta = _dkdv_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, tok, heads, rmask,
                                         stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
@@ -339,16 +320,6 @@ def _dkdv_kernel(
         vis = (j[None, :] <= pos[:, None]) & rmask[:, None]
         sc = tl.dot(q, tl.trans(k)) * scale_log2
         pr = tl.where(vis, tl.exp2(sc - lse2[:, None]), 0.0)
-        dk, dv = _dkdv_accumulate(q, do, k, v, pr, delta, dk, dv, tok, heads, rmask, dd,
-                                  dq32_ptr, stride_dq32t, stride_dq32h, scale, DQ_ATOMIC)
-    for e in range(diag, hi, QT):
-        _, rmask, tok, pos = csr_entry_rows(list_ptr, tok_pos_ptr, e, hi, r_tok, r_head, G)
-        q, do, lse2, delta = _dkdv_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, tok, heads, rmask,
-                                        stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
-                                        D, FP32_DOT)
-        # Every key is visible to these rows; masked rows subtract +inf (probability 0).
-        sc = tl.dot(q, tl.trans(k))
-        pr = tl.exp2(sc * scale_log2 - tl.where(rmask, lse2, float("inf"))[:, None])
         dk, dv = _dkdv_accumulate(q, do, k, v, pr, delta, dk, dv, tok, heads, rmask, dd,
                                   dq32_ptr, stride_dq32t, stride_dq32h, scale, DQ_ATOMIC)
     dk = dk * scale
@@ -464,7 +435,6 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         blocks.num_blocks_bound, scale, scale * LOG2E,
         dq32, dq32.stride(0), dq32.stride(1) if fused else 0,
         G=grp, GP=gp, QT=qt, BS=bs, BN=bn_kv, D=d, FP32_DOT=INTERPRET, DQ_ATOMIC=fused,
-        SPLIT=bool(CONFIG["kv_split"]),
         num_warps=warps, num_stages=CONFIG["kv_stages"],
     )
     if fused:

@@ -55,8 +55,8 @@ from nemo_msa.attention.triton_tiles import (
 # union_split: the union kernel walks the whole blocks before a tile's own block without a
 # per-score mask; union_tma: and reads them by TMA (Hopper; pointer loads elsewhere).
 CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
-          "union_qt": 8, "union_max": 30, "union_warps": 8, "union_stages": 2,
-          "union_bn": 128, "union_split": True, "union_tma": True}
+          "union_qt": 8, "union_max": 30, "union_warps": 8,
+          "union_bn": 64, "union_stages": 3, "union_split": True, "union_tma": True}
 
 
 @triton.jit

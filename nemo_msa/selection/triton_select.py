@@ -75,13 +75,18 @@ def _order_code(score):
 
 
 @triton.jit
-def _insert(cur, cols, new_key, KP: tl.constexpr):
-    """Inserts new_key [R] into the running top-k cur [R, KP] (keys are unique per row)."""
-    mn = tl.min(cur, axis=1)
-    take = new_key > mn
-    first = tl.min(tl.where(cur == mn[:, None], cols[None, :], KP), axis=1)
-    hit = (cols[None, :] == first[:, None]) & take[:, None]
-    return tl.where(hit, new_key[:, None], cur)
+def _insert(cur, thr, cols, new_key, KP: tl.constexpr):
+    """Inserts new_key [R] into the running top-k cur [R, KP] (keys are unique per row) where
+    it beats the row's threshold ``thr`` [R] (the smallest key held); returns the new
+    ``(cur, thr)``. Blocks that no row takes cost one [R] comparison: a trained indexer's
+    neighbouring queries agree, so past the first blocks most blocks enter no row's top-k."""
+    take = new_key > thr
+    if tl.max(take.to(tl.int32), axis=0) > 0:
+        first = tl.min(tl.where(cur == thr[:, None], cols[None, :], KP), axis=1)
+        hit = (cols[None, :] == first[:, None]) & take[:, None]
+        cur = tl.where(hit, new_key[:, None], cur)
+        thr = tl.min(cur, axis=1)
+    return cur, thr
 
 
 @triton.jit
@@ -121,6 +126,7 @@ def _select_kernel(
     empty = tl.full((BM, KP), -1, tl.int64)
     unused = tl.full((BM, KP), 0x7FFFFFFFFFFFFFFF, tl.int64)
     cur = tl.where(cols[None, :] < top_k, empty, unused)
+    thr = tl.min(cur, axis=1)
     kn = tl.arange(0, BN)
     nan_code = tl.full((BM,), _NAN_CODE, tl.int64)
     forced_code = tl.full((BM,), _FORCED_CODE, tl.int64)
@@ -146,7 +152,7 @@ def _select_kernel(
         forced = (b < init_blocks) | (b > o - local_blocks)
         code = tl.where(forced, forced_code, code)
         new_key = (code << 31) | (zero_row + (_LOW_MASK - b))
-        cur = _insert(cur, cols, new_key, KP)
+        cur, thr = _insert(cur, thr, cols, new_key, KP)
 
     # Own block o: keys j <= pos only.
     best = tl.full((BM,), float("-inf"), tl.float32)
@@ -168,7 +174,7 @@ def _select_kernel(
     forced = (o < init_blocks) | (local_blocks > 0)
     code = tl.where(forced, forced_code, code)
     new_key = (code << 31) | (zero_row + (_LOW_MASK - o))
-    cur = _insert(cur, cols, new_key, KP)
+    cur, thr = _insert(cur, thr, cols, new_key, KP)
 
     # Canonical output: ascending block ids, -1 tail.
     big = 0x7FFFFFFF

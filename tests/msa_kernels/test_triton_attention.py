@@ -170,8 +170,7 @@ def test_union_forward_and_dq_match_reference(monkeypatch, qt, max_count):
 @pytest.mark.parametrize("split,tma", [(True, False), (False, False)])
 def test_union_loop_variants_match_reference(monkeypatch, split, tma):
     """The union kernels' other loop variants (the default, whole blocks first by TMA, runs in
-    the test above): whole blocks first by pointer loads, and every block under the mask; the
-    dk/dv kernel likewise with and without its unmasked loop over the later tokens."""
+    the test above): whole blocks first by pointer loads, and every block under the mask."""
     import nemo_msa.attention.triton_bwd as tb
     import nemo_msa.attention.triton_fwd as tf
 
@@ -180,7 +179,6 @@ def test_union_loop_variants_match_reference(monkeypatch, split, tma):
         monkeypatch.setitem(mod.CONFIG, prefix + "max", 1000)
         monkeypatch.setitem(mod.CONFIG, prefix + "split", split)
         monkeypatch.setitem(mod.CONFIG, prefix + "tma", tma)
-    monkeypatch.setitem(tb.CONFIG, "kv_split", split)
     _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=5, drop_own=True)
 
 
