@@ -38,7 +38,7 @@ from nemo_msa.attention.triton_tiles import (
     next_pow2,
     online_softmax_rows,
     online_softmax_step,
-    tile_tokens_left,
+    token_taken_by_union,
     union_full_blocks,
     union_tile_rows,
     union_tile_skipped,
@@ -64,38 +64,18 @@ def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, tok_start_ptr, tok_pos_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_sg, stride_st, stride_lh,
-    scale_log2, count_ptr, block_doc_ptr, block_local_ptr, cu_ptr, num_tiles, max_count,
+    scale_log2, count_ptr, tok_tile_ptr, num_tiles, max_count,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr,
-    HYBRID: tl.constexpr, QT: tl.constexpr,
+    HYBRID: tl.constexpr,
 ):
-    """Per-token forward: one program per (token, KV head), or with HYBRID one per (union
-    tile, KV head) doing the tile's tokens one by one when the union kernel left them."""
+    t = tl.program_id(0)
     g = tl.program_id(1)
     if HYBRID:
-        n, start, p0 = tile_tokens_left(tl.program_id(0), g, count_ptr, num_tiles, max_count,
-                                        block_doc_ptr, block_local_ptr, cu_ptr, QT, BS)
-        for i in range(n):
-            _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, start + p0 + i, g, start,
-                       p0 + i, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                       stride_vh, stride_ot, stride_oh, stride_sg, stride_st, stride_lh,
-                       scale_log2, TOPK, G, GP, BS, BN, D, FP32_DOT, TRANS)
-    else:
-        t = tl.program_id(0)
-        _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g,
-                   tl.load(tok_start_ptr + t), tl.load(tok_pos_ptr + t), stride_qt, stride_qh,
-                   stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_sg,
-                   stride_st, stride_lh, scale_log2, TOPK, G, GP, BS, BN, D, FP32_DOT, TRANS)
-
-
-@triton.jit
-def _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
-               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-               stride_ot, stride_oh, stride_sg, stride_st, stride_lh, scale_log2,
-               TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
-               BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr):
-    """Token ``t`` (document position ``p``, document start ``start``) x the G heads of KV
-    head ``g`` over its ``TOPK`` selected blocks."""
+        if token_taken_by_union(count_ptr, tok_tile_ptr, t, g, num_tiles, max_count):
+            return
+    start = tl.load(tok_start_ptr + t)
+    p = tl.load(tok_pos_ptr + t)
     if TRANS:
         _fwd_body_trans(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -307,7 +287,8 @@ class HybridPlan:
         qt: tokens per union tile; 0 when the union kernel is off.
         union: int32 [Hkv, tiles, qt * top_k] union lists (None when off).
         count: int32 [Hkv, tiles] union sizes; tiles with ``count <= max_count`` run the union
-            kernel, the others the per-token kernel (a never-read placeholder when off).
+            kernel and the per-token kernel skips their tokens (a never-read placeholder when off).
+        tok_tile: int32 [T] the tile of each token (placeholder when off).
         num_tiles: tiles per KV head (0 when off).
         max_count: the largest union the union kernel takes.
     """
@@ -315,6 +296,7 @@ class HybridPlan:
     qt: int
     union: torch.Tensor | None
     count: torch.Tensor
+    tok_tile: torch.Tensor
     num_tiles: int
     max_count: int
 
@@ -328,11 +310,13 @@ def hybrid_plan(q2k: torch.Tensor, blocks, msa, union_qt: int, union_max: int, g
     """Builds the split for ``union_qt``-token tiles (capped so a tile has at most 128 rows of
     ``gp`` padded heads), or a disabled plan whose tensors are ``placeholder`` when it is 0."""
     if union_qt <= 0:
-        return HybridPlan(0, None, placeholder, 0, 0)
+        return HybridPlan(0, None, placeholder, placeholder, 0, 0)
     bs = blocks.block_size
     qt = max(1, min(int(union_qt), bs, 128 // gp))
     union, count = tile_unions(q2k, blocks, msa, qt)
-    return HybridPlan(qt, union, count, union.shape[1], int(union_max))
+    tok_tile = ((blocks.doc_first_block[msa.token_documents.long()] + blocks.token_pos // bs)
+                * (bs // qt) + (blocks.token_pos % bs) // qt).to(torch.int32)
+    return HybridPlan(qt, union, count, tok_tile, union.shape[1], int(union_max))
 
 
 def check_attention_inputs(q, k, v, q2k, msa, block_size):
@@ -416,14 +400,13 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             UW=next_pow2(plan.union.shape[2]), num_warps=CONFIG["union_warps"],
             num_stages=CONFIG["union_stages"],
         )
-    _fwd_kernel[(plan.num_tiles if plan.enabled else t, hkv)](
+    _fwd_kernel[(t, hkv)](
         q_, k_, v_, q2k_, out, lse, blocks.token_start, blocks.token_pos,
         q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
         out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
-        scale * LOG2E, plan.count, blocks.block_doc, blocks.block_local, msa.cu_seqlens,
-        plan.num_tiles, plan.max_count,
+        scale * LOG2E, plan.count, plan.tok_tile, plan.num_tiles, plan.max_count,
         TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
-        TRANS=bool(CONFIG["trans"]) and bn >= 64, HYBRID=plan.enabled, QT=max(plan.qt, 1),
+        TRANS=bool(CONFIG["trans"]) and bn >= 64, HYBRID=plan.enabled,
         num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )
     return out, lse

@@ -220,9 +220,7 @@ def test_tile_unions_are_the_same_in_chunks(monkeypatch):
     monkeypatch.setattr(tf, "UNION_CHUNK_TILES", 3)
     union, count = tf.tile_unions(q2k, blocks, msa, 4)
     assert torch.equal(union, whole) and torch.equal(count, whole_count)
-    # Token -> tile: 4-token tiles numbered through the documents' blocks in order.
-    tok_tile = ((blocks.doc_first_block[msa.token_documents.long()] + blocks.token_pos // 16) * 4
-                + (blocks.token_pos % 16) // 4)
+    tok_tile = tf.hybrid_plan(q2k, blocks, msa, 4, 30, 16, q2k).tok_tile
     for g in range(2):
         for tile in torch.unique(tok_tile).tolist():
             toks = (tok_tile == tile).nonzero().flatten()
