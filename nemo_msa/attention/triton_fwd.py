@@ -32,12 +32,13 @@ from nemo_msa.attention.triton_tiles import (
     finish_softmax,
     kv_descriptors,
     load_kv_tile,
-    load_kv_tile_tma,
     load_rows,
     load_selection_rows,
+    load_whole_kv_tile,
     next_pow2,
     online_softmax_rows,
     online_softmax_step,
+    rows_selecting,
     token_taken_by_union,
     union_full_blocks,
     union_tile_rows,
@@ -191,24 +192,19 @@ def _fwd_union_kernel(
     acc = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
     urow = union_ptr + g * stride_ug + tile * stride_ut
-    full = 0
-    if SPLIT:
-        full = union_full_blocks(urow, count, own, UW)
+    full = union_full_blocks(urow, count, own, UW, SPLIT)
     for u in range(full):
         b = tl.load(urow + u)
-        sel = (tl.max((lists == b).to(tl.int32), axis=1) > 0) & rmask
+        sel = rows_selecting(lists, b) & rmask
         for c in tl.static_range(0, BS, BN):
-            if TMA:
-                k, v = load_kv_tile_tma(k_desc, v_desc, start + b * BS + c, g, D, FP32_DOT)
-            else:
-                k, v = load_kv_tile(k_ptr, v_ptr, (start + b * BS + c + kn).to(tl.int64),
-                                    kn < BN, g, stride_kt, stride_kh, stride_vt, stride_vh, D,
-                                    FP32_DOT)
+            k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
+                                      FP32_DOT, TMA)
             m_i, l_i, acc = online_softmax_rows(tl.dot(q, tl.trans(k)), v, sel, m_i, l_i, acc,
                                                 scale_log2)
     for u in range(full, count):
         b = tl.load(urow + u)
-        selrow = tl.max((lists == b).to(tl.int32), axis=1) > 0
+        selrow = rows_selecting(lists, b)
         for c in tl.static_range(0, BS, BN):
             j = b * BS + c + kn
             k, v = load_kv_tile(k_ptr, v_ptr, (start + j).to(tl.int64), j < length, g,

@@ -93,6 +93,27 @@ def load_kv_tile_tma(k_desc, v_desc, row, g, D: tl.constexpr, FP32_DOT: tl.const
 
 
 @triton.jit
+def load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, row, g, stride_kt, stride_kh, stride_vt,
+                       stride_vh, BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
+                       TMA: tl.constexpr):
+    """K and V of KV head ``g``, compact rows ``[row, row + BN)``, all inside the program's
+    document: by TMA when ``TMA`` (see :func:`kv_descriptors`), else by pointer loads."""
+    if TMA:
+        k, v = load_kv_tile_tma(k_desc, v_desc, row, g, D, FP32_DOT)
+    else:
+        kn = tl.arange(0, BN)
+        k, v = load_kv_tile(k_ptr, v_ptr, (row + kn).to(tl.int64), kn < BN, g, stride_kt,
+                            stride_kh, stride_vt, stride_vh, D, FP32_DOT)
+    return k, v
+
+
+@triton.jit
+def rows_selecting(lists, b):
+    """bool [M]: the rows whose token's selection ``lists`` [M, KP] holds block ``b``."""
+    return tl.max((lists == b).to(tl.int32), axis=1) > 0
+
+
+@triton.jit
 def online_softmax_rows(sc, v, sel, m_i, l_i, acc, scale_log2):
     """:func:`online_softmax_step` for a key tile every key of which is visible to a selected
     row: no per-element mask. Rows with ``sel`` False leave the tile out; they subtract +inf,
@@ -112,9 +133,12 @@ def online_softmax_rows(sc, v, sel, m_i, l_i, acc, scale_log2):
 
 
 @triton.jit
-def union_full_blocks(union_row_ptr, count, own_block, UW: tl.constexpr):
+def union_full_blocks(union_row_ptr, count, own_block, UW: tl.constexpr, SPLIT: tl.constexpr):
     """How many of a tile's ``count`` sorted union entries lie before the tile's own block:
-    those blocks are whole (inside the document) and causally visible to every row."""
+    those blocks are whole (inside the document) and causally visible to every row. 0 when
+    not ``SPLIT`` (every entry then takes the masked loop)."""
+    if not SPLIT:
+        return 0
     uu = tl.arange(0, UW)
     entries = tl.load(union_row_ptr + uu, mask=uu < count, other=2147483647)
     return tl.sum((entries < own_block).to(tl.int32))
