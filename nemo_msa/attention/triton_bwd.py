@@ -52,6 +52,7 @@ from nemo_msa.attention.triton_tiles import (
     load_whole_kv_tile,
     next_pow2,
     rows_selecting,
+    tile_tokens_left,
     token_rows,
     token_taken_by_union,
     union_full_blocks,
@@ -66,6 +67,7 @@ from nemo_msa.attention.triton_tiles import (
 CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
           "dq_union_qt": 8, "dq_union_max": 30, "dq_union_warps": 8, "dq_union_bn": 64,
           "dq_union_stages": 2, "dq_union_split": True, "dq_union_tma": True,
+          "dq_tile_grid": False,  # as the forward's tile_grid (not yet timed on the GPU)
           # Fused dk/dv + atomic dq (never in deterministic mode): measured slower than the
           # atomic-free path on the H200 (ADR 0003, v5) and 4 bytes per dq element, so opt-in.
           "dq_atomic": False, "fused_warps": 8,
@@ -81,27 +83,58 @@ def _dq_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
     stride_sg, stride_st, stride_lh,
-    scale, scale_log2, count_ptr, tok_tile_ptr, num_tiles, max_count,
+    scale, scale_log2, count_ptr, tok_tile_ptr, block_doc_ptr, block_local_ptr, cu_ptr,
+    num_tiles, max_count,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr,
-    HYBRID: tl.constexpr,
+    HYBRID: tl.constexpr, QT: tl.constexpr, TILE_GRID: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    """Per-token dq: the grids of the per-token forward (one program per token, or with
+    HYBRID and TILE_GRID one per union tile doing the tokens the union kernel left)."""
     g = tl.program_id(1)
-    if HYBRID:
-        if token_taken_by_union(count_ptr, tok_tile_ptr, t, g, num_tiles, max_count):
-            return
+    if HYBRID and TILE_GRID:
+        n, start, p0 = tile_tokens_left(tl.program_id(0), g, count_ptr, num_tiles, max_count,
+                                        block_doc_ptr, block_local_ptr, cu_ptr, QT, BS)
+        for i in range(n):
+            _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
+                      start + p0 + i, g, start, p0 + i,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                      stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
+                      stride_sg, stride_st, stride_lh, scale, scale_log2,
+                      TOPK, G, GP, BS, BN, D, FP32_DOT, TRANS)
+    else:
+        t = tl.program_id(0)
+        left = True
+        if HYBRID:
+            left = not token_taken_by_union(count_ptr, tok_tile_ptr, t, g, num_tiles, max_count)
+        if left:
+            _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
+                      t, g, tl.load(tok_start_ptr + t), tl.load(tok_pos_ptr + t),
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                      stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
+                      stride_sg, stride_st, stride_lh, scale, scale_log2,
+                      TOPK, G, GP, BS, BN, D, FP32_DOT, TRANS)
+
+
+@triton.jit
+def _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
+              t, g, start, p,
+              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+              stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
+              stride_sg, stride_st, stride_lh, scale, scale_log2,
+              TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
+              BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr):
+    """dq and delta of token ``t`` (document position ``p``, document start ``start``) x the
+    G heads of KV head ``g``."""
     t64 = t.to(tl.int64)
     if TRANS:
         _dq_body_trans(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
-                       tok_start_ptr, tok_pos_ptr, t, g,
+                       t, g, start, p,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
                        stride_sg, stride_st, stride_lh, scale, scale_log2,
                        TOPK, G, GP, BS, BN, D, FP32_DOT)
         return
-    start = tl.load(tok_start_ptr + t)
-    p = tl.load(tok_pos_ptr + t)
     rows = tl.arange(0, GP)
     hmask = rows < G
     heads = g * G + rows
@@ -128,7 +161,7 @@ def _dq_kernel(
 
 @triton.jit
 def _dq_body_trans(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
-                   tok_start_ptr, tok_pos_ptr, t, g,
+                   t, g, start, p,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
                    stride_sg, stride_st, stride_lh, scale, scale_log2,
@@ -136,8 +169,6 @@ def _dq_body_trans(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_pt
                    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr):
     """dq with every tile transposed (keys on the MMA's M dimension)."""
     t64 = t.to(tl.int64)
-    start = tl.load(tok_start_ptr + t)
-    p = tl.load(tok_pos_ptr + t)
     cols = tl.arange(0, GP)
     hmask = cols < G
     heads = g * G + cols
@@ -348,11 +379,14 @@ def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
             UW=next_pow2(plan.union.shape[2]), num_warps=CONFIG["dq_union_warps"],
             num_stages=CONFIG["dq_union_stages"],
         )
-    _dq_kernel[(t, hkv)](
+    tile_grid = plan.enabled and bool(CONFIG["dq_tile_grid"])
+    _dq_kernel[(plan.num_tiles if tile_grid else t, hkv)](
         q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks.token_start, blocks.token_pos,
-        *common, scale, scale * LOG2E, plan.count, plan.tok_tile, plan.num_tiles,
-        plan.max_count, TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
-        TRANS=bool(CONFIG["dq_trans"]) and bn >= 64, HYBRID=plan.enabled,
+        *common, scale, scale * LOG2E, plan.count, plan.tok_tile, blocks.block_doc,
+        blocks.block_local, msa.cu_seqlens, plan.num_tiles, plan.max_count, TOPK=top_k, G=grp,
+        GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
+        TRANS=bool(CONFIG["dq_trans"]) and bn >= 64, HYBRID=plan.enabled, QT=max(plan.qt, 1),
+        TILE_GRID=tile_grid,
         num_warps=CONFIG["dq_warps"], num_stages=CONFIG["dq_stages"],
     )
 

@@ -39,6 +39,7 @@ from nemo_msa.attention.triton_tiles import (
     online_softmax_rows,
     online_softmax_step,
     rows_selecting,
+    tile_tokens_left,
     token_taken_by_union,
     union_full_blocks,
     union_tile_rows,
@@ -57,7 +58,10 @@ from nemo_msa.attention.triton_tiles import (
 # per-score mask; union_tma: and reads them by TMA (Hopper; pointer loads elsewhere).
 CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           "union_qt": 8, "union_max": 30, "union_warps": 8,
-          "union_bn": 64, "union_stages": 3, "union_split": True, "union_tma": True}
+          "union_bn": 64, "union_stages": 3, "union_split": True, "union_tma": True,
+          # tile_grid: the per-token kernel of a hybrid launch gets one program per union tile
+          # (its tokens one by one) instead of one per token; not yet timed on the GPU.
+          "tile_grid": False}
 
 
 @triton.jit
@@ -65,18 +69,45 @@ def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, tok_start_ptr, tok_pos_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_sg, stride_st, stride_lh,
-    scale_log2, count_ptr, tok_tile_ptr, num_tiles, max_count,
+    scale_log2, count_ptr, tok_tile_ptr, block_doc_ptr, block_local_ptr, cu_ptr, num_tiles,
+    max_count,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr,
-    HYBRID: tl.constexpr,
+    HYBRID: tl.constexpr, QT: tl.constexpr, TILE_GRID: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    """Per-token forward: one program per (token, KV head); with HYBRID it skips the tokens
+    of the union kernel's tiles, and with TILE_GRID too there is one program per (union tile,
+    KV head) doing the tile's tokens one by one when the union kernel left them."""
     g = tl.program_id(1)
-    if HYBRID:
-        if token_taken_by_union(count_ptr, tok_tile_ptr, t, g, num_tiles, max_count):
-            return
-    start = tl.load(tok_start_ptr + t)
-    p = tl.load(tok_pos_ptr + t)
+    if HYBRID and TILE_GRID:
+        n, start, p0 = tile_tokens_left(tl.program_id(0), g, count_ptr, num_tiles, max_count,
+                                        block_doc_ptr, block_local_ptr, cu_ptr, QT, BS)
+        for i in range(n):
+            _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, start + p0 + i, g, start,
+                       p0 + i, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                       stride_vh, stride_ot, stride_oh, stride_sg, stride_st, stride_lh,
+                       scale_log2, TOPK, G, GP, BS, BN, D, FP32_DOT, TRANS)
+    else:
+        t = tl.program_id(0)
+        left = True
+        if HYBRID:
+            left = not token_taken_by_union(count_ptr, tok_tile_ptr, t, g, num_tiles, max_count)
+        if left:
+            _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g,
+                       tl.load(tok_start_ptr + t), tl.load(tok_pos_ptr + t), stride_qt,
+                       stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                       stride_oh, stride_sg, stride_st, stride_lh, scale_log2, TOPK, G, GP, BS,
+                       BN, D, FP32_DOT, TRANS)
+
+
+@triton.jit
+def _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
+               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+               stride_ot, stride_oh, stride_sg, stride_st, stride_lh, scale_log2,
+               TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
+               BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr):
+    """Token ``t`` (document position ``p``, document start ``start``) x the G heads of KV
+    head ``g`` over its ``TOPK`` selected blocks."""
     if TRANS:
         _fwd_body_trans(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -283,8 +314,9 @@ class HybridPlan:
         qt: tokens per union tile; 0 when the union kernel is off.
         union: int32 [Hkv, tiles, qt * top_k] union lists (None when off).
         count: int32 [Hkv, tiles] union sizes; tiles with ``count <= max_count`` run the union
-            kernel and the per-token kernel skips their tokens (a never-read placeholder when off).
-        tok_tile: int32 [T] the tile of each token (placeholder when off).
+            kernel, the others the per-token kernel (a never-read placeholder when off).
+        tok_tile: int32 [T] the tile of each token, for the per-token kernel's token grid
+            (placeholder when off).
         num_tiles: tiles per KV head (0 when off).
         max_count: the largest union the union kernel takes.
     """
@@ -396,13 +428,16 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             UW=next_pow2(plan.union.shape[2]), num_warps=CONFIG["union_warps"],
             num_stages=CONFIG["union_stages"],
         )
-    _fwd_kernel[(t, hkv)](
+    tile_grid = plan.enabled and bool(CONFIG["tile_grid"])
+    _fwd_kernel[(plan.num_tiles if tile_grid else t, hkv)](
         q_, k_, v_, q2k_, out, lse, blocks.token_start, blocks.token_pos,
         q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
         out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
-        scale * LOG2E, plan.count, plan.tok_tile, plan.num_tiles, plan.max_count,
+        scale * LOG2E, plan.count, plan.tok_tile, blocks.block_doc, blocks.block_local,
+        msa.cu_seqlens, plan.num_tiles, plan.max_count,
         TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
-        TRANS=bool(CONFIG["trans"]) and bn >= 64, HYBRID=plan.enabled,
+        TRANS=bool(CONFIG["trans"]) and bn >= 64, HYBRID=plan.enabled, QT=max(plan.qt, 1),
+        TILE_GRID=tile_grid,
         num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )
     return out, lse

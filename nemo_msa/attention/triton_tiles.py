@@ -259,7 +259,7 @@ def union_tile_skipped(tile, g, count_ptr, num_tiles, max_count, block_doc_ptr,
     """The hybrid split seen from a union program: ``(doc, count, skipped)``, the tile's
     document and union size, and whether the tile is skipped: it lies past the last document
     block, or its union is larger than ``max_count`` (the per-token kernel then does its
-    tokens, see :func:`token_taken_by_union`)."""
+    tokens, see :func:`tile_tokens_left` and :func:`token_taken_by_union`)."""
     doc = tl.load(block_doc_ptr + tile // (BS // QT))
     count = tl.load(count_ptr + g * num_tiles + tile)
     return doc, count, (doc < 0) | (count > max_count)
@@ -267,9 +267,29 @@ def union_tile_skipped(tile, g, count_ptr, num_tiles, max_count, block_doc_ptr,
 
 @triton.jit
 def token_taken_by_union(count_ptr, tok_tile_ptr, t, g, num_tiles, max_count):
-    """The same split seen from a per-token program: True when token ``t``'s tile ran in the
-    union kernel (its union has at most ``max_count`` blocks), so its rows are already written."""
+    """The split seen from a per-token program of the token grid: True when token ``t``'s tile
+    ran in the union kernel (its union has at most ``max_count`` blocks)."""
     return tl.load(count_ptr + g * num_tiles + tl.load(tok_tile_ptr + t)) <= max_count
+
+
+@triton.jit
+def tile_tokens_left(tile, g, count_ptr, num_tiles, max_count, block_doc_ptr, block_local_ptr,
+                     cu_ptr, QT: tl.constexpr, BS: tl.constexpr):
+    """The same split seen from a per-token program of the hybrid grid (one program per union
+    tile): ``(n, start, p0)``, the tile's tokens left to it (document positions ``p0 .. p0 +
+    n - 1`` of the document starting at compact row ``start``). ``n`` is 0 when the union
+    kernel ran the tile (union of at most ``max_count`` blocks) or the tile lies past the last
+    document block; one program per tile rather than per token keeps the launch small when the
+    union kernel takes nearly every tile."""
+    SUB: tl.constexpr = BS // QT
+    doc = tl.load(block_doc_ptr + tile // SUB)
+    count = tl.load(count_ptr + g * num_tiles + tile)
+    docc = tl.maximum(doc, 0)
+    start = tl.load(cu_ptr + docc)
+    length = tl.load(cu_ptr + docc + 1) - start
+    p0 = tl.load(block_local_ptr + tile // SUB) * BS + (tile % SUB) * QT
+    n = tl.minimum(length - p0, QT)
+    return tl.where((doc < 0) | (count <= max_count), 0, n), start, p0
 
 
 @triton.jit

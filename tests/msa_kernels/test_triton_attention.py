@@ -182,6 +182,21 @@ def test_union_loop_variants_match_reference(monkeypatch, split, tma):
     _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=5, drop_own=True)
 
 
+@pytest.mark.parametrize("max_count", [1000, 2])
+def test_per_token_tile_grid_matches_reference(monkeypatch, max_count):
+    """The per-token kernels' tile grid (one program per union tile doing the tokens the union
+    kernel left) against float64: every tile to the union kernel, and a mix (max_count 2)."""
+    import nemo_msa.attention.triton_bwd as tb
+    import nemo_msa.attention.triton_fwd as tf
+
+    for mod, prefix in ((tf, "union_"), (tb, "dq_union_")):
+        monkeypatch.setitem(mod.CONFIG, prefix + "qt", 4)
+        monkeypatch.setitem(mod.CONFIG, prefix + "max", max_count)
+    monkeypatch.setitem(tf.CONFIG, "tile_grid", True)
+    monkeypatch.setitem(tb.CONFIG, "dq_tile_grid", True)
+    _run_case([[37, 1], [18, 3]], 40, 16, 8, 2, 16, 3, seed=17, drop_own=True)
+
+
 def test_kv_descriptors_only_for_unit_head_stride_and_aligned_rows():
     """TMA needs k/v viewable as [T, Hkv * d] with 16-byte aligned rows; anything else falls
     back to pointer loads (None) rather than reading the wrong rows."""
