@@ -570,7 +570,8 @@ def fmt_table(results, notes):
 
 
 def apply_overrides(items: list[str]) -> None:
-    """Applies ``--set KERNEL.KEY=VALUE`` to the kernels' CONFIG dicts (values parsed as JSON)."""
+    """Applies ``--set KERNEL.KEY=VALUE`` to the kernels' CONFIG dicts (values parsed as JSON;
+    a value that is not JSON, such as ``triton``, is taken as a string)."""
     import nemo_msa.attention.triton_bwd as tb
     import nemo_msa.attention.triton_fwd as tf
     import nemo_msa.selection.triton_select as ts
@@ -582,7 +583,10 @@ def apply_overrides(items: list[str]) -> None:
         if kernel not in configs or key not in configs[kernel] or not value:
             known = {k: sorted(c) for k, c in configs.items()}
             sys.exit(f"--set {item!r}: expected KERNEL.KEY=VALUE with KEY one of {known}")
-        configs[kernel][key] = json.loads(value)
+        try:
+            configs[kernel][key] = json.loads(value)
+        except json.JSONDecodeError:
+            configs[kernel][key] = value
 
 
 def main(argv=None):

@@ -61,7 +61,10 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           "union_bn": 64, "union_stages": 3, "union_split": True, "union_tma": True,
           # tile_grid: the per-token kernel of a hybrid launch gets one program per union tile
           # (its tokens one by one) instead of one per token; not yet timed on the GPU.
-          "tile_grid": False}
+          "tile_grid": False,
+          # union_build: the union lists of the hybrid split (forward and dq) built by torch
+          # sorts in chunks ("torch") or by one Triton kernel ("triton"; not yet timed).
+          "union_build": "torch"}
 
 
 @triton.jit
@@ -250,6 +253,37 @@ def _fwd_union_kernel(
     tl.store(lse_ptr + heads * stride_lh + tok, lse, mask=rmask)
 
 
+@triton.jit
+def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, block_local_ptr,
+                       stride_sg, stride_st, stride_ug, stride_ut, num_tiles,
+                       TOPK: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
+                       WIDTH: tl.constexpr, W: tl.constexpr):
+    """One (union tile, KV head): the sorted distinct blocks its tokens selected, in registers
+    (no sort temporaries in memory). An entry is kept where no earlier entry equals it."""
+    SUB: tl.constexpr = BS // QT
+    BIG: tl.constexpr = 2147483647
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    doc = tl.load(block_doc_ptr + tile // SUB)
+    docc = tl.maximum(doc, 0)
+    start = tl.load(cu_ptr + docc)
+    length = tl.load(cu_ptr + docc + 1) - start
+    p0 = tl.load(block_local_ptr + tile // SUB) * BS + (tile % SUB) * QT
+    i = tl.arange(0, W)
+    pos = p0 + i // TOPK
+    valid = (doc >= 0) & (i < WIDTH) & (pos < length)
+    ids = tl.load(q2k_ptr + g * stride_sg + (start + pos).to(tl.int64) * stride_st + i % TOPK,
+                  mask=valid, other=-1)
+    key = tl.where(ids >= 0, ids, BIG)
+    earlier_equal = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None])
+    key = tl.where(tl.max(earlier_equal.to(tl.int32), axis=1) > 0, BIG, key)
+    srt = tl.sort(key)
+    real = srt != BIG
+    tl.store(union_ptr + g * stride_ug + tile * stride_ut + i, tl.where(real, srt, 0),
+             mask=i < WIDTH)
+    tl.store(count_ptr + g * num_tiles + tile, tl.sum(real.to(tl.int32)))
+
+
 #: Tiles per chunk of :func:`tile_unions`: bounds its temporaries (sort values and int64 sort
 #: indices) to a few MiB whatever the sequence length; the chunk loop adds no host sync.
 UNION_CHUNK_TILES = 8192
@@ -268,13 +302,23 @@ def tile_unions(q2k: torch.Tensor, blocks, msa, qt: int):
     Returns:
         ``(union int32 [Hkv, tiles, qt * top_k] (entries past ``count`` are 0), count int32
         [Hkv, tiles])`` with ``tiles = num_blocks_bound * block_size // qt``; device ops only.
+        ``CONFIG["union_build"]`` picks torch sorts or the Triton kernel; both give the same.
     """
+    q2k = q2k.contiguous()
     hkv, t, top_k = q2k.shape
     bs = blocks.block_size
     sub = bs // qt
     tiles = blocks.num_blocks_bound * sub
     dev = q2k.device
     width = qt * top_k
+    if CONFIG["union_build"] == "triton":
+        union = torch.empty((hkv, tiles, width), dtype=torch.int32, device=dev)
+        count = torch.empty((hkv, tiles), dtype=torch.int32, device=dev)
+        _tile_union_kernel[(tiles, hkv)](
+            q2k, union, count, msa.cu_seqlens, blocks.block_doc, blocks.block_local,
+            q2k.stride(0), q2k.stride(1), union.stride(0), union.stride(1), tiles,
+            TOPK=top_k, QT=qt, BS=bs, WIDTH=width, W=next_pow2(width))
+        return union, count
     # Local block ids stay below max_seqlen / bs: 16-bit sort keys when they fit.
     max_blocks = -(-int(getattr(msa, "max_seqlen", 2**31 - 1)) // bs)
     key_dtype = torch.int16 if max_blocks < 2**15 - 1 else torch.int32

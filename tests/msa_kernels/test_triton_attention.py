@@ -184,8 +184,9 @@ def test_union_loop_variants_match_reference(monkeypatch, split, tma):
 
 @pytest.mark.parametrize("max_count", [1000, 2])
 def test_per_token_tile_grid_matches_reference(monkeypatch, max_count):
-    """The per-token kernels' tile grid (one program per union tile doing the tokens the union
-    kernel left) against float64: every tile to the union kernel, and a mix (max_count 2)."""
+    """The opt-in paths together against float64: the per-token kernels' tile grid (one program
+    per union tile doing the tokens the union kernel left) and the Triton union build; every
+    tile to the union kernel, and a mix (max_count 2)."""
     import nemo_msa.attention.triton_bwd as tb
     import nemo_msa.attention.triton_fwd as tf
 
@@ -194,6 +195,7 @@ def test_per_token_tile_grid_matches_reference(monkeypatch, max_count):
         monkeypatch.setitem(mod.CONFIG, prefix + "max", max_count)
     monkeypatch.setitem(tf.CONFIG, "tile_grid", True)
     monkeypatch.setitem(tb.CONFIG, "dq_tile_grid", True)
+    monkeypatch.setitem(tf.CONFIG, "union_build", "triton")
     _run_case([[37, 1], [18, 3]], 40, 16, 8, 2, 16, 3, seed=17, drop_own=True)
 
 
@@ -221,9 +223,10 @@ def test_kv_descriptors_only_for_unit_head_stride_and_aligned_rows():
     assert kv_descriptors(odd, v, 16, INTERPRET) is None
 
 
-def test_tile_unions_are_the_same_in_chunks(monkeypatch):
-    """Chunking the union build (bounded temporaries) gives the whole build's lists and counts,
-    and each count is the number of distinct selected blocks of the tile's tokens."""
+def test_tile_unions_are_the_same_in_chunks_and_by_kernel(monkeypatch):
+    """Chunking the torch union build (bounded temporaries) and the Triton union kernel give
+    the whole build's lists and counts, and each count is the number of distinct selected
+    blocks of the tile's tokens."""
     import nemo_msa.attention.triton_fwd as tf
     from nemo_msa.attention.triton_layout import doc_blocks
 
@@ -231,10 +234,24 @@ def test_tile_unions_are_the_same_in_chunks(monkeypatch):
     msa = make_layout([[1, 37, 60], [18, 3]], 100, 16)
     q2k = random_q2k(msa, 2, 3, 16, gen, drop_own=True)
     blocks = doc_blocks(msa, 16)
+    monkeypatch.setitem(tf.CONFIG, "union_build", "torch")
     whole, whole_count = tf.tile_unions(q2k, blocks, msa, 4)
     monkeypatch.setattr(tf, "UNION_CHUNK_TILES", 3)
     union, count = tf.tile_unions(q2k, blocks, msa, 4)
     assert torch.equal(union, whole) and torch.equal(count, whole_count)
+    monkeypatch.setitem(tf.CONFIG, "union_build", "triton")
+    dmsa = layout_on_kernel_device(msa)
+    by_kernel = tf.tile_unions(on_kernel_device(q2k), doc_blocks(dmsa, 16), dmsa, 4)
+    assert torch.equal(by_kernel[0].cpu(), whole) and torch.equal(by_kernel[1].cpu(), whole_count)
+    # The production width: 8 tokens x top-16 = 128 entries per tile.
+    big = make_layout([[300, 20]], 320, 16)
+    q2k16 = random_q2k(big, 1, 16, 16, gen)
+    dbig = layout_on_kernel_device(big)
+    got = tf.tile_unions(on_kernel_device(q2k16), doc_blocks(dbig, 16), dbig, 8)
+    monkeypatch.setitem(tf.CONFIG, "union_build", "torch")
+    want = tf.tile_unions(q2k16, doc_blocks(big, 16), big, 8)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    assert int(want[1].max()) > 16  # the tiles' tokens disagree: real unions
     tok_tile = tf.hybrid_plan(q2k, blocks, msa, 4, 30, 16, q2k).tok_tile
     for g in range(2):
         for tile in torch.unique(tok_tile).tolist():
