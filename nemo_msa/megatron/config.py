@@ -107,7 +107,8 @@ class MSATransformerConfig(TransformerConfig):
 
     msa_indexer_loss_coeff: float = 1.0
     """Coefficient of the indexer KL-distillation loss; 0 disables it (the indexer then never
-    learns)."""
+    learns). With 0 the loss is not computed at all, so the indexer KL and the selection
+    recall metrics are not logged either: both need the dense target the loss computes."""
 
     msa_indexer_loss_type: str = "dense"
     """"dense": KL over all candidate blocks of the query's document (O(T^2) target, Megatron
