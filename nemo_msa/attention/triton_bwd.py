@@ -41,6 +41,7 @@ from nemo_msa.attention.triton_tiles import (
     LOG2E,
     LOG2E_C,
     csr_entry_rows,
+    doc_block,
     dq_tile,
     dq_tile_rows,
     kv_descriptors,
@@ -318,12 +319,9 @@ def _dkdv_kernel(
     c = tl.program_id(0) % CHUNKS
     g = seg // num_blocks_bound
     blk = seg % num_blocks_bound
-    doc = tl.load(block_doc_ptr + blk)
+    doc, b, start, length = doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr)
     if doc < 0:
         return
-    b = tl.load(block_local_ptr + blk)
-    start = tl.load(cu_ptr + doc)
-    length = tl.load(cu_ptr + doc + 1) - start
     kn = tl.arange(0, BN)
     j = b * BS + c * BN + kn
     kvalid = j < length

@@ -29,6 +29,7 @@ import triton.language as tl
 from nemo_msa.attention.triton_layout import INTERPRET, check_kernel_devices, doc_blocks
 from nemo_msa.attention.triton_tiles import (
     LOG2E,
+    doc_block,
     finish_softmax,
     kv_descriptors,
     load_kv_tile,
@@ -264,11 +265,8 @@ def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, blo
     BIG: tl.constexpr = 2147483647
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    doc = tl.load(block_doc_ptr + tile // SUB)
-    docc = tl.maximum(doc, 0)
-    start = tl.load(cu_ptr + docc)
-    length = tl.load(cu_ptr + docc + 1) - start
-    p0 = tl.load(block_local_ptr + tile // SUB) * BS + (tile % SUB) * QT
+    doc, local, start, length = doc_block(tile // SUB, block_doc_ptr, block_local_ptr, cu_ptr)
+    p0 = local * BS + (tile % SUB) * QT
     i = tl.arange(0, W)
     pos = p0 + i // TOPK
     valid = (doc >= 0) & (i < WIDTH) & (pos < length)

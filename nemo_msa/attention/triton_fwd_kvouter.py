@@ -22,7 +22,7 @@ import triton.language as tl
 
 from nemo_msa.attention.triton_fwd import check_attention_inputs
 from nemo_msa.attention.triton_layout import INTERPRET, block_query_csr, doc_blocks
-from nemo_msa.attention.triton_tiles import LOG2E, csr_entry_rows, load_rows, next_pow2
+from nemo_msa.attention.triton_tiles import LOG2E, csr_entry_rows, doc_block, load_rows, next_pow2
 
 CONFIG = {"rows": 64, "num_warps": 4, "num_stages": 2}
 
@@ -41,12 +41,9 @@ def _kv_pass_kernel(
     seg = tl.load(order_ptr + tl.program_id(0))
     g = seg // num_blocks_bound
     blk = seg % num_blocks_bound
-    doc = tl.load(block_doc_ptr + blk)
+    doc, b, start, length = doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr)
     if doc < 0:
         return
-    b = tl.load(block_local_ptr + blk)
-    start = tl.load(cu_ptr + doc)
-    length = tl.load(cu_ptr + doc + 1) - start
     kn = tl.arange(0, BS)
     j = b * BS + kn
     kvalid = j < length

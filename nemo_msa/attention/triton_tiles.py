@@ -29,6 +29,17 @@ def next_pow2(x: int) -> int:
 
 
 @triton.jit
+def doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr):
+    """Global block ``blk`` of the doc-block map (``triton_layout.doc_blocks``): ``(doc,
+    local block, document start row, document length)``. ``doc`` is -1 for the surplus ids
+    past the last block; their start and length are then document 0's (never used)."""
+    doc = tl.load(block_doc_ptr + blk)
+    docc = tl.maximum(doc, 0)
+    start = tl.load(cu_ptr + docc)
+    return doc, tl.load(block_local_ptr + blk), start, tl.load(cu_ptr + docc + 1) - start
+
+
+@triton.jit
 def load_kv_tile(k_ptr, v_ptr, rows, mask, g, stride_kt, stride_kh, stride_vt, stride_vh,
                  D: tl.constexpr, FP32_DOT: tl.constexpr):
     """K and V of KV head ``g`` at compact rows ``rows`` (int64 [N]): two [N, D] tiles, zero
@@ -282,12 +293,9 @@ def tile_tokens_left(tile, g, count_ptr, num_tiles, max_count, block_doc_ptr, bl
     document block; one program per tile rather than per token keeps the launch small when the
     union kernel takes nearly every tile."""
     SUB: tl.constexpr = BS // QT
-    doc = tl.load(block_doc_ptr + tile // SUB)
+    doc, local, start, length = doc_block(tile // SUB, block_doc_ptr, block_local_ptr, cu_ptr)
     count = tl.load(count_ptr + g * num_tiles + tile)
-    docc = tl.maximum(doc, 0)
-    start = tl.load(cu_ptr + docc)
-    length = tl.load(cu_ptr + docc + 1) - start
-    p0 = tl.load(block_local_ptr + tile // SUB) * BS + (tile % SUB) * QT
+    p0 = local * BS + (tile % SUB) * QT
     n = tl.minimum(length - p0, QT)
     return tl.where((doc < 0) | (count <= max_count), 0, n), start, p0
 

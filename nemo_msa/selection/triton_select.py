@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from nemo_msa.attention.triton_layout import INTERPRET, check_kernel_devices, doc_blocks
-from nemo_msa.attention.triton_tiles import next_pow2, row_descriptor
+from nemo_msa.attention.triton_tiles import doc_block, next_pow2, row_descriptor
 
 _FORCED_CODE = tl.constexpr(0xFFFFFFF0)
 _NAN_CODE = tl.constexpr(1)
@@ -105,12 +105,9 @@ def _select_kernel(
     tile = num_blocks_bound * SPLIT - 1 - pid
     blk = tile // SPLIT
     sub = tile % SPLIT
-    doc = tl.load(block_doc_ptr + blk)
+    doc, o, start, length = doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr)
     if doc < 0:
         return
-    o = tl.load(block_local_ptr + blk)
-    start = tl.load(cu_ptr + doc)
-    length = tl.load(cu_ptr + doc + 1) - start
 
     rows = tl.arange(0, BM)
     pos = o * BS + sub * BM + rows
