@@ -49,14 +49,14 @@ from nemo_msa.attention.triton_tiles import (
     load_dq_rows,
     load_kv_tile,
     load_rows,
-    load_selection_rows,
     load_whole_kv_tile,
     next_pow2,
-    rows_selecting,
+    row_selected,
     tile_tokens_left,
     token_rows,
     token_taken_by_union,
     union_full_blocks,
+    union_row_selection,
     union_tile_rows,
     union_tile_skipped,
 )
@@ -69,6 +69,7 @@ CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
           "dq_union_qt": 8, "dq_union_max": 30, "dq_union_warps": 8, "dq_union_bn": 64,
           "dq_union_stages": 2, "dq_union_split": True, "dq_union_tma": True,
           "dq_tile_grid": False,  # as the forward's tile_grid (not yet timed on the GPU)
+          "dq_union_bits": False,  # as the forward's union_bits (not yet timed on the GPU)
           # Fused dk/dv + atomic dq (never in deterministic mode): measured slower than the
           # atomic-free path on the H200 (ADR 0003, v5) and 4 bytes per dq element, so opt-in.
           "dq_atomic": False, "fused_warps": 8,
@@ -208,14 +209,15 @@ def _dq_body_trans(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_pt
 @triton.jit
 def _dq_union_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
-    union_ptr, count_ptr, cu_ptr, block_doc_ptr, block_local_ptr, num_tiles, max_count,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    union_ptr, count_ptr, bits_ptr, cu_ptr, block_doc_ptr, block_local_ptr, num_tiles,
+    max_count, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
-    stride_sg, stride_st, stride_lh, stride_ug, stride_ut,
+    stride_sg, stride_st, stride_lh, stride_ug, stride_ut, stride_bg,
     scale, scale_log2,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     """dq of QT tokens of one document block x G heads in one pass over the union of their
     selected blocks (the forward's union tile); a row only sees blocks its token selected.
@@ -233,14 +235,15 @@ def _dq_union_kernel(
     q, do, delta, lse2 = load_dq_rows(q_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, tok, heads,
                                       rmask, stride_qt, stride_qh, stride_dot, stride_doh,
                                       stride_ot, stride_oh, stride_lh, D, FP32_DOT)
-    lists = load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK, KP)
+    selection = union_row_selection(q2k_ptr, bits_ptr, g, tok, rmask, stride_sg, stride_st,
+                                    stride_bg, TOPK, KP, BITS)
     dq = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
     urow = union_ptr + g * stride_ug + tile * stride_ut
     full = union_full_blocks(urow, count, own, UW, SPLIT)
     for u in range(full):
         b = tl.load(urow + u)
-        sel = rows_selecting(lists, b) & rmask
+        sel = row_selected(selection, b, u, BITS) & rmask
         for c in tl.static_range(0, BS, BN):
             k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
                                       stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
@@ -248,7 +251,7 @@ def _dq_union_kernel(
             dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
     for u in range(full, count):
         b = tl.load(urow + u)
-        selrow = rows_selecting(lists, b)
+        selrow = row_selected(selection, b, u, BITS)
         for c in tl.static_range(0, BS, BN):
             j = b * BS + c + kn
             k, v = load_kv_tile(k_ptr, v_ptr, (start + j).to(tl.int64), j < length, g,
@@ -361,7 +364,7 @@ def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
               v_.stride(1), do_.stride(0), do_.stride(1), o_.stride(0), o_.stride(1),
               dq.stride(0), dq.stride(1), q2k_.stride(0), q2k_.stride(1), lse_.stride(0))
     plan = hybrid_plan(q2k_, blocks, msa, CONFIG["dq_union_qt"], CONFIG["dq_union_max"], gp,
-                       delta)
+                       delta, bits=bool(CONFIG["dq_union_bits"]))
     if plan.enabled:
         ubn = min(bs, CONFIG["dq_union_bn"]) if d == 128 else bs
         split = bool(CONFIG["dq_union_split"])
@@ -369,13 +372,13 @@ def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
             else None
         _dq_union_kernel[(plan.num_tiles, hkv)](
             q_, k_, v_, *(descs or (k_, v_)), do_, o_, lse_, delta, dq, q2k_, plan.union,
-            plan.count,
-            msa.cu_seqlens, blocks.block_doc, blocks.block_local, plan.num_tiles, plan.max_count,
-            *common, plan.union.stride(0), plan.union.stride(1), scale, scale * LOG2E,
+            plan.count, plan.bits, msa.cu_seqlens, blocks.block_doc, blocks.block_local,
+            plan.num_tiles, plan.max_count, *common, plan.union.stride(0), plan.union.stride(1),
+            plan.bits.stride(0), scale, scale * LOG2E,
             TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
             FP32_DOT=INTERPRET, SPLIT=split, TMA=descs is not None,
-            UW=next_pow2(plan.union.shape[2]), num_warps=CONFIG["dq_union_warps"],
-            num_stages=CONFIG["dq_union_stages"],
+            UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
+            num_warps=CONFIG["dq_union_warps"], num_stages=CONFIG["dq_union_stages"],
         )
     tile_grid = plan.enabled and bool(CONFIG["dq_tile_grid"])
     _dq_kernel[(plan.num_tiles if tile_grid else t, hkv)](

@@ -19,6 +19,7 @@ entries that are -1 or point past the own block cost a masked tile and contribut
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -34,15 +35,15 @@ from nemo_msa.attention.triton_tiles import (
     kv_descriptors,
     load_kv_tile,
     load_rows,
-    load_selection_rows,
     load_whole_kv_tile,
     next_pow2,
     online_softmax_rows,
     online_softmax_step,
-    rows_selecting,
+    row_selected,
     tile_tokens_left,
     token_taken_by_union,
     union_full_blocks,
+    union_row_selection,
     union_tile_rows,
     union_tile_skipped,
 )
@@ -65,7 +66,10 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           "tile_grid": False,
           # union_build: the union lists of the hybrid split (forward and dq) built by torch
           # sorts in chunks ("torch") or by one Triton kernel ("triton"; not yet timed).
-          "union_build": "torch"}
+          "union_build": "torch",
+          # union_bits: each union row tells the blocks its token selected from 64 membership
+          # bits (one shift per row and entry) instead of searching its q2k row (not yet timed).
+          "union_bits": False}
 
 
 @triton.jit
@@ -193,13 +197,14 @@ def _fwd_body_trans(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start,
 @triton.jit
 def _fwd_union_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, q2k_ptr, out_ptr, lse_ptr, union_ptr, count_ptr,
-    cu_ptr, block_doc_ptr, block_local_ptr, num_tiles, max_count,
+    bits_ptr, cu_ptr, block_doc_ptr, block_local_ptr, num_tiles, max_count,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ot, stride_oh, stride_sg, stride_st, stride_lh, stride_ug, stride_ut,
+    stride_ot, stride_oh, stride_sg, stride_st, stride_lh, stride_ug, stride_ut, stride_bg,
     scale_log2,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected.
@@ -221,7 +226,8 @@ def _fwd_union_kernel(
     q = load_rows(q_ptr, tok, heads, rmask, stride_qt, stride_qh, D)
     if FP32_DOT:
         q = q.to(tl.float32)
-    lists = load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK, KP)
+    selection = union_row_selection(q2k_ptr, bits_ptr, g, tok, rmask, stride_sg, stride_st,
+                                    stride_bg, TOPK, KP, BITS)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
@@ -230,7 +236,7 @@ def _fwd_union_kernel(
     full = union_full_blocks(urow, count, own, UW, SPLIT)
     for u in range(full):
         b = tl.load(urow + u)
-        sel = rows_selecting(lists, b) & rmask
+        sel = row_selected(selection, b, u, BITS) & rmask
         for c in tl.static_range(0, BS, BN):
             k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
                                       stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
@@ -239,7 +245,7 @@ def _fwd_union_kernel(
                                                 scale_log2)
     for u in range(full, count):
         b = tl.load(urow + u)
-        selrow = rows_selecting(lists, b)
+        selrow = row_selected(selection, b, u, BITS)
         for c in tl.static_range(0, BS, BN):
             j = b * BS + c + kn
             k, v = load_kv_tile(k_ptr, v_ptr, (start + j).to(tl.int64), j < length, g,
@@ -280,6 +286,53 @@ def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, blo
     tl.store(union_ptr + g * stride_ug + tile * stride_ut + i, tl.where(real, srt, 0),
              mask=i < WIDTH)
     tl.store(count_ptr + g * num_tiles + tile, tl.sum(real.to(tl.int32)))
+
+
+#: Membership bits per row are an int64: union entries 0..62 (63 keeps the sign bit clear).
+MAX_BITS_UNION = 63
+
+
+@triton.jit
+def _union_bits_kernel(q2k_ptr, union_ptr, count_ptr, bits_ptr, cu_ptr, block_doc_ptr,
+                       block_local_ptr, stride_sg, stride_st, stride_ug, stride_ut, stride_bg,
+                       num_tiles, max_count, TOPK: tl.constexpr, KP: tl.constexpr,
+                       QT: tl.constexpr, BS: tl.constexpr, UW: tl.constexpr):
+    """One (union tile, KV head) the union kernels will run: bit u of each token's word is set
+    when the token selected the tile's union entry u."""
+    SUB: tl.constexpr = BS // QT
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    doc, local, start, length = doc_block(tile // SUB, block_doc_ptr, block_local_ptr, cu_ptr)
+    count = tl.load(count_ptr + g * num_tiles + tile)
+    if (doc < 0) | (count > max_count):
+        return
+    uu = tl.arange(0, UW)
+    entries = tl.load(union_ptr + g * stride_ug + tile * stride_ut + uu, mask=uu < count,
+                      other=-2)
+    pos = local * BS + (tile % SUB) * QT + tl.arange(0, QT)
+    real = pos < length
+    kk = tl.arange(0, KP)
+    lists = tl.load(q2k_ptr + g * stride_sg + (start + pos)[:, None].to(tl.int64) * stride_st
+                    + kk[None, :], mask=real[:, None] & (kk[None, :] < TOPK), other=-1)
+    # [QT, UW]: the token selected entry u (entries are distinct, so the sum below is an OR).
+    hit = tl.max((lists[:, :, None] == entries[None, None, :]).to(tl.int32), axis=1) > 0
+    one = tl.full((UW,), 1, tl.int64) << tl.minimum(uu, MAX_BITS_UNION - 1).to(tl.int64)
+    bits = tl.sum(tl.where(hit, one[None, :], 0), axis=1)
+    tl.store(bits_ptr + g * stride_bg + start + pos, bits, mask=real)
+
+
+def union_membership_bits(q2k: torch.Tensor, plan, blocks, msa) -> torch.Tensor:
+    """int64 [Hkv, T]: per token, bit u set when it selected entry u of its tile's union, for
+    the tiles the union kernels run (``count <= max_count <= 63``; other tokens' words are
+    never read and stay uninitialized)."""
+    hkv, t, top_k = q2k.shape
+    bits = torch.empty((hkv, t), dtype=torch.int64, device=q2k.device)
+    _union_bits_kernel[(plan.num_tiles, hkv)](
+        q2k, plan.union, plan.count, bits, msa.cu_seqlens, blocks.block_doc, blocks.block_local,
+        q2k.stride(0), q2k.stride(1), plan.union.stride(0), plan.union.stride(1), bits.stride(0),
+        plan.num_tiles, plan.max_count, TOPK=top_k, KP=next_pow2(top_k), QT=plan.qt,
+        BS=blocks.block_size, UW=next_pow2(plan.union.shape[2]))
+    return bits
 
 
 #: Tiles per chunk of :func:`tile_unions`: bounds its temporaries (sort values and int64 sort
@@ -359,6 +412,8 @@ class HybridPlan:
             kernel, the others the per-token kernel (a never-read placeholder when off).
         tok_tile: int32 [T] the tile of each token, for the per-token kernel's token grid
             (placeholder when off).
+        bits: int64 [Hkv, T] membership bits (:func:`union_membership_bits`), or the placeholder
+            when not built (then ``has_bits`` is False).
         num_tiles: tiles per KV head (0 when off).
         max_count: the largest union the union kernel takes.
     """
@@ -369,6 +424,8 @@ class HybridPlan:
     tok_tile: torch.Tensor
     num_tiles: int
     max_count: int
+    bits: torch.Tensor
+    has_bits: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -376,17 +433,22 @@ class HybridPlan:
 
 
 def hybrid_plan(q2k: torch.Tensor, blocks, msa, union_qt: int, union_max: int, gp: int,
-                placeholder: torch.Tensor) -> HybridPlan:
+                placeholder: torch.Tensor, bits: bool = False) -> HybridPlan:
     """Builds the split for ``union_qt``-token tiles (capped so a tile has at most 128 rows of
-    ``gp`` padded heads), or a disabled plan whose tensors are ``placeholder`` when it is 0."""
+    ``gp`` padded heads), or a disabled plan whose tensors are ``placeholder`` when it is 0.
+    With ``bits`` (and ``union_max <= 63``) it also builds the rows' membership bits."""
     if union_qt <= 0:
-        return HybridPlan(0, None, placeholder, placeholder, 0, 0)
+        return HybridPlan(0, None, placeholder, placeholder, 0, 0, placeholder)
     bs = blocks.block_size
     qt = max(1, min(int(union_qt), bs, 128 // gp))
     union, count = tile_unions(q2k, blocks, msa, qt)
     tok_tile = ((blocks.doc_first_block[msa.token_documents.long()] + blocks.token_pos // bs)
                 * (bs // qt) + (blocks.token_pos % bs) // qt).to(torch.int32)
-    return HybridPlan(qt, union, count, tok_tile, union.shape[1], int(union_max))
+    plan = HybridPlan(qt, union, count, tok_tile, union.shape[1], int(union_max), placeholder)
+    if bits and plan.max_count <= MAX_BITS_UNION:
+        plan = dataclasses.replace(plan, bits=union_membership_bits(q2k, plan, blocks, msa),
+                                   has_bits=True)
+    return plan
 
 
 def check_attention_inputs(q, k, v, q2k, msa, block_size):
@@ -454,21 +516,23 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q2k_ = q2k.contiguous()
     gp = max(16, next_pow2(grp))
     bn = min(bs, CONFIG["bn"]) if d == 128 else bs
-    plan = hybrid_plan(q2k_, blocks, msa, CONFIG["union_qt"], CONFIG["union_max"], gp, lse)
+    plan = hybrid_plan(q2k_, blocks, msa, CONFIG["union_qt"], CONFIG["union_max"], gp, lse,
+                       bits=bool(CONFIG["union_bits"]))
     if plan.enabled:
         ubn = min(bs, CONFIG["union_bn"]) if d == 128 else bs
         descs = (kv_descriptors(k_, v_, ubn, INTERPRET)
                  if CONFIG["union_split"] and CONFIG["union_tma"] else None)
         _fwd_union_kernel[(plan.num_tiles, hkv)](
             q_, k_, v_, *(descs or (k_, v_)), q2k_, out, lse, plan.union, plan.count,
-            msa.cu_seqlens, blocks.block_doc, blocks.block_local, plan.num_tiles, plan.max_count,
+            plan.bits, msa.cu_seqlens, blocks.block_doc, blocks.block_local, plan.num_tiles,
+            plan.max_count,
             q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
             out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
-            plan.union.stride(0), plan.union.stride(1), scale * LOG2E,
+            plan.union.stride(0), plan.union.stride(1), plan.bits.stride(0), scale * LOG2E,
             TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
             FP32_DOT=INTERPRET, SPLIT=bool(CONFIG["union_split"]), TMA=descs is not None,
-            UW=next_pow2(plan.union.shape[2]), num_warps=CONFIG["union_warps"],
-            num_stages=CONFIG["union_stages"],
+            UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
+            num_warps=CONFIG["union_warps"], num_stages=CONFIG["union_stages"],
         )
     tile_grid = plan.enabled and bool(CONFIG["tile_grid"])
     _fwd_kernel[(plan.num_tiles if tile_grid else t, hkv)](

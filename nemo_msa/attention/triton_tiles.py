@@ -125,6 +125,28 @@ def rows_selecting(lists, b):
 
 
 @triton.jit
+def union_row_selection(q2k_ptr, bits_ptr, g, tok, rmask, stride_sg, stride_st, stride_bg,
+                        TOPK: tl.constexpr, KP: tl.constexpr, BITS: tl.constexpr):
+    """What a union program needs to tell which rows selected a union entry: with BITS the
+    per-row membership bits (int64 [M], bit u = the row's token selected union entry u, see
+    ``union_membership_bits``), else the rows' selections (int32 [M, KP])."""
+    if BITS:
+        return tl.load(bits_ptr + g * stride_bg + tok, mask=rmask, other=0)
+    else:
+        return load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK, KP)
+
+
+@triton.jit
+def row_selected(selection, b, u, BITS: tl.constexpr):
+    """bool [M]: the rows whose token selected union entry ``u`` (block ``b``), from
+    :func:`union_row_selection`'s result: one shift per row with BITS, else a [M, KP] search."""
+    if BITS:
+        return ((selection >> u) & 1) != 0
+    else:
+        return rows_selecting(selection, b)
+
+
+@triton.jit
 def online_softmax_rows(sc, v, sel, m_i, l_i, acc, scale_log2):
     """:func:`online_softmax_step` for a key tile every key of which is visible to a selected
     row: no per-element mask. Rows with ``sel`` False leave the tile out; they subtract +inf,

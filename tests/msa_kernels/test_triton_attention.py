@@ -185,8 +185,8 @@ def test_union_loop_variants_match_reference(monkeypatch, split, tma):
 @pytest.mark.parametrize("max_count", [1000, 2])
 def test_per_token_tile_grid_matches_reference(monkeypatch, max_count):
     """The opt-in paths together against float64: the per-token kernels' tile grid (one program
-    per union tile doing the tokens the union kernel left) and the Triton union build; every
-    tile to the union kernel, and a mix (max_count 2)."""
+    per union tile doing the tokens the union kernel left), the Triton union build and the
+    rows' membership bits; every tile to the union kernel, and a mix (max_count 2)."""
     import nemo_msa.attention.triton_bwd as tb
     import nemo_msa.attention.triton_fwd as tf
 
@@ -196,6 +196,8 @@ def test_per_token_tile_grid_matches_reference(monkeypatch, max_count):
     monkeypatch.setitem(tf.CONFIG, "tile_grid", True)
     monkeypatch.setitem(tb.CONFIG, "dq_tile_grid", True)
     monkeypatch.setitem(tf.CONFIG, "union_build", "triton")
+    monkeypatch.setitem(tf.CONFIG, "union_bits", True)
+    monkeypatch.setitem(tb.CONFIG, "dq_union_bits", True)
     _run_case([[37, 1], [18, 3]], 40, 16, 8, 2, 16, 3, seed=17, drop_own=True)
 
 
@@ -259,6 +261,34 @@ def test_tile_unions_are_the_same_in_chunks_and_by_kernel(monkeypatch):
             want = sorted({b for b in q2k[g, toks].flatten().tolist() if b >= 0})
             n = int(count[g, tile])
             assert n == len(want) and union[g, tile, :n].tolist() == want
+
+
+def test_union_membership_bits_match_the_lists():
+    """Bit u of a token's membership word is set exactly when the token selected entry u of its
+    tile's union; tiles over max_count (left to the per-token kernels) are not written."""
+    import nemo_msa.attention.triton_fwd as tf
+    from nemo_msa.attention.triton_layout import doc_blocks
+
+    gen = torch.Generator().manual_seed(8)
+    msa = make_layout([[300, 20], [1, 61]], 320, 16)
+    q2k = random_q2k(msa, 2, 16, 16, gen, drop_own=True)
+    dmsa = layout_on_kernel_device(msa)
+    plan = tf.hybrid_plan(on_kernel_device(q2k), doc_blocks(dmsa, 16), dmsa, 8, 40, 16,
+                          on_kernel_device(torch.zeros(1)), bits=True)
+    assert plan.has_bits
+    union, count, bits = plan.union.cpu(), plan.count.cpu(), plan.bits.cpu()
+    checked = 0
+    for g in range(2):
+        for t in range(msa.num_tokens):
+            tile = int(plan.tok_tile[t])
+            n = int(count[g, tile])
+            if n > 40:
+                continue
+            chosen = set(q2k[g, t].tolist())
+            want = sum(1 << u for u, b in enumerate(union[g, tile, :n].tolist()) if b in chosen)
+            assert int(bits[g, t]) == want, (g, t)
+            checked += 1
+    assert checked > msa.num_tokens  # most tiles of both heads were checked
 
 
 @pytest.mark.parametrize("rows,seq_len,bs,hq,hkv,d,top_k", [
