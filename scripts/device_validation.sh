@@ -6,8 +6,8 @@
 #      allows).
 # Needs the megatron-core and omegaconf wheels in .whl/ (see README "GPU"); writes to $OUT.
 # STAGES picks the parts to run (default: all three, "tests pretrain pp1"); "bench" adds
-# scripts/bench_msa.py runs, one per ';'-separated argument list in BENCH_RUNS, each logged to
-# $OUT/bench_<n>.log (its table is the log's tail).
+# scripts/bench_msa.py runs, one per ';'-separated argument list in BENCH_RUNS, all logged to
+# $OUT/bench.log under "== bench <n>" headers (one file: the device tool returns only a few).
 set -uo pipefail
 OUT="${OUT:-runs/device}"
 mkdir -p "$OUT"
@@ -61,10 +61,13 @@ IFS=';' read -ra runs <<< "${BENCH_RUNS:---sizes 131072 --packed 0}"
 n=0
 for args in "${runs[@]}"; do
   n=$((n + 1))
-  echo "== bench $n: scripts/bench_msa.py $args" | tee "$OUT/bench_$n.log"
+  log="$OUT/bench_run.log"
+  echo "== bench $n: scripts/bench_msa.py $args" | tee "$log"
   # shellcheck disable=SC2086  # the argument list is split on purpose
-  timeout "${BENCH_S:-300}" python3 scripts/bench_msa.py $args >> "$OUT/bench_$n.log" 2>&1
-  echo "rc $?" >> "$OUT/bench_$n.log"
-  grep -E "^\| (doc|packed)|^rc |Error" "$OUT/bench_$n.log" || tail -n 5 "$OUT/bench_$n.log"
+  timeout "${BENCH_S:-300}" python3 scripts/bench_msa.py $args >> "$log" 2>&1
+  echo "rc $?" >> "$log"
+  grep -E "^\| (doc|packed)|^rc |Error" "$log" || tail -n 5 "$log"
+  cat "$log" >> "$OUT/bench.log"
+  rm -f "$log"
 done
 fi
