@@ -189,6 +189,17 @@ def dense_flops(rows, seq_len, hq, d):
 # ----------------------------------------------------------------------------- timing
 
 
+def warm_up_gpu(seconds: float = 2.0) -> None:
+    """Busy bf16 matmuls for ``seconds`` before the first timing, so that the first case is
+    not measured while clocks ramp up (a fresh device showed a slow first row)."""
+    a = torch.randn((8192, 8192), device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def time_fn(fn, input_sets, min_reps=3, max_reps=40, budget_ms=1500.0, warmup=2):
     """Median ms of ``fn(inputs)`` over rotating input sets, CUDA events around each call."""
     for i in range(warmup):
@@ -641,6 +652,7 @@ def main(argv=None):
     _log(f"GPU {props.name}, torch {torch.__version__}, triton "
          f"{__import__('triton').__version__}; coherent={COHERENT}; configs: sel {ts.CONFIG} "
          f"fwd {tf.CONFIG} bwd {tb.CONFIG}")
+    warm_up_gpu()
     sweep_lines = sweep(args, gen) if args.sweep else []
     cases = [make_case(f"doc{n}", [[n]], n, "cuda") for n in
              (int(s) for s in args.sizes.split(",") if s)]
