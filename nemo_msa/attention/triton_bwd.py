@@ -48,6 +48,7 @@ from nemo_msa.attention.triton_tiles import (
     load_do_and_delta,
     load_dq_rows,
     load_kv_tile,
+    load_masked_union_tile,
     load_rows,
     load_whole_kv_tile,
     next_pow2,
@@ -251,12 +252,11 @@ def _dq_union_kernel(
             dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
     for u in range(full, count):
         b = tl.load(urow + u)
-        selrow = row_selected(selection, b, u, BITS)
+        sel = row_selected(selection, b, u, BITS) & rmask
         for c in tl.static_range(0, BS, BN):
-            j = b * BS + c + kn
-            k, v = load_kv_tile(k_ptr, v_ptr, (start + j).to(tl.int64), j < length, g,
-                                stride_kt, stride_kh, stride_vt, stride_vh, D, FP32_DOT)
-            vis = (j[None, :] <= pos[:, None]) & (selrow & rmask)[:, None]
+            k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length, pos,
+                                               sel, g, stride_kt, stride_kh, stride_vt,
+                                               stride_vh, D, FP32_DOT)
             dq += dq_tile(q, do, k, v, vis, lse2, delta, scale_log2)
     dq = dq * scale
     tl.store(dq_ptr + tok[:, None] * stride_dqt + heads[:, None] * stride_dqh + dd[None, :],

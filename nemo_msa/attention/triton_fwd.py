@@ -30,10 +30,10 @@ import triton.language as tl
 from nemo_msa.attention.triton_layout import INTERPRET, check_kernel_devices, doc_blocks
 from nemo_msa.attention.triton_tiles import (
     LOG2E,
-    doc_block,
     finish_softmax,
     kv_descriptors,
     load_kv_tile,
+    load_masked_union_tile,
     load_rows,
     load_whole_kv_tile,
     next_pow2,
@@ -46,6 +46,7 @@ from nemo_msa.attention.triton_tiles import (
     union_row_selection,
     union_tile_rows,
     union_tile_skipped,
+    union_tile_span,
 )
 
 # Launch parameters for d = 128 (keys per inner tile, warps, pipeline depth); scripts/bench_msa.py
@@ -245,12 +246,11 @@ def _fwd_union_kernel(
                                                 scale_log2)
     for u in range(full, count):
         b = tl.load(urow + u)
-        selrow = row_selected(selection, b, u, BITS)
+        sel = row_selected(selection, b, u, BITS) & rmask
         for c in tl.static_range(0, BS, BN):
-            j = b * BS + c + kn
-            k, v = load_kv_tile(k_ptr, v_ptr, (start + j).to(tl.int64), j < length, g,
-                                stride_kt, stride_kh, stride_vt, stride_vh, D, FP32_DOT)
-            vis = (j[None, :] <= pos[:, None]) & (selrow & rmask)[:, None]
+            k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length, pos,
+                                               sel, g, stride_kt, stride_kh, stride_vt,
+                                               stride_vh, D, FP32_DOT)
             sc = tl.dot(q, tl.trans(k)) * scale_log2
             sc = tl.where(vis, sc, float("-inf"))
             m_i, l_i, acc = online_softmax_step(sc, v, m_i, l_i, acc)
@@ -267,12 +267,11 @@ def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, blo
                        WIDTH: tl.constexpr, W: tl.constexpr):
     """One (union tile, KV head): the sorted distinct blocks its tokens selected, in registers
     (no sort temporaries in memory). An entry is kept where no earlier entry equals it."""
-    SUB: tl.constexpr = BS // QT
     BIG: tl.constexpr = 2147483647
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    doc, local, start, length = doc_block(tile // SUB, block_doc_ptr, block_local_ptr, cu_ptr)
-    p0 = local * BS + (tile % SUB) * QT
+    doc, start, length, p0 = union_tile_span(tile, block_doc_ptr, block_local_ptr, cu_ptr, QT,
+                                             BS)
     i = tl.arange(0, W)
     pos = p0 + i // TOPK
     valid = (doc >= 0) & (i < WIDTH) & (pos < length)
@@ -299,17 +298,17 @@ def _union_bits_kernel(q2k_ptr, union_ptr, count_ptr, bits_ptr, cu_ptr, block_do
                        QT: tl.constexpr, BS: tl.constexpr, UW: tl.constexpr):
     """One (union tile, KV head) the union kernels will run: bit u of each token's word is set
     when the token selected the tile's union entry u."""
-    SUB: tl.constexpr = BS // QT
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    doc, local, start, length = doc_block(tile // SUB, block_doc_ptr, block_local_ptr, cu_ptr)
+    doc, start, length, p0 = union_tile_span(tile, block_doc_ptr, block_local_ptr, cu_ptr, QT,
+                                             BS)
     count = tl.load(count_ptr + g * num_tiles + tile)
     if (doc < 0) | (count > max_count):
         return
     uu = tl.arange(0, UW)
     entries = tl.load(union_ptr + g * stride_ug + tile * stride_ut + uu, mask=uu < count,
                       other=-2)
-    pos = local * BS + (tile % SUB) * QT + tl.arange(0, QT)
+    pos = p0 + tl.arange(0, QT)
     real = pos < length
     kk = tl.arange(0, KP)
     lists = tl.load(q2k_ptr + g * stride_sg + (start + pos)[:, None].to(tl.int64) * stride_st

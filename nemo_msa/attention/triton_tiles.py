@@ -40,6 +40,17 @@ def doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr):
 
 
 @triton.jit
+def union_tile_span(tile, block_doc_ptr, block_local_ptr, cu_ptr, QT: tl.constexpr,
+                    BS: tl.constexpr):
+    """Union tile ``tile`` (QT consecutive tokens of one document block, ``BS / QT`` tiles per
+    block): ``(doc, start, length, p0)``, its document (-1 past the last block), the
+    document's first compact row and length, and the document position of its first token."""
+    SUB: tl.constexpr = BS // QT
+    doc, local, start, length = doc_block(tile // SUB, block_doc_ptr, block_local_ptr, cu_ptr)
+    return doc, start, length, local * BS + (tile % SUB) * QT
+
+
+@triton.jit
 def load_kv_tile(k_ptr, v_ptr, rows, mask, g, stride_kt, stride_kh, stride_vt, stride_vh,
                  D: tl.constexpr, FP32_DOT: tl.constexpr):
     """K and V of KV head ``g`` at compact rows ``rows`` (int64 [N]): two [N, D] tiles, zero
@@ -116,6 +127,17 @@ def load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, row, g, stride_kt, stride_k
         k, v = load_kv_tile(k_ptr, v_ptr, (row + kn).to(tl.int64), kn < BN, g, stride_kt,
                             stride_kh, stride_vt, stride_vh, D, FP32_DOT)
     return k, v
+
+
+@triton.jit
+def load_masked_union_tile(k_ptr, v_ptr, j, start, length, pos, sel, g, stride_kt, stride_kh,
+                           stride_vt, stride_vh, D: tl.constexpr, FP32_DOT: tl.constexpr):
+    """A union program's key tile that needs the mask (its own block, or an entry past it):
+    K and V at document keys ``j`` (zero past the document end) and the bool [M, N] pairs
+    visible to a row, i.e. ``j <= pos`` for the rows ``sel`` that selected the block."""
+    k, v = load_kv_tile(k_ptr, v_ptr, (start + j).to(tl.int64), j < length, g, stride_kt,
+                        stride_kh, stride_vt, stride_vh, D, FP32_DOT)
+    return k, v, (j[None, :] <= pos[:, None]) & sel[:, None]
 
 
 @triton.jit
@@ -314,10 +336,9 @@ def tile_tokens_left(tile, g, count_ptr, num_tiles, max_count, block_doc_ptr, bl
     kernel ran the tile (union of at most ``max_count`` blocks) or the tile lies past the last
     document block; one program per tile rather than per token keeps the launch small when the
     union kernel takes nearly every tile."""
-    SUB: tl.constexpr = BS // QT
-    doc, local, start, length = doc_block(tile // SUB, block_doc_ptr, block_local_ptr, cu_ptr)
+    doc, start, length, p0 = union_tile_span(tile, block_doc_ptr, block_local_ptr, cu_ptr, QT,
+                                             BS)
     count = tl.load(count_ptr + g * num_tiles + tile)
-    p0 = local * BS + (tile % SUB) * QT
     n = tl.minimum(length - p0, QT)
     return tl.where((doc < 0) | (count <= max_count), 0, n), start, p0
 
