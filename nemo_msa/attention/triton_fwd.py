@@ -63,11 +63,13 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           "union_qt": 8, "union_max": 30, "union_warps": 8,
           "union_bn": 64, "union_stages": 3, "union_split": True, "union_tma": True,
           # tile_grid: the per-token kernel of a hybrid launch gets one program per union tile
-          # (its tokens one by one) instead of one per token; not yet timed on the GPU.
-          "tile_grid": False,
+          # (its tokens one by one) instead of one per token (8x fewer programs that exit at
+          # once; 0.6 ms faster at 131072 tokens, ADR 0003 v8).
+          "tile_grid": True,
           # union_build: the union lists of the hybrid split (forward and dq) built by torch
-          # sorts in chunks ("torch") or by one Triton kernel ("triton"; not yet timed).
-          "union_build": "torch",
+          # sorts in chunks ("torch") or by one Triton kernel ("triton": 1.4 ms faster and
+          # 79 MiB less at 131072 tokens, ADR 0003 v8).
+          "union_build": "triton",
           # union_bits: each union row tells the blocks its token selected from 64 membership
           # bits (one shift per row and entry) instead of searching its q2k row (not yet timed).
           "union_bits": False}
@@ -288,7 +290,8 @@ def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, blo
 
 
 #: Membership bits per row are an int64: union entries 0..62 (63 keeps the sign bit clear).
-MAX_BITS_UNION = 63
+#: A constexpr: compiled kernels may read only constexpr globals (the interpreter reads any).
+MAX_BITS_UNION = tl.constexpr(63)
 
 
 @triton.jit
@@ -400,6 +403,11 @@ def tile_unions(q2k: torch.Tensor, blocks, msa, qt: int):
     return union, count
 
 
+#: The most rows (tokens x padded heads) of one union program: 256 = two warpgroups' worth of
+#: 128-row MMA tiles, i.e. 16 tokens of 16 heads (``union_qt=16``, with 16 warps).
+MAX_UNION_ROWS = 256
+
+
 @dataclass(frozen=True)
 class HybridPlan:
     """The per-tile split of a hybrid launch (forward or dq) between union and per-token kernels.
@@ -433,13 +441,14 @@ class HybridPlan:
 
 def hybrid_plan(q2k: torch.Tensor, blocks, msa, union_qt: int, union_max: int, gp: int,
                 placeholder: torch.Tensor, bits: bool = False) -> HybridPlan:
-    """Builds the split for ``union_qt``-token tiles (capped so a tile has at most 128 rows of
-    ``gp`` padded heads), or a disabled plan whose tensors are ``placeholder`` when it is 0.
-    With ``bits`` (and ``union_max <= 63``) it also builds the rows' membership bits."""
+    """Builds the split for ``union_qt``-token tiles (capped so a tile has at most
+    ``MAX_UNION_ROWS`` rows of ``gp`` padded heads), or a disabled plan whose tensors are
+    ``placeholder`` when it is 0. With ``bits`` (and ``union_max <= 63``) it also builds the
+    rows' membership bits."""
     if union_qt <= 0:
         return HybridPlan(0, None, placeholder, placeholder, 0, 0, placeholder)
     bs = blocks.block_size
-    qt = max(1, min(int(union_qt), bs, 128 // gp))
+    qt = max(1, min(int(union_qt), bs, MAX_UNION_ROWS // gp))
     union, count = tile_unions(q2k, blocks, msa, qt)
     tok_tile = ((blocks.doc_first_block[msa.token_documents.long()] + blocks.token_pos // bs)
                 * (bs // qt) + (blocks.token_pos % bs) // qt).to(torch.int32)

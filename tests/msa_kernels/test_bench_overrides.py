@@ -25,10 +25,10 @@ def test_overrides_set_json_values_and_plain_strings(monkeypatch):
 
     for mod, key in ((tf, "union_max"), (tf, "union_build"), (tb, "dq_tile_grid"), (ts, "tma")):
         monkeypatch.setitem(mod.CONFIG, key, mod.CONFIG[key])
-    _bench().apply_overrides(["fwd.union_max=48", "fwd.union_build=triton",
-                              "bwd.dq_tile_grid=true", "sel.tma=false"])
-    assert tf.CONFIG["union_max"] == 48 and tf.CONFIG["union_build"] == "triton"
-    assert tb.CONFIG["dq_tile_grid"] is True and ts.CONFIG["tma"] is False
+    _bench().apply_overrides(["fwd.union_max=48", "fwd.union_build=torch",
+                              "bwd.dq_tile_grid=false", "sel.tma=false"])
+    assert tf.CONFIG["union_max"] == 48 and tf.CONFIG["union_build"] == "torch"
+    assert tb.CONFIG["dq_tile_grid"] is False and ts.CONFIG["tma"] is False
 
 
 @pytest.mark.parametrize("item", ["fwd.no_such_key=1", "attn.union_max=1", "fwd.union_max="])

@@ -151,7 +151,7 @@ def test_transposed_tiles_match_reference(monkeypatch):
     _run_case([[70, 1], [64]], 72, 64, 16, 1, 16, 2, seed=9, drop_own=True)
 
 
-@pytest.mark.parametrize("qt,max_count", [(2, 1000), (4, 1000), (4, 3), (8, 2)])
+@pytest.mark.parametrize("qt,max_count", [(2, 1000), (4, 1000), (4, 3), (8, 2), (16, 1000)])
 def test_union_forward_and_dq_match_reference(monkeypatch, qt, max_count):
     """The query-tile union forward and dq alone (max_count 1000), and the hybrids (tiles with
     more than ``max_count`` union blocks go to the per-token kernels), against float64."""
@@ -162,7 +162,8 @@ def test_union_forward_and_dq_match_reference(monkeypatch, qt, max_count):
     monkeypatch.setitem(tf.CONFIG, "union_max", max_count)
     monkeypatch.setitem(tb.CONFIG, "dq_union_qt", qt)
     monkeypatch.setitem(tb.CONFIG, "dq_union_max", max_count)
-    # G = 4 (padded to 16 rows) at bs 16, and G = 16 with tiles that straddle a document end.
+    # G = 4 (padded to 16 rows) at bs 16, and G = 16 with tiles that straddle a document end
+    # (qt 16: 256-row tiles, the MAX_UNION_ROWS cap).
     rows, seq_len, hq, hkv = ([[1, 37], [18, 3]], 40, 8, 2) if qt < 8 else ([[45, 30]], 80, 16, 1)
     _run_case(rows, seq_len, 16, hq, hkv, 16, 2, seed=13 + qt, drop_own=True, repeat=True)
 
@@ -183,19 +184,21 @@ def test_union_loop_variants_match_reference(monkeypatch, split, tma):
 
 
 @pytest.mark.parametrize("max_count", [1000, 2])
-def test_per_token_tile_grid_matches_reference(monkeypatch, max_count):
-    """The opt-in paths together against float64: the per-token kernels' tile grid (one program
-    per union tile doing the tokens the union kernel left), the Triton union build and the
-    rows' membership bits; every tile to the union kernel, and a mix (max_count 2)."""
+@pytest.mark.parametrize("tile_grid,build", [(True, "triton"), (False, "torch")])
+def test_per_token_grids_and_union_bits_match_reference(monkeypatch, max_count, tile_grid, build):
+    """The hybrid's variants together against float64, with the rows' membership bits: the
+    per-token kernels' tile grid (one program per union tile doing the tokens the union kernel
+    left) with the Triton union build, and the token grid with the torch build; every tile to
+    the union kernel, and a mix (max_count 2)."""
     import nemo_msa.attention.triton_bwd as tb
     import nemo_msa.attention.triton_fwd as tf
 
     for mod, prefix in ((tf, "union_"), (tb, "dq_union_")):
         monkeypatch.setitem(mod.CONFIG, prefix + "qt", 4)
         monkeypatch.setitem(mod.CONFIG, prefix + "max", max_count)
-    monkeypatch.setitem(tf.CONFIG, "tile_grid", True)
-    monkeypatch.setitem(tb.CONFIG, "dq_tile_grid", True)
-    monkeypatch.setitem(tf.CONFIG, "union_build", "triton")
+    monkeypatch.setitem(tf.CONFIG, "tile_grid", tile_grid)
+    monkeypatch.setitem(tb.CONFIG, "dq_tile_grid", tile_grid)
+    monkeypatch.setitem(tf.CONFIG, "union_build", build)
     monkeypatch.setitem(tf.CONFIG, "union_bits", True)
     monkeypatch.setitem(tb.CONFIG, "dq_union_bits", True)
     _run_case([[37, 1], [18, 3]], 40, 16, 8, 2, 16, 3, seed=17, drop_own=True)

@@ -55,15 +55,18 @@ def test_selection_pointer_loads_match_reference(monkeypatch):
 
 def test_selection_nan_ranks_last():
     gen = torch.Generator().manual_seed(7)
-    msa = make_layout([[96]], 96, 16)
+    # Two documents in one row: the whole-block flags must map document 2's local block 1 to
+    # its own global block, not document 1's.
+    msa = make_layout([[40, 96]], 136, 16)
     q, k = _inputs(msa, 1, 16, False, gen)
-    k[20] = float("nan")  # block 1 scores NaN for every query that sees key 20
+    k[40 + 20] = float("nan")  # document 2's block 1 scores NaN for every query that sees it
     got = triton_select_blocks(*on_kernel_device(q, k), layout_on_kernel_device(msa), top_k=3,
                                init_blocks=0, local_blocks=1, block_size=16).cpu()
     ref, _ = select_reference(q, k, msa, top_k=3, init_blocks=0, local_blocks=1, block_size=16)
     assert torch.equal(got, ref)
     # From block 3 on there are more candidates than slots: block 1 (NaN) must be dropped.
-    assert not (got[0, 48:] == 1).any(), "a NaN-scored block was chosen over finite ones"
+    assert not (got[0, 40 + 48:] == 1).any(), "a NaN-scored block was chosen over finite ones"
+    assert (got[0, 16:40] == 1).any(-1).all(), "document 1's block 1 is finite and must stay chosen"
 
 
 def test_selection_rejects_bad_arguments():
