@@ -305,6 +305,23 @@ def test_fused_atomic_dq_matches_reference(rows, seq_len, bs, hq, hkv, d, top_k)
               dq_atomic=True)
 
 
+@pytest.mark.parametrize("rows,seq_len,bs,hq,hkv,d,top_k,dq_atomic", [
+    ([[1, 32, 21], [16, 3]], 60, 16, 4, 2, 16, 3, False),
+    ([[70, 9]], 80, 16, 16, 1, 32, 3, False),
+    ([[64, 31]], 100, 32, 2, 1, 64, 2, False),
+    ([[70, 9]], 80, 16, 16, 1, 32, 3, True),
+])
+def test_transposed_dkdv_matches_reference(monkeypatch, rows, seq_len, bs, hq, hkv, d, top_k,
+                                           dq_atomic):
+    """The dk/dv kernel with keys on the MMA's M (kv_trans), atomic-free and with the atomic
+    dq, against float64; the atomic-free one stays bitwise repeatable."""
+    import nemo_msa.attention.triton_bwd as tb
+
+    monkeypatch.setitem(tb.CONFIG, "kv_trans", True)
+    _run_case(rows, seq_len, bs, hq, hkv, d, top_k, seed=seq_len * 5 + d, drop_own=True,
+              repeat=True, dq_atomic=dq_atomic)
+
+
 def test_deterministic_mode_never_takes_the_atomic_path(monkeypatch):
     """Under torch.use_deterministic_algorithms(True) the backward must not run the atomic dq
     path, even when it is switched on; outside it, that path is the one taken."""
