@@ -70,15 +70,11 @@ CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
           "dq_union_qt": 8, "dq_union_max": 30, "dq_union_warps": 8, "dq_union_bn": 64,
           "dq_union_stages": 2, "dq_union_split": True, "dq_union_tma": True,
           "dq_tile_grid": True,  # as the forward's tile_grid (1.2 ms faster, ADR 0003 v8)
-          "dq_union_bits": False,  # as the forward's union_bits (not yet timed on the GPU)
+          "dq_union_bits": False,  # as the forward's union_bits (no faster, ADR 0003 v8)
           # Fused dk/dv + atomic dq (never in deterministic mode): measured slower than the
           # atomic-free path on the H200 (ADR 0003, v5) and 4 bytes per dq element, so opt-in.
           "dq_atomic": False, "fused_warps": 8,
           "kv_bn": 64, "kv_rows": 64, "kv_warps": 4, "kv_stages": 2,
-          # kv_trans: the dk/dv kernel computes S^T = K Q^T (keys on the MMA's M), so P^T and
-          # dS^T feed dv and dk from registers as in Triton's fused-attention tutorial; the
-          # default orientation transposes both tiles through shared memory (not yet timed).
-          "kv_trans": False,
           # Benchmark hook only: "dq" or "dkdv" leaves that kernel out to time the other.
           "skip": ""}
 
@@ -311,23 +307,6 @@ def _dkdv_accumulate(q, do, k, v, pr, delta, dk, dv, tok, heads, rmask, dd, dq32
 
 
 @triton.jit
-def _dkdv_accumulate_trans(q, do, k, v, pr_t, delta, dk, dv, tok, heads, rmask, dd, dq32_ptr,
-                           stride_dq32t, stride_dq32h, scale, DQ_ATOMIC: tl.constexpr):
-    """:func:`_dkdv_accumulate` with keys on the MMA's M dimension: ``pr_t`` is P^T [N, M],
-    so P^T and dS^T are the register A operands of dv += P^T dO and dk += dS^T Q (no transpose
-    of a register tile through shared memory), and dP^T = V dO^T."""
-    dp_t = tl.dot(v, tl.trans(do))
-    ds_t = pr_t * (dp_t - delta[None, :])
-    dv += tl.dot(pr_t.to(do.dtype), do)
-    dk += tl.dot(ds_t.to(q.dtype), q)
-    if DQ_ATOMIC:
-        part = tl.dot(tl.trans(ds_t).to(k.dtype), k) * scale
-        tl.atomic_add(dq32_ptr + tok[:, None] * stride_dq32t + heads[:, None] * stride_dq32h
-                      + dd[None, :], part, mask=rmask[:, None], sem="relaxed")
-    return dk, dv
-
-
-@triton.jit
 def _dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     offsets_ptr, list_ptr, order_ptr, block_doc_ptr, block_local_ptr, cu_ptr, tok_pos_ptr,
@@ -336,7 +315,6 @@ def _dkdv_kernel(
     num_blocks_bound, scale, scale_log2, dq32_ptr, stride_dq32t, stride_dq32h,
     G: tl.constexpr, GP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    TRANS: tl.constexpr,
 ):
     CHUNKS: tl.constexpr = BS // BN
     BM: tl.constexpr = QT * GP
@@ -367,19 +345,11 @@ def _dkdv_kernel(
         q, do, lse2, delta = _dkdv_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, tok, heads, rmask,
                                         stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
                                         D, FP32_DOT)
-        if TRANS:
-            vis_t = (j[:, None] <= pos[None, :]) & rmask[None, :]
-            sc_t = tl.dot(k, tl.trans(q)) * scale_log2
-            pr_t = tl.where(vis_t, tl.exp2(sc_t - lse2[None, :]), 0.0)
-            dk, dv = _dkdv_accumulate_trans(q, do, k, v, pr_t, delta, dk, dv, tok, heads, rmask,
-                                            dd, dq32_ptr, stride_dq32t, stride_dq32h, scale,
-                                            DQ_ATOMIC)
-        else:
-            vis = (j[None, :] <= pos[:, None]) & rmask[:, None]
-            sc = tl.dot(q, tl.trans(k)) * scale_log2
-            pr = tl.where(vis, tl.exp2(sc - lse2[:, None]), 0.0)
-            dk, dv = _dkdv_accumulate(q, do, k, v, pr, delta, dk, dv, tok, heads, rmask, dd,
-                                      dq32_ptr, stride_dq32t, stride_dq32h, scale, DQ_ATOMIC)
+        vis = (j[None, :] <= pos[:, None]) & rmask[:, None]
+        sc = tl.dot(q, tl.trans(k)) * scale_log2
+        pr = tl.where(vis, tl.exp2(sc - lse2[:, None]), 0.0)
+        dk, dv = _dkdv_accumulate(q, do, k, v, pr, delta, dk, dv, tok, heads, rmask, dd,
+                                  dq32_ptr, stride_dq32t, stride_dq32h, scale, DQ_ATOMIC)
     dk = dk * scale
     tl.store(dk_ptr + rows_k[:, None] * stride_dkt + g * stride_dkh + dd[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=kvalid[:, None])
@@ -496,7 +466,6 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         blocks.num_blocks_bound, scale, scale * LOG2E,
         dq32, dq32.stride(0), dq32.stride(1) if fused else 0,
         G=grp, GP=gp, QT=qt, BS=bs, BN=bn_kv, D=d, FP32_DOT=INTERPRET, DQ_ATOMIC=fused,
-        TRANS=bool(CONFIG["kv_trans"]),
         num_warps=warps, num_stages=CONFIG["kv_stages"],
     )
     if fused:

@@ -71,7 +71,8 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           # 79 MiB less at 131072 tokens, ADR 0003 v8).
           "union_build": "triton",
           # union_bits: each union row tells the blocks its token selected from 64 membership
-          # bits (one shift per row and entry) instead of searching its q2k row (not yet timed).
+          # bits (one shift per row and entry) instead of searching its q2k row; measured 1.7 ms
+          # slower at 131072 tokens (ADR 0003 v8), so off.
           "union_bits": False}
 
 
@@ -403,9 +404,10 @@ def tile_unions(q2k: torch.Tensor, blocks, msa, qt: int):
     return union, count
 
 
-#: The most rows (tokens x padded heads) of one union program: 256 = two warpgroups' worth of
-#: 128-row MMA tiles, i.e. 16 tokens of 16 heads (``union_qt=16``, with 16 warps).
-MAX_UNION_ROWS = 256
+#: The most rows (tokens x padded heads) of one union program. 256-row tiles (16 tokens of 16
+#: heads) need more shared memory than an SM has at d = 128 (measured: 262 KB > 227 KB, forward
+#: and dq, ADR 0003 v8).
+MAX_UNION_ROWS = 128
 
 
 @dataclass(frozen=True)

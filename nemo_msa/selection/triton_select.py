@@ -18,8 +18,7 @@ ties go to the lower block id. Empty slots are -1, so any candidate displaces th
 
 NaN detection: ``tl.max`` drops NaN where the reference's ``amax`` propagates it. Rather than a
 second reduction over every score tile, a block's score is flagged NaN when its query row or one
-of its visible keys holds a non-finite value (per-token flags computed once, and per whole
-block for the blocks before the own one). For finite inputs
+of its visible keys holds a non-finite value (per-token flags computed once). For finite inputs
 this is exact; with +-inf inputs a block whose true max is +-inf ranks as NaN (out of contract).
 """
 
@@ -53,21 +52,6 @@ def _nonfinite_rows_kernel(x_ptr, out_ptr, n_rows, stride_row,
     # x * 0 is 0 for finite x and NaN for NaN/inf; a row sum keeps any NaN.
     bad = tl.sum(x * 0.0, axis=1) != 0.0
     tl.store(out_ptr + rows, bad.to(tl.int8), mask=ok)
-
-
-def _nonfinite_blocks(kbad: torch.Tensor, blocks, msa) -> torch.Tensor:
-    """int8 [num_blocks_bound]: 1 where a global key block holds a non-finite key row, from the
-    per-row flags ``kbad`` int8 [T] (device ops, no sync). The kernel's whole blocks then read
-    one flag each instead of reducing the block's row flags across the program's warps."""
-    t = kbad.shape[0]
-    bs = blocks.block_size
-    counts = torch.zeros(t + 1, dtype=torch.int32, device=kbad.device)
-    counts[1:] = torch.cumsum(kbad, 0, dtype=torch.int32)
-    cu = msa.cu_seqlens.long()
-    doc = blocks.block_doc.long().clamp(min=0)
-    first = cu[doc] + blocks.block_local.long() * bs
-    last = torch.minimum(first + bs, cu[doc + 1])
-    return (counts[last] > counts[first]).to(torch.int8)
 
 
 def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +91,7 @@ def _insert(cur, thr, cols, new_key, KP: tl.constexpr):
 
 @triton.jit
 def _select_kernel(
-    q_ptr, k_ptr, k_desc, qbad_ptr, kbad_ptr, kblk_ptr, out_ptr,
+    q_ptr, k_ptr, k_desc, qbad_ptr, kbad_ptr, out_ptr,
     cu_ptr, block_doc_ptr, block_local_ptr,
     stride_qt, stride_qh, stride_kt, stride_oh, stride_ot,
     num_blocks_bound, top_k, init_blocks, local_blocks,
@@ -145,21 +129,21 @@ def _select_kernel(
     forced_code = tl.full((BM,), _FORCED_CODE, tl.int64)
     zero_row = tl.zeros((BM,), tl.int64)
 
-    # Full blocks 0..o-1: every key visible to every row of the tile, no mask. A document's
-    # blocks have consecutive global ids, so block b's is blk - o + b (its non-finite flag).
+    # Full blocks 0..o-1: every key visible to every row of the tile, no mask.
     for b in range(0, o):
         best = tl.full((BM,), float("-inf"), tl.float32)
+        kbad = 0
         for c in tl.static_range(0, BS, BN):
+            krow = start + b * BS + c + kn
             if TMA:
                 k = k_desc.load([start + b * BS + c, 0])
             else:
-                krow = start + b * BS + c + kn
                 k = tl.load(k_ptr + krow[:, None].to(tl.int64) * stride_kt + dk[None, :])
             if FP32_DOT:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k))
             best = tl.maximum(best, tl.max(s, axis=1))
-        kbad = tl.load(kblk_ptr + blk - o + b)
+            kbad = tl.maximum(kbad, tl.max(tl.load(kbad_ptr + krow).to(tl.int32), axis=0))
         code = _order_code(best)
         code = tl.where(qbad | (kbad != 0), nan_code, code)
         forced = (b < init_blocks) | (b > o - local_blocks)
@@ -255,14 +239,13 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     blocks = doc_blocks(msa, bs)
     qbad = _nonfinite_rows(q.view(t * h, d))  # int8 [T * H]
     kbad = _nonfinite_rows(k)  # int8 [T]
-    kblk = _nonfinite_blocks(kbad, blocks, msa)  # int8 [num_blocks_bound]
     bm = min(bs, CONFIG["bm"])
     bn = min(bs, CONFIG["bn"]) if d == 128 else bs
     kp = max(next_pow2(top_k), 2)
     grid = (blocks.num_blocks_bound * (bs // bm), h)
     k_desc = row_descriptor(k, bn, d, INTERPRET) if CONFIG["tma"] else None
     _select_kernel[grid](
-        q, k, k if k_desc is None else k_desc, qbad, kbad, kblk, out, msa.cu_seqlens,
+        q, k, k if k_desc is None else k_desc, qbad, kbad, out, msa.cu_seqlens,
         blocks.block_doc, blocks.block_local,
         q.stride(0), q.stride(1), k.stride(0), out.stride(0), out.stride(1),
         blocks.num_blocks_bound, top_k, init_blocks, local_blocks,

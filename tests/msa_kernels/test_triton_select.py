@@ -55,8 +55,8 @@ def test_selection_pointer_loads_match_reference(monkeypatch):
 
 def test_selection_nan_ranks_last():
     gen = torch.Generator().manual_seed(7)
-    # Two documents in one row: the whole-block flags must map document 2's local block 1 to
-    # its own global block, not document 1's.
+    # Two documents in one row: a non-finite key of document 2 must not mark document 1's
+    # block of the same local id.
     msa = make_layout([[40, 96]], 136, 16)
     q, k = _inputs(msa, 1, 16, False, gen)
     k[40 + 20] = float("nan")  # document 2's block 1 scores NaN for every query that sees it
