@@ -38,10 +38,7 @@ _LOW_MASK = tl.constexpr(0x7FFFFFFF)
 # Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003): query rows per program, keys
 # per inner tile at d = 128, warps, stages; "tma": the whole key blocks are read by TMA (Hopper;
 # pointer loads elsewhere).
-CONFIG = {"bm": 128, "bn": 128, "num_warps": 4, "num_stages": 2, "tma": True,
-          # clean_docs: a document without a non-finite key (one flag per document) runs its
-          # whole blocks without the per-block reduction of the keys' flags (not yet timed).
-          "clean_docs": False}
+CONFIG = {"bm": 128, "bn": 128, "num_warps": 4, "num_stages": 2, "tma": True}
 
 
 @triton.jit
@@ -55,15 +52,6 @@ def _nonfinite_rows_kernel(x_ptr, out_ptr, n_rows, stride_row,
     # x * 0 is 0 for finite x and NaN for NaN/inf; a row sum keeps any NaN.
     bad = tl.sum(x * 0.0, axis=1) != 0.0
     tl.store(out_ptr + rows, bad.to(tl.int8), mask=ok)
-
-
-def _nonfinite_documents(kbad: torch.Tensor, msa) -> torch.Tensor:
-    """int8 [D]: 1 where a document holds a non-finite key row, from the per-row flags ``kbad``
-    int8 [T] (device ops, no sync)."""
-    counts = torch.zeros(kbad.shape[0] + 1, dtype=torch.int32, device=kbad.device)
-    counts[1:] = torch.cumsum(kbad, 0, dtype=torch.int32)
-    cu = msa.cu_seqlens.long()
-    return (counts[cu[1:]] > counts[cu[:-1]]).to(torch.int8)
 
 
 def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
@@ -102,50 +90,13 @@ def _insert(cur, thr, cols, new_key, KP: tl.constexpr):
 
 
 @triton.jit
-def _whole_blocks(q, k_ptr, k_desc, kbad_ptr, start, o, qbad, cur, thr, cols, stride_kt,
-                  init_blocks, local_blocks, BS: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, D: tl.constexpr, KP: tl.constexpr, FP32_DOT: tl.constexpr,
-                  TMA: tl.constexpr, CHECK_KEYS: tl.constexpr):
-    """Folds the document's whole blocks 0..o-1 (every key visible to every row, no mask) into
-    the running top-k ``(cur, thr)``. With CHECK_KEYS a block holding a non-finite key ranks
-    as NaN; without, the document is known to hold none and the keys' flags are not read."""
-    kn = tl.arange(0, BN)
-    dk = tl.arange(0, D)
-    nan_code = tl.full((BM,), _NAN_CODE, tl.int64)
-    forced_code = tl.full((BM,), _FORCED_CODE, tl.int64)
-    zero_row = tl.zeros((BM,), tl.int64)
-    for b in range(0, o):
-        best = tl.full((BM,), float("-inf"), tl.float32)
-        kbad = 0
-        for c in tl.static_range(0, BS, BN):
-            krow = start + b * BS + c + kn
-            if TMA:
-                k = k_desc.load([start + b * BS + c, 0])
-            else:
-                k = tl.load(k_ptr + krow[:, None].to(tl.int64) * stride_kt + dk[None, :])
-            if FP32_DOT:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k))
-            best = tl.maximum(best, tl.max(s, axis=1))
-            if CHECK_KEYS:
-                kbad = tl.maximum(kbad, tl.max(tl.load(kbad_ptr + krow).to(tl.int32), axis=0))
-        code = _order_code(best)
-        code = tl.where(qbad | (kbad != 0), nan_code, code)
-        forced = (b < init_blocks) | (b > o - local_blocks)
-        code = tl.where(forced, forced_code, code)
-        new_key = (code << 31) | (zero_row + (_LOW_MASK - b))
-        cur, thr = _insert(cur, thr, cols, new_key, KP)
-    return cur, thr
-
-
-@triton.jit
 def _select_kernel(
-    q_ptr, k_ptr, k_desc, qbad_ptr, kbad_ptr, docbad_ptr, out_ptr,
+    q_ptr, k_ptr, k_desc, qbad_ptr, kbad_ptr, out_ptr,
     cu_ptr, block_doc_ptr, block_local_ptr,
     stride_qt, stride_qh, stride_kt, stride_oh, stride_ot,
     num_blocks_bound, top_k, init_blocks, local_blocks,
     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    KP: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr, CLEAN_DOCS: tl.constexpr,
+    KP: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr,
 ):
     SPLIT: tl.constexpr = BS // BM
     pid = tl.program_id(0)
@@ -179,17 +130,26 @@ def _select_kernel(
     zero_row = tl.zeros((BM,), tl.int64)
 
     # Full blocks 0..o-1: every key visible to every row of the tile, no mask.
-    clean = False
-    if CLEAN_DOCS:
-        clean = tl.load(docbad_ptr + doc) == 0
-    if clean:
-        cur, thr = _whole_blocks(q, k_ptr, k_desc, kbad_ptr, start, o, qbad, cur, thr, cols,
-                                 stride_kt, init_blocks, local_blocks, BS, BM, BN, D, KP,
-                                 FP32_DOT, TMA, False)
-    else:
-        cur, thr = _whole_blocks(q, k_ptr, k_desc, kbad_ptr, start, o, qbad, cur, thr, cols,
-                                 stride_kt, init_blocks, local_blocks, BS, BM, BN, D, KP,
-                                 FP32_DOT, TMA, True)
+    for b in range(0, o):
+        best = tl.full((BM,), float("-inf"), tl.float32)
+        kbad = 0
+        for c in tl.static_range(0, BS, BN):
+            krow = start + b * BS + c + kn
+            if TMA:
+                k = k_desc.load([start + b * BS + c, 0])
+            else:
+                k = tl.load(k_ptr + krow[:, None].to(tl.int64) * stride_kt + dk[None, :])
+            if FP32_DOT:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k))
+            best = tl.maximum(best, tl.max(s, axis=1))
+            kbad = tl.maximum(kbad, tl.max(tl.load(kbad_ptr + krow).to(tl.int32), axis=0))
+        code = _order_code(best)
+        code = tl.where(qbad | (kbad != 0), nan_code, code)
+        forced = (b < init_blocks) | (b > o - local_blocks)
+        code = tl.where(forced, forced_code, code)
+        new_key = (code << 31) | (zero_row + (_LOW_MASK - b))
+        cur, thr = _insert(cur, thr, cols, new_key, KP)
 
     # Own block o: keys j <= pos only.
     best = tl.full((BM,), float("-inf"), tl.float32)
@@ -279,20 +239,17 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     blocks = doc_blocks(msa, bs)
     qbad = _nonfinite_rows(q.view(t * h, d))  # int8 [T * H]
     kbad = _nonfinite_rows(k)  # int8 [T]
-    clean_docs = bool(CONFIG["clean_docs"])
-    docbad = _nonfinite_documents(kbad, msa) if clean_docs else kbad  # int8 [D] (or unread)
     bm = min(bs, CONFIG["bm"])
     bn = min(bs, CONFIG["bn"]) if d == 128 else bs
     kp = max(next_pow2(top_k), 2)
     grid = (blocks.num_blocks_bound * (bs // bm), h)
     k_desc = row_descriptor(k, bn, d, INTERPRET) if CONFIG["tma"] else None
     _select_kernel[grid](
-        q, k, k if k_desc is None else k_desc, qbad, kbad, docbad, out, msa.cu_seqlens,
+        q, k, k if k_desc is None else k_desc, qbad, kbad, out, msa.cu_seqlens,
         blocks.block_doc, blocks.block_local,
         q.stride(0), q.stride(1), k.stride(0), out.stride(0), out.stride(1),
         blocks.num_blocks_bound, top_k, init_blocks, local_blocks,
         BS=bs, BM=bm, BN=bn, D=d, KP=kp, FP32_DOT=INTERPRET, TMA=k_desc is not None,
-        CLEAN_DOCS=clean_docs,
         num_warps=CONFIG["num_warps"] if bm * bn >= 64 * 64 else 4,
         num_stages=CONFIG["num_stages"],
     )

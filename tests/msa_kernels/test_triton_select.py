@@ -53,22 +53,8 @@ def test_selection_pointer_loads_match_reference(monkeypatch):
     test_selection_matches_reference([[40, 1], [16, 57], [80]], 100, 16, 32, 3, 1, 1, True)
 
 
-def test_selection_clean_documents_match_reference(monkeypatch):
-    """With clean_docs, documents without a non-finite key skip the keys' flags in their whole
-    blocks: the same selection as the reference on packed rows."""
-    import nemo_msa.selection.triton_select as ts
-
-    monkeypatch.setitem(ts.CONFIG, "clean_docs", True)
-    test_selection_matches_reference([[40, 1], [16, 57], [80]], 100, 16, 32, 3, 1, 1, True)
-
-
-@pytest.mark.parametrize("clean_docs", [False, True])
-def test_selection_nan_ranks_last(monkeypatch, clean_docs):
-    """A NaN key ranks its block last; with clean_docs its document takes the checked path
-    and the other document the unchecked one."""
-    import nemo_msa.selection.triton_select as ts
-
-    monkeypatch.setitem(ts.CONFIG, "clean_docs", clean_docs)
+def test_selection_nan_ranks_last():
+    """A NaN key ranks its block last, in its own document only."""
     gen = torch.Generator().manual_seed(7)
     # Two documents in one row: a non-finite key of document 2 must not mark document 1's
     # block of the same local id.
