@@ -1,8 +1,10 @@
 """Fused MSA block selection for SM90 in Triton: index scorer + running top-k in registers.
 
-One program owns ``BM`` query rows of one document block ``o`` and one index head. It streams
-the document's key blocks ``0..o`` (block ``o`` causally masked), reduces q.k to the per-block
-max and folds each block into a running top-k kept per row in registers. The score tensor
+One program owns ``BM`` query rows of one document block ``o`` and ``HP`` index heads (HP * BM
+rows). It streams the document's key blocks ``0..o`` (block ``o`` causally masked), reduces q.k
+to the per-block max and folds each block into a running top-k kept per row in registers. The
+index heads share the one index key head, so with HP = 2 every K tile read from L2 feeds twice
+the MMA rows (half the L2 traffic per FLOP; ADR 0003). The score tensor
 [heads, blocks, tokens] is never written: the only extra memory is the doc-block map and two
 per-token non-finite flags, O(tokens).
 
@@ -37,8 +39,12 @@ _LOW_MASK = tl.constexpr(0x7FFFFFFF)
 
 # Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003): query rows per program, keys
 # per inner tile at d = 128, warps, stages; "tma": the whole key blocks are read by TMA (Hopper;
-# pointer loads elsewhere).
-CONFIG = {"bm": 128, "bn": 128, "num_warps": 4, "num_stages": 2, "tma": True}
+# pointer loads elsewhere); "heads": index heads per program (1 or 2; 2 only where the head
+# count is even), run with "heads_warps" warps.
+CONFIG = {"bm": 128, "bn": 128, "num_warps": 4, "num_stages": 2, "tma": True,
+          "heads": 1, "heads_warps": 8,
+          # ws: ask Triton to warp-specialize the whole-block loop (an experiment, ADR 0003 v9).
+          "ws": False}
 
 
 @triton.jit
@@ -96,11 +102,12 @@ def _select_kernel(
     stride_qt, stride_qh, stride_kt, stride_oh, stride_ot,
     num_blocks_bound, top_k, init_blocks, local_blocks,
     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    KP: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr,
+    KP: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr, HP: tl.constexpr,
+    WS: tl.constexpr,
 ):
     SPLIT: tl.constexpr = BS // BM
+    R: tl.constexpr = HP * BM
     pid = tl.program_id(0)
-    h = tl.program_id(1)
     # Reverse order: the last blocks of a document have the most candidates; start them first.
     tile = num_blocks_bound * SPLIT - 1 - pid
     blk = tile // SPLIT
@@ -109,29 +116,32 @@ def _select_kernel(
     if doc < 0:
         return
 
-    rows = tl.arange(0, BM)
-    pos = o * BS + sub * BM + rows
+    # Row r: index head h = program_id(1) * HP + r // BM, query position of row r % BM.
+    rows = tl.arange(0, R)
+    h = tl.program_id(1) * HP + rows // BM
+    pos = o * BS + sub * BM + rows % BM
     row_ok = pos < length
     dk = tl.arange(0, D)
-    q = tl.load(q_ptr + (start + pos)[:, None].to(tl.int64) * stride_qt + h * stride_qh
+    q = tl.load(q_ptr + (start + pos)[:, None].to(tl.int64) * stride_qt + h[:, None] * stride_qh
                 + dk[None, :], mask=row_ok[:, None], other=0.0)
     if FP32_DOT:
         q = q.to(tl.float32)
-    qbad = tl.load(qbad_ptr + (start + pos) * tl.num_programs(1) + h, mask=row_ok, other=0) != 0
+    qbad = tl.load(qbad_ptr + (start + pos) * (tl.num_programs(1) * HP) + h, mask=row_ok,
+                   other=0) != 0
 
     cols = tl.arange(0, KP)
-    empty = tl.full((BM, KP), -1, tl.int64)
-    unused = tl.full((BM, KP), 0x7FFFFFFFFFFFFFFF, tl.int64)
+    empty = tl.full((R, KP), -1, tl.int64)
+    unused = tl.full((R, KP), 0x7FFFFFFFFFFFFFFF, tl.int64)
     cur = tl.where(cols[None, :] < top_k, empty, unused)
     thr = tl.min(cur, axis=1)
     kn = tl.arange(0, BN)
-    nan_code = tl.full((BM,), _NAN_CODE, tl.int64)
-    forced_code = tl.full((BM,), _FORCED_CODE, tl.int64)
-    zero_row = tl.zeros((BM,), tl.int64)
+    nan_code = tl.full((R,), _NAN_CODE, tl.int64)
+    forced_code = tl.full((R,), _FORCED_CODE, tl.int64)
+    zero_row = tl.zeros((R,), tl.int64)
 
     # Full blocks 0..o-1: every key visible to every row of the tile, no mask.
-    for b in range(0, o):
-        best = tl.full((BM,), float("-inf"), tl.float32)
+    for b in tl.range(0, o, warp_specialize=WS):
+        best = tl.full((R,), float("-inf"), tl.float32)
         kbad = 0
         for c in tl.static_range(0, BS, BN):
             krow = start + b * BS + c + kn
@@ -152,8 +162,8 @@ def _select_kernel(
         cur, thr = _insert(cur, thr, cols, new_key, KP)
 
     # Own block o: keys j <= pos only.
-    best = tl.full((BM,), float("-inf"), tl.float32)
-    anybad = tl.zeros((BM,), tl.int32)
+    best = tl.full((R,), float("-inf"), tl.float32)
+    anybad = tl.zeros((R,), tl.int32)
     for c in tl.static_range(0, BS, BN):
         j = o * BS + c + kn
         kmask = j < length
@@ -176,11 +186,11 @@ def _select_kernel(
     # Canonical output: ascending block ids, -1 tail.
     big = 0x7FFFFFFF
     valid = (cur >= 0) & (cur != unused)
-    low = tl.full((BM, KP), _LOW_MASK, tl.int64)
+    low = tl.full((R, KP), _LOW_MASK, tl.int64)
     ids = tl.where(valid, (low - (cur & low)).to(tl.int32), big)
     ids = tl.sort(ids, dim=1)
     ids = tl.where(ids == big, -1, ids)
-    optr = out_ptr + h * stride_oh + (start + pos)[:, None].to(tl.int64) * stride_ot + cols[None, :]
+    optr = out_ptr + h[:, None] * stride_oh + (start + pos)[:, None].to(tl.int64) * stride_ot + cols[None, :]
     tl.store(optr, ids, mask=row_ok[:, None] & (cols[None, :] < top_k))
 
 
@@ -242,15 +252,21 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     bm = min(bs, CONFIG["bm"])
     bn = min(bs, CONFIG["bn"]) if d == 128 else bs
     kp = max(next_pow2(top_k), 2)
-    grid = (blocks.num_blocks_bound * (bs // bm), h)
+    hp = int(CONFIG["heads"])
+    if hp not in (1, 2):
+        raise ValueError(f"CONFIG['heads']={hp}: expected 1 or 2 index heads per program")
+    hp = hp if h % hp == 0 else 1
+    grid = (blocks.num_blocks_bound * (bs // bm), h // hp)
     k_desc = row_descriptor(k, bn, d, INTERPRET) if CONFIG["tma"] else None
     _select_kernel[grid](
         q, k, k if k_desc is None else k_desc, qbad, kbad, out, msa.cu_seqlens,
         blocks.block_doc, blocks.block_local,
         q.stride(0), q.stride(1), k.stride(0), out.stride(0), out.stride(1),
         blocks.num_blocks_bound, top_k, init_blocks, local_blocks,
-        BS=bs, BM=bm, BN=bn, D=d, KP=kp, FP32_DOT=INTERPRET, TMA=k_desc is not None,
-        num_warps=CONFIG["num_warps"] if bm * bn >= 64 * 64 else 4,
+        BS=bs, BM=bm, BN=bn, D=d, KP=kp, FP32_DOT=INTERPRET, TMA=k_desc is not None, HP=hp,
+        WS=bool(CONFIG["ws"]) and not INTERPRET,
+        num_warps=(CONFIG["num_warps"] if hp == 1 else CONFIG["heads_warps"])
+        if bm * bn >= 64 * 64 else 4,
         num_stages=CONFIG["num_stages"],
     )
     return out

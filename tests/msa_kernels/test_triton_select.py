@@ -53,6 +53,37 @@ def test_selection_pointer_loads_match_reference(monkeypatch):
     test_selection_matches_reference([[40, 1], [16, 57], [80]], 100, 16, 32, 3, 1, 1, True)
 
 
+@pytest.mark.parametrize("heads", [2, 3, 4])
+def test_selection_two_heads_per_program_match_reference(monkeypatch, heads):
+    """Two index heads per program (rows of both heads share every key tile) give the
+    reference's selection; an odd head count falls back to one head per program."""
+    import nemo_msa.selection.triton_select as ts
+
+    monkeypatch.setitem(ts.CONFIG, "heads", 2)
+    gen = torch.Generator().manual_seed(11 + heads)
+    msa = make_layout([[150, 3], [16, 57], [40, 1]], 160, 16)
+    q, k = _inputs(msa, heads, 32, True, gen)
+    # Non-finite flags are indexed per (token, head): a NaN query row of the last head (a token
+    # with many candidate blocks) and a NaN key must reach the right rows.
+    q[140, heads - 1, 3] = float("nan")
+    k[30] = float("nan")
+    got = triton_select_blocks(*on_kernel_device(q, k), layout_on_kernel_device(msa), top_k=3,
+                               init_blocks=1, local_blocks=1, block_size=16).cpu()
+    ref, _ = select_reference(q, k, msa, top_k=3, init_blocks=1, local_blocks=1, block_size=16)
+    assert torch.equal(got, ref)
+
+
+def test_selection_rejects_bad_heads_per_program(monkeypatch):
+    import nemo_msa.selection.triton_select as ts
+
+    monkeypatch.setitem(ts.CONFIG, "heads", 4)
+    msa = make_layout([[32]], 32, 16)
+    q, k = _inputs(msa, 4, 16, False, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"CONFIG\['heads'\]=4: expected 1 or 2"):
+        triton_select_blocks(*on_kernel_device(q, k), layout_on_kernel_device(msa), top_k=2,
+                             init_blocks=0, local_blocks=1, block_size=16)
+
+
 def test_selection_nan_ranks_last():
     """A NaN key ranks its block last, in its own document only."""
     gen = torch.Generator().manual_seed(7)
