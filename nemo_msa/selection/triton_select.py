@@ -190,7 +190,8 @@ def _select_kernel(
     ids = tl.where(valid, (low - (cur & low)).to(tl.int32), big)
     ids = tl.sort(ids, dim=1)
     ids = tl.where(ids == big, -1, ids)
-    optr = out_ptr + h[:, None] * stride_oh + (start + pos)[:, None].to(tl.int64) * stride_ot + cols[None, :]
+    optr = (out_ptr + h[:, None] * stride_oh + (start + pos)[:, None].to(tl.int64) * stride_ot
+            + cols[None, :])
     tl.store(optr, ids, mask=row_ok[:, None] & (cols[None, :] < top_k))
 
 
