@@ -73,11 +73,7 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           # union_bits: each union row tells the blocks its token selected from 64 membership
           # bits (one shift per row and entry) instead of searching its q2k row; measured 1.7 ms
           # slower at 131072 tokens (ADR 0003 v8), so off.
-          "union_bits": False,
-          # union_ws: ask Triton to warp-specialize the union kernel's whole-block loop (TMA
-          # producer warps apart from the MMA/softmax warps, as FlashAttention-3 does by hand).
-          # Triton may ignore the request on Hopper; an experiment (ADR 0003 v9).
-          "union_ws": False}
+          "union_bits": False}
 
 
 @triton.jit
@@ -212,7 +208,7 @@ def _fwd_union_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    BITS: tl.constexpr, WS: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected.
@@ -242,7 +238,7 @@ def _fwd_union_kernel(
     kn = tl.arange(0, BN)
     urow = union_ptr + g * stride_ug + tile * stride_ut
     full = union_full_blocks(urow, count, own, UW, SPLIT)
-    for u in tl.range(0, full, warp_specialize=WS):
+    for u in range(full):
         b = tl.load(urow + u)
         sel = row_selected(selection, b, u, BITS) & rmask
         for c in tl.static_range(0, BS, BN):
@@ -546,7 +542,6 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
             FP32_DOT=INTERPRET, SPLIT=bool(CONFIG["union_split"]), TMA=descs is not None,
             UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
-            WS=bool(CONFIG["union_ws"]) and not INTERPRET,
             num_warps=CONFIG["union_warps"], num_stages=CONFIG["union_stages"],
         )
     tile_grid = plan.enabled and bool(CONFIG["tile_grid"])

@@ -1,12 +1,10 @@
 """Fused MSA block selection for SM90 in Triton: index scorer + running top-k in registers.
 
-One program owns ``BM`` query rows of one document block ``o`` and ``HP`` index heads (HP * BM
-rows). It streams the document's key blocks ``0..o`` (block ``o`` causally masked), reduces q.k
-to the per-block max and folds each block into a running top-k kept per row in registers. The
-index heads share the one index key head, so with HP = 2 every K tile read from L2 feeds twice
-the MMA rows (half the L2 traffic per FLOP; ADR 0003). The score tensor
-[heads, blocks, tokens] is never written: the only extra memory is the doc-block map and two
-per-token non-finite flags, O(tokens).
+One program owns ``BM`` query rows of one document block ``o`` and one index head. It streams
+the document's key blocks ``0..o`` (block ``o`` causally masked), reduces q.k to the per-block
+max and folds each block into a running top-k kept per row in registers. The score tensor
+[heads, blocks, tokens] is never written: the only extra memory is the doc-block map, O(blocks)
+(and, on the opt-in flag path below, two per-token non-finite flags, O(tokens)).
 
 Ranking key. Each candidate becomes one int64 so that "take the max" implements the whole
 contract in one comparison::
@@ -18,10 +16,13 @@ contract in one comparison::
 would make block 0 collide with the unused-slot sentinel INT64_MAX). The low bits make
 ties go to the lower block id. Empty slots are -1, so any candidate displaces them.
 
-NaN detection: ``tl.max`` drops NaN where the reference's ``amax`` propagates it. Rather than a
-second reduction over every score tile, a block's score is flagged NaN when its query row or one
-of its visible keys holds a non-finite value (per-token flags computed once). For finite inputs
-this is exact; with +-inf inputs a block whose true max is +-inf ranks as NaN (out of contract).
+NaN. The reference's ``amax`` propagates NaN, while ``tl.max`` drops it (it lowers to the
+IEEE maxNum, ``max.f32``). The block max is therefore a reduction whose combine keeps NaN
+(``max.NaN.f32``, the same instruction cost), so a block scores NaN exactly when one of its
+visible q.k does, as in the reference, +-inf inputs included. The earlier scheme is kept opt-in
+(``CONFIG["nan"] = "flags"``) as the same-call baseline: a block is flagged NaN when its query
+row or one of its visible keys holds a non-finite value (per-token flags computed once, reduced
+per key tile); exact for finite inputs only.
 """
 
 from __future__ import annotations
@@ -39,12 +40,11 @@ _LOW_MASK = tl.constexpr(0x7FFFFFFF)
 
 # Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003): query rows per program, keys
 # per inner tile at d = 128, warps, stages; "tma": the whole key blocks are read by TMA (Hopper;
-# pointer loads elsewhere); "heads": index heads per program (1 or 2; 2 only where the head
-# count is even), run with "heads_warps" warps.
-CONFIG = {"bm": 128, "bn": 128, "num_warps": 4, "num_stages": 2, "tma": True,
-          "heads": 1, "heads_warps": 8,
-          # ws: ask Triton to warp-specialize the whole-block loop (an experiment, ADR 0003 v9).
-          "ws": False}
+# pointer loads elsewhere); "nan": how NaN scores are found, "max" (a NaN-keeping block max) or
+# "flags" (per-token non-finite flags; see the module docstring and ADR 0003 v9); "insert":
+# "branch" skips the top-k update of a block that no row takes, "always" runs it branch-free.
+CONFIG = {"bm": 128, "bn": 128, "num_warps": 4, "num_stages": 2, "tma": True, "nan": "max",
+          "insert": "branch"}
 
 
 @triton.jit
@@ -72,6 +72,18 @@ def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _max_keep_nan(a, b):
+    """max(a, b) that returns NaN when either is NaN (the combine of the block max)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _row_max_keep_nan(s):
+    """fp32 [R, N] -> [R]: each row's max, NaN when the row holds a NaN (like torch.amax)."""
+    return tl.reduce(s, 1, _max_keep_nan)
+
+
+@triton.jit
 def _order_code(score):
     """fp32 [R] -> int64 [R] code monotone in the float order (NaN handled by the caller)."""
     ones32 = tl.full((1,), 0xFFFFFFFF, tl.int64)
@@ -81,18 +93,29 @@ def _order_code(score):
 
 
 @triton.jit
-def _insert(cur, thr, cols, new_key, KP: tl.constexpr):
+def _insert(cur, thr, cols, new_key, KP: tl.constexpr, BRANCH: tl.constexpr):
     """Inserts new_key [R] into the running top-k cur [R, KP] (keys are unique per row) where
     it beats the row's threshold ``thr`` [R] (the smallest key held); returns the new
-    ``(cur, thr)``. Blocks that no row takes cost one [R] comparison: a trained indexer's
-    neighbouring queries agree, so past the first blocks most blocks enter no row's top-k."""
+    ``(cur, thr)``. With BRANCH, blocks that no row takes cost one [R] comparison and a
+    program-wide reduction: a trained indexer's neighbouring queries agree, so past the first
+    blocks most blocks enter no row's top-k. Without it every block runs the update (no
+    program-wide reduction; rows that do not take the block keep their slots)."""
     take = new_key > thr
-    if tl.max(take.to(tl.int32), axis=0) > 0:
-        first = tl.min(tl.where(cur == thr[:, None], cols[None, :], KP), axis=1)
-        hit = (cols[None, :] == first[:, None]) & take[:, None]
-        cur = tl.where(hit, new_key[:, None], cur)
-        thr = tl.min(cur, axis=1)
+    if BRANCH:
+        if tl.max(take.to(tl.int32), axis=0) > 0:
+            cur, thr = _replace_smallest(cur, thr, cols, new_key, take, KP)
+    else:
+        cur, thr = _replace_smallest(cur, thr, cols, new_key, take, KP)
     return cur, thr
+
+
+@triton.jit
+def _replace_smallest(cur, thr, cols, new_key, take, KP: tl.constexpr):
+    """In the rows ``take``, new_key replaces the smallest key held (the threshold)."""
+    first = tl.min(tl.where(cur == thr[:, None], cols[None, :], KP), axis=1)
+    hit = (cols[None, :] == first[:, None]) & take[:, None]
+    cur = tl.where(hit, new_key[:, None], cur)
+    return cur, tl.min(cur, axis=1)
 
 
 @triton.jit
@@ -102,12 +125,12 @@ def _select_kernel(
     stride_qt, stride_qh, stride_kt, stride_oh, stride_ot,
     num_blocks_bound, top_k, init_blocks, local_blocks,
     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    KP: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr, HP: tl.constexpr,
-    WS: tl.constexpr,
+    KP: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr, FLAGS: tl.constexpr,
+    BRANCH: tl.constexpr,
 ):
     SPLIT: tl.constexpr = BS // BM
-    R: tl.constexpr = HP * BM
     pid = tl.program_id(0)
+    h = tl.program_id(1)
     # Reverse order: the last blocks of a document have the most candidates; start them first.
     tile = num_blocks_bound * SPLIT - 1 - pid
     blk = tile // SPLIT
@@ -116,32 +139,31 @@ def _select_kernel(
     if doc < 0:
         return
 
-    # Row r: index head h = program_id(1) * HP + r // BM, query position of row r % BM.
-    rows = tl.arange(0, R)
-    h = tl.program_id(1) * HP + rows // BM
-    pos = o * BS + sub * BM + rows % BM
+    rows = tl.arange(0, BM)
+    pos = o * BS + sub * BM + rows
     row_ok = pos < length
     dk = tl.arange(0, D)
-    q = tl.load(q_ptr + (start + pos)[:, None].to(tl.int64) * stride_qt + h[:, None] * stride_qh
+    q = tl.load(q_ptr + (start + pos)[:, None].to(tl.int64) * stride_qt + h * stride_qh
                 + dk[None, :], mask=row_ok[:, None], other=0.0)
     if FP32_DOT:
         q = q.to(tl.float32)
-    qbad = tl.load(qbad_ptr + (start + pos) * (tl.num_programs(1) * HP) + h, mask=row_ok,
-                   other=0) != 0
+    if FLAGS:
+        qbad = tl.load(qbad_ptr + (start + pos) * tl.num_programs(1) + h, mask=row_ok,
+                       other=0) != 0
 
     cols = tl.arange(0, KP)
-    empty = tl.full((R, KP), -1, tl.int64)
-    unused = tl.full((R, KP), 0x7FFFFFFFFFFFFFFF, tl.int64)
+    empty = tl.full((BM, KP), -1, tl.int64)
+    unused = tl.full((BM, KP), 0x7FFFFFFFFFFFFFFF, tl.int64)
     cur = tl.where(cols[None, :] < top_k, empty, unused)
     thr = tl.min(cur, axis=1)
     kn = tl.arange(0, BN)
-    nan_code = tl.full((R,), _NAN_CODE, tl.int64)
-    forced_code = tl.full((R,), _FORCED_CODE, tl.int64)
-    zero_row = tl.zeros((R,), tl.int64)
+    nan_code = tl.full((BM,), _NAN_CODE, tl.int64)
+    forced_code = tl.full((BM,), _FORCED_CODE, tl.int64)
+    zero_row = tl.zeros((BM,), tl.int64)
 
     # Full blocks 0..o-1: every key visible to every row of the tile, no mask.
-    for b in tl.range(0, o, warp_specialize=WS):
-        best = tl.full((R,), float("-inf"), tl.float32)
+    for b in range(0, o):
+        best = tl.full((BM,), float("-inf"), tl.float32)
         kbad = 0
         for c in tl.static_range(0, BS, BN):
             krow = start + b * BS + c + kn
@@ -152,18 +174,24 @@ def _select_kernel(
             if FP32_DOT:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k))
-            best = tl.maximum(best, tl.max(s, axis=1))
-            kbad = tl.maximum(kbad, tl.max(tl.load(kbad_ptr + krow).to(tl.int32), axis=0))
+            if FLAGS:
+                best = tl.maximum(best, tl.max(s, axis=1))
+                kbad = tl.maximum(kbad, tl.max(tl.load(kbad_ptr + krow).to(tl.int32), axis=0))
+            else:
+                best = _max_keep_nan(best, _row_max_keep_nan(s))
         code = _order_code(best)
-        code = tl.where(qbad | (kbad != 0), nan_code, code)
+        if FLAGS:
+            code = tl.where(qbad | (kbad != 0), nan_code, code)
+        else:
+            code = tl.where(best != best, nan_code, code)
         forced = (b < init_blocks) | (b > o - local_blocks)
         code = tl.where(forced, forced_code, code)
         new_key = (code << 31) | (zero_row + (_LOW_MASK - b))
-        cur, thr = _insert(cur, thr, cols, new_key, KP)
+        cur, thr = _insert(cur, thr, cols, new_key, KP, BRANCH)
 
     # Own block o: keys j <= pos only.
-    best = tl.full((R,), float("-inf"), tl.float32)
-    anybad = tl.zeros((R,), tl.int32)
+    best = tl.full((BM,), float("-inf"), tl.float32)
+    anybad = tl.zeros((BM,), tl.int32)
     for c in tl.static_range(0, BS, BN):
         j = o * BS + c + kn
         kmask = j < length
@@ -173,24 +201,30 @@ def _select_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k))
         vis = j[None, :] <= pos[:, None]
-        best = tl.maximum(best, tl.max(tl.where(vis, s, float("-inf")), axis=1))
-        kb = tl.load(kbad_ptr + start + j, mask=kmask, other=0).to(tl.int32)
-        anybad = tl.maximum(anybad, tl.max(tl.where(vis, kb[None, :], 0), axis=1))
+        if FLAGS:
+            best = tl.maximum(best, tl.max(tl.where(vis, s, float("-inf")), axis=1))
+            kb = tl.load(kbad_ptr + start + j, mask=kmask, other=0).to(tl.int32)
+            anybad = tl.maximum(anybad, tl.max(tl.where(vis, kb[None, :], 0), axis=1))
+        else:
+            best = _max_keep_nan(best, _row_max_keep_nan(tl.where(vis, s, float("-inf"))))
     code = _order_code(best)
-    code = tl.where(qbad | (anybad != 0), nan_code, code)
+    if FLAGS:
+        code = tl.where(qbad | (anybad != 0), nan_code, code)
+    else:
+        code = tl.where(best != best, nan_code, code)
     forced = (o < init_blocks) | (local_blocks > 0)
     code = tl.where(forced, forced_code, code)
     new_key = (code << 31) | (zero_row + (_LOW_MASK - o))
-    cur, thr = _insert(cur, thr, cols, new_key, KP)
+    cur, thr = _insert(cur, thr, cols, new_key, KP, True)
 
     # Canonical output: ascending block ids, -1 tail.
     big = 0x7FFFFFFF
     valid = (cur >= 0) & (cur != unused)
-    low = tl.full((R, KP), _LOW_MASK, tl.int64)
+    low = tl.full((BM, KP), _LOW_MASK, tl.int64)
     ids = tl.where(valid, (low - (cur & low)).to(tl.int32), big)
     ids = tl.sort(ids, dim=1)
     ids = tl.where(ids == big, -1, ids)
-    optr = (out_ptr + h[:, None] * stride_oh + (start + pos)[:, None].to(tl.int64) * stride_ot
+    optr = (out_ptr + h * stride_oh + (start + pos)[:, None].to(tl.int64) * stride_ot
             + cols[None, :])
     tl.store(optr, ids, mask=row_ok[:, None] & (cols[None, :] < top_k))
 
@@ -248,26 +282,30 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     q = index_q.contiguous()
     k = index_k.contiguous()
     blocks = doc_blocks(msa, bs)
-    qbad = _nonfinite_rows(q.view(t * h, d))  # int8 [T * H]
-    kbad = _nonfinite_rows(k)  # int8 [T]
+    nan_mode = CONFIG["nan"]
+    if nan_mode not in ("max", "flags"):
+        raise ValueError(f"CONFIG['nan']={nan_mode!r}: expected 'max' or 'flags'")
+    flags = nan_mode == "flags"
+    if CONFIG["insert"] not in ("branch", "always"):
+        raise ValueError(f"CONFIG['insert']={CONFIG['insert']!r}: expected 'branch' or 'always'")
+    if flags:
+        qbad = _nonfinite_rows(q.view(t * h, d))  # int8 [T * H]
+        kbad = _nonfinite_rows(k)  # int8 [T]
+    else:
+        qbad = kbad = out  # never read
     bm = min(bs, CONFIG["bm"])
     bn = min(bs, CONFIG["bn"]) if d == 128 else bs
     kp = max(next_pow2(top_k), 2)
-    hp = int(CONFIG["heads"])
-    if hp not in (1, 2):
-        raise ValueError(f"CONFIG['heads']={hp}: expected 1 or 2 index heads per program")
-    hp = hp if h % hp == 0 else 1
-    grid = (blocks.num_blocks_bound * (bs // bm), h // hp)
+    grid = (blocks.num_blocks_bound * (bs // bm), h)
     k_desc = row_descriptor(k, bn, d, INTERPRET) if CONFIG["tma"] else None
     _select_kernel[grid](
         q, k, k if k_desc is None else k_desc, qbad, kbad, out, msa.cu_seqlens,
         blocks.block_doc, blocks.block_local,
         q.stride(0), q.stride(1), k.stride(0), out.stride(0), out.stride(1),
         blocks.num_blocks_bound, top_k, init_blocks, local_blocks,
-        BS=bs, BM=bm, BN=bn, D=d, KP=kp, FP32_DOT=INTERPRET, TMA=k_desc is not None, HP=hp,
-        WS=bool(CONFIG["ws"]) and not INTERPRET,
-        num_warps=(CONFIG["num_warps"] if hp == 1 else CONFIG["heads_warps"])
-        if bm * bn >= 64 * 64 else 4,
+        BS=bs, BM=bm, BN=bn, D=d, KP=kp, FP32_DOT=INTERPRET, TMA=k_desc is not None,
+        FLAGS=flags, BRANCH=CONFIG["insert"] == "branch",
+        num_warps=CONFIG["num_warps"] if bm * bn >= 64 * 64 else 4,
         num_stages=CONFIG["num_stages"],
     )
     return out

@@ -53,39 +53,13 @@ def test_selection_pointer_loads_match_reference(monkeypatch):
     test_selection_matches_reference([[40, 1], [16, 57], [80]], 100, 16, 32, 3, 1, 1, True)
 
 
-@pytest.mark.parametrize("heads", [2, 3, 4])
-def test_selection_two_heads_per_program_match_reference(monkeypatch, heads):
-    """Two index heads per program (rows of both heads share every key tile) give the
-    reference's selection; an odd head count falls back to one head per program."""
+@pytest.mark.parametrize("nan", ["max", "flags"])
+def test_selection_nan_ranks_last(monkeypatch, nan):
+    """A NaN key ranks its block last, in its own document only (both ways of finding NaN
+    scores: the NaN-keeping block max and the per-token flags)."""
     import nemo_msa.selection.triton_select as ts
 
-    monkeypatch.setitem(ts.CONFIG, "heads", 2)
-    gen = torch.Generator().manual_seed(11 + heads)
-    msa = make_layout([[150, 3], [16, 57], [40, 1]], 160, 16)
-    q, k = _inputs(msa, heads, 32, True, gen)
-    # Non-finite flags are indexed per (token, head): a NaN query row of the last head (a token
-    # with many candidate blocks) and a NaN key must reach the right rows.
-    q[140, heads - 1, 3] = float("nan")
-    k[30] = float("nan")
-    got = triton_select_blocks(*on_kernel_device(q, k), layout_on_kernel_device(msa), top_k=3,
-                               init_blocks=1, local_blocks=1, block_size=16).cpu()
-    ref, _ = select_reference(q, k, msa, top_k=3, init_blocks=1, local_blocks=1, block_size=16)
-    assert torch.equal(got, ref)
-
-
-def test_selection_rejects_bad_heads_per_program(monkeypatch):
-    import nemo_msa.selection.triton_select as ts
-
-    monkeypatch.setitem(ts.CONFIG, "heads", 4)
-    msa = make_layout([[32]], 32, 16)
-    q, k = _inputs(msa, 4, 16, False, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match=r"CONFIG\['heads'\]=4: expected 1 or 2"):
-        triton_select_blocks(*on_kernel_device(q, k), layout_on_kernel_device(msa), top_k=2,
-                             init_blocks=0, local_blocks=1, block_size=16)
-
-
-def test_selection_nan_ranks_last():
-    """A NaN key ranks its block last, in its own document only."""
+    monkeypatch.setitem(ts.CONFIG, "nan", nan)
     gen = torch.Generator().manual_seed(7)
     # Two documents in one row: a non-finite key of document 2 must not mark document 1's
     # block of the same local id.
@@ -99,6 +73,37 @@ def test_selection_nan_ranks_last():
     # From block 3 on there are more candidates than slots: block 1 (NaN) must be dropped.
     assert not (got[0, 40 + 48:] == 1).any(), "a NaN-scored block was chosen over finite ones"
     assert (got[0, 16:40] == 1).any(-1).all(), "document 1's block 1 is finite and must stay chosen"
+
+
+def test_selection_branch_free_insert_matches_reference(monkeypatch):
+    """The top-k update run for every block (no skip of blocks no row takes) gives the same
+    selection, ties included."""
+    import nemo_msa.selection.triton_select as ts
+
+    monkeypatch.setitem(ts.CONFIG, "insert", "always")
+    test_selection_matches_reference([[40, 1], [16, 57], [80]], 100, 16, 32, 3, 1, 1, True)
+    test_selection_matches_reference([[200]], 200, 16, 16, 5, 1, 2, False)
+
+
+def test_selection_nan_query_row_and_infinite_keys_match_reference():
+    """Exact reference semantics of the NaN-keeping block max: a NaN query row ranks every
+    free block last (ties to the lower id), and an infinite key makes its block's score +inf or
+    -inf by the sign of q.k, not NaN (the per-token flags ranked such blocks as NaN)."""
+    gen = torch.Generator().manual_seed(5)
+    msa = make_layout([[150, 3], [16, 57]], 160, 16)
+    q, k = _inputs(msa, 2, 16, False, gen)
+    q[140, 1, 2] = float("nan")
+    k[37, 0] = float("inf")  # block 2 of document 1: +inf for q[., 0] > 0, -inf for q < 0
+    k[70, 5] = float("-inf")  # block 4
+    k[100] = float("inf")  # every channel: q.k = +-inf, or NaN where the signs differ
+    got = triton_select_blocks(*on_kernel_device(q, k), layout_on_kernel_device(msa), top_k=4,
+                               init_blocks=0, local_blocks=1, block_size=16).cpu()
+    ref, scores = select_reference(q, k, msa, top_k=4, init_blocks=0, local_blocks=1,
+                                   block_size=16)
+    s1 = scores[0]  # document 1: [H, n, blocks]
+    assert torch.isposinf(s1[:, 60:, 2]).any() and torch.isnan(s1[:, 110:, 6]).any(), \
+        "the case must hold +inf and NaN block scores"
+    assert torch.equal(got, ref)
 
 
 def test_selection_rejects_bad_arguments():
