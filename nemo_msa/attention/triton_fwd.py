@@ -39,6 +39,8 @@ from nemo_msa.attention.triton_tiles import (
     next_pow2,
     online_softmax_rows,
     online_softmax_step,
+    q_in_registers,
+    register_cap,
     row_selected,
     tile_tokens_left,
     token_taken_by_union,
@@ -73,7 +75,11 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           # union_bits: each union row tells the blocks its token selected from 64 membership
           # bits (one shift per row and entry) instead of searching its q2k row; measured 1.7 ms
           # slower at 131072 tokens (ADR 0003 v8), so off.
-          "union_bits": False}
+          "union_bits": False,
+          # union_q_regs: the union kernel's QK^T MMA reads Q from registers (q_in_registers);
+          # union_maxnreg: a register cap per thread for the union kernel (None: Triton's), so
+          # that two 8-warp programs fit an SM (128 registers).
+          "union_q_regs": False, "union_maxnreg": None}
 
 
 @triton.jit
@@ -204,11 +210,11 @@ def _fwd_union_kernel(
     bits_ptr, cu_ptr, block_doc_ptr, block_local_ptr, num_tiles, max_count,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_sg, stride_st, stride_lh, stride_ug, stride_ut, stride_bg,
-    scale_log2,
+    scale_log2, one,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    BITS: tl.constexpr,
+    BITS: tl.constexpr, Q_REGS: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected.
@@ -228,6 +234,8 @@ def _fwd_union_kernel(
                                                                  block_local_ptr, G, GP, QT, BS)
     dd = tl.arange(0, D)
     q = load_rows(q_ptr, tok, heads, rmask, stride_qt, stride_qh, D)
+    if Q_REGS:
+        q = q_in_registers(q, one)
     if FP32_DOT:
         q = q.to(tl.float32)
     selection = union_row_selection(q2k_ptr, bits_ptr, g, tok, rmask, stride_sg, stride_st,
@@ -538,11 +546,13 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             plan.max_count,
             q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
             out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
-            plan.union.stride(0), plan.union.stride(1), plan.bits.stride(0), scale * LOG2E,
+            plan.union.stride(0), plan.union.stride(1), plan.bits.stride(0), scale * LOG2E, 1.0,
             TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
             FP32_DOT=INTERPRET, SPLIT=bool(CONFIG["union_split"]), TMA=descs is not None,
             UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
+            Q_REGS=bool(CONFIG["union_q_regs"]),
             num_warps=CONFIG["union_warps"], num_stages=CONFIG["union_stages"],
+            **register_cap(CONFIG["union_maxnreg"], INTERPRET),
         )
     tile_grid = plan.enabled and bool(CONFIG["tile_grid"])
     _fwd_kernel[(plan.num_tiles if tile_grid else t, hkv)](

@@ -66,6 +66,14 @@ def load_kv_tile(k_ptr, v_ptr, rows, mask, g, stride_kt, stride_kh, stride_vt, s
     return k, v
 
 
+def register_cap(maxnreg, interpret: bool) -> dict:
+    """Launch options that cap a compiled kernel's registers per thread (``maxnreg``), or none
+    for None and under the interpreter (which takes no such option)."""
+    if maxnreg is None or interpret:
+        return {}
+    return {"maxnreg": int(maxnreg)}
+
+
 def tma_supported(x: torch.Tensor, interpret: bool) -> bool:
     """Whether kernels may read ``x`` by TMA: the interpreter, or a Triton with host tensor
     descriptors on a Hopper-or-newer GPU (compute capability >= 9)."""
@@ -258,6 +266,15 @@ def dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2):
     dp = tl.dot(do, tl.trans(v))
     ds = pr * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k)
+
+
+@triton.jit
+def q_in_registers(q, one):
+    """``q`` unchanged (``one`` is a run-time 1.0), but computed rather than loaded: Triton then
+    feeds it to Hopper's wgmma as a register operand instead of staging it in shared memory, so
+    each MMA reads only its B tile from shared memory. The product by a run-time scalar keeps
+    the compiler from folding it away; x * 1.0 is exact."""
+    return (q.to(tl.float32) * one).to(q.dtype)
 
 
 @triton.jit

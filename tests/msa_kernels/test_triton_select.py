@@ -75,12 +75,14 @@ def test_selection_nan_ranks_last(monkeypatch, nan):
     assert (got[0, 16:40] == 1).any(-1).all(), "document 1's block 1 is finite and must stay chosen"
 
 
-def test_selection_branch_free_insert_matches_reference(monkeypatch):
-    """The top-k update run for every block (no skip of blocks no row takes) gives the same
-    selection, ties included."""
+@pytest.mark.parametrize("insert,q_regs", [("branch", False), ("always", True)])
+def test_selection_insert_and_operand_variants_match_reference(monkeypatch, insert, q_regs):
+    """The top-k update skipped for blocks no row takes (the default runs it for every block),
+    and the query tile fed to the MMA from registers, give the same selection, ties included."""
     import nemo_msa.selection.triton_select as ts
 
-    monkeypatch.setitem(ts.CONFIG, "insert", "always")
+    monkeypatch.setitem(ts.CONFIG, "insert", insert)
+    monkeypatch.setitem(ts.CONFIG, "q_regs", q_regs)
     test_selection_matches_reference([[40, 1], [16, 57], [80]], 100, 16, 32, 3, 1, 1, True)
     test_selection_matches_reference([[200]], 200, 16, 16, 5, 1, 2, False)
 
