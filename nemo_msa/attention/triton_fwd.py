@@ -38,6 +38,7 @@ from nemo_msa.attention.triton_tiles import (
     load_whole_kv_tile,
     next_pow2,
     online_softmax_rows,
+    online_softmax_rows_lazy,
     online_softmax_step,
     q_in_registers,
     register_cap,
@@ -79,7 +80,11 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           # union_q_regs: the union kernel's QK^T MMA reads Q from registers (q_in_registers);
           # union_maxnreg: a register cap per thread for the union kernel (None: Triton's), so
           # that two 8-warp programs fit an SM (128 registers).
-          "union_q_regs": False, "union_maxnreg": None}
+          "union_q_regs": False, "union_maxnreg": None,
+          # union_lazy: the union kernel's whole-block loop rescales its accumulator only when
+          # a row's max grows by more than this many log2 units (online_softmax_rows_lazy);
+          # 0 rescales every tile.
+          "union_lazy": 0}
 
 
 @triton.jit
@@ -214,7 +219,7 @@ def _fwd_union_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    BITS: tl.constexpr, Q_REGS: tl.constexpr,
+    BITS: tl.constexpr, Q_REGS: tl.constexpr, LAZY: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected.
@@ -253,8 +258,12 @@ def _fwd_union_kernel(
             k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
                                       stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
                                       FP32_DOT, TMA)
-            m_i, l_i, acc = online_softmax_rows(tl.dot(q, tl.trans(k)), v, sel, m_i, l_i, acc,
-                                                scale_log2)
+            if LAZY > 0:
+                m_i, l_i, acc = online_softmax_rows_lazy(tl.dot(q, tl.trans(k)), v, sel, m_i,
+                                                         l_i, acc, scale_log2, LAZY)
+            else:
+                m_i, l_i, acc = online_softmax_rows(tl.dot(q, tl.trans(k)), v, sel, m_i, l_i,
+                                                    acc, scale_log2)
     for u in range(full, count):
         b = tl.load(urow + u)
         sel = row_selected(selection, b, u, BITS) & rmask
@@ -550,7 +559,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
             FP32_DOT=INTERPRET, SPLIT=bool(CONFIG["union_split"]), TMA=descs is not None,
             UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
-            Q_REGS=bool(CONFIG["union_q_regs"]),
+            Q_REGS=bool(CONFIG["union_q_regs"]), LAZY=float(CONFIG["union_lazy"]),
             num_warps=CONFIG["union_warps"], num_stages=CONFIG["union_stages"],
             **register_cap(CONFIG["union_maxnreg"], INTERPRET),
         )

@@ -182,16 +182,19 @@ def test_union_loop_variants_match_reference(monkeypatch, split, tma):
     _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=5, drop_own=True)
 
 
-def test_union_forward_with_q_in_registers_and_a_register_cap(monkeypatch):
-    """The union forward with its query tile fed to the MMA from registers and a register cap
-    (ignored by the interpreter) against float64."""
+@pytest.mark.parametrize("lazy", [0, 0.25, 8])
+def test_union_forward_variants_match_reference(monkeypatch, lazy):
+    """The union forward with its query tile fed to the MMA from registers, a register cap
+    (ignored by the interpreter) and the lazy rescale (thresholds that rescale in most tiles,
+    0.25, and almost never, 8) against float64."""
     import nemo_msa.attention.triton_fwd as tf
 
     monkeypatch.setitem(tf.CONFIG, "union_qt", 4)
     monkeypatch.setitem(tf.CONFIG, "union_max", 1000)
     monkeypatch.setitem(tf.CONFIG, "union_q_regs", True)
     monkeypatch.setitem(tf.CONFIG, "union_maxnreg", 128)
-    _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=21, drop_own=True)
+    monkeypatch.setitem(tf.CONFIG, "union_lazy", lazy)
+    _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=21 + int(4 * lazy), drop_own=True)
 
 
 @pytest.mark.parametrize("max_count", [1000, 2])
