@@ -1,0 +1,167 @@
+"""Compiles the hot MSA kernels for the H200 (sm_90a) on any machine and reports their resources.
+
+No GPU is needed: Triton compiles to PTX for a named target and its bundled ``ptxas`` and
+``cuobjdump`` give the registers, spills and machine code. For each kernel it prints registers
+per thread, spill bytes, shared memory, and, per loop that issues tensor-core MMAs (HGMMA), its
+size in instructions, its program-wide barriers (BAR.SYNC) and its local-memory accesses
+(spills inside the loop). Launch variants are the benchmark's ``--set KERNEL.KEY=VALUE``.
+
+This screens variants before device time is spent (ADR 0003, v9): a variant that spills in
+its hot loop, or needs more registers or shared memory than two programs per SM allow, can be
+dropped here. Timing still needs the GPU (scripts/bench_msa.py).
+
+Usage::
+
+    python scripts/kernel_report.py [--kernel sel|fwd_union|all] [--set fwd.union_bn=128 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# The production topology (MSA_SPEC.md): d = 128, block 128, top-k 16, 16 query heads per KV head.
+D, BS, TOPK, G = 128, 128, 16, 16
+
+
+def _signature(fn, constexprs, pointers, floats, descs):
+    """Triton signature strings for ``fn``'s arguments: constexprs, typed pointers, fp32
+    scalars, tensor descriptors (name -> block shape), and i32 for the rest."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in descs:
+            rows, cols = descs[name]
+            sig[name] = f"tensordesc<bf16[{rows}, {cols}]>"
+        elif name.endswith("_ptr"):
+            sig[name] = pointers.get(name, "*i32")
+        elif name in floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def _selection(cfg):
+    import nemo_msa.selection.triton_select as ts
+
+    bn = cfg["bn"]
+    constexprs = dict(BS=BS, BM=cfg["bm"], BN=bn, D=D, KP=TOPK, FP32_DOT=False, TMA=cfg["tma"],
+                      FLAGS=cfg["nan"] == "flags", BRANCH=cfg["insert"] == "branch",
+                      Q_REGS=bool(cfg["q_regs"]))
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "qbad_ptr": "*i8", "kbad_ptr": "*i8"}
+    sig = _signature(ts._select_kernel, constexprs, pointers, {"one"}, {"k_desc": (bn, D)})
+    return ts._select_kernel, sig, constexprs, {"num_warps": cfg["num_warps"],
+                                                 "num_stages": cfg["num_stages"]}
+
+
+def _forward_union(cfg):
+    import nemo_msa.attention.triton_fwd as tf
+
+    bn = cfg["union_bn"]
+    qt = cfg["union_qt"]
+    constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
+                      SPLIT=cfg["union_split"], TMA=cfg["union_tma"],
+                      UW=1 << (qt * TOPK - 1).bit_length(), BITS=bool(cfg["union_bits"]),
+                      Q_REGS=bool(cfg["union_q_regs"]), LAZY=float(cfg["union_lazy"]))
+    pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    pointers.update(lse_ptr="*fp32", bits_ptr="*i64")
+    sig = _signature(tf._fwd_union_kernel, constexprs, pointers, {"scale_log2", "one"},
+                     {"k_desc": (bn, D), "v_desc": (bn, D)})
+    options = {"num_warps": cfg["union_warps"], "num_stages": cfg["union_stages"]}
+    if cfg["union_maxnreg"] is not None:
+        options["maxnreg"] = int(cfg["union_maxnreg"])
+    return tf._fwd_union_kernel, sig, constexprs, options
+
+
+KERNELS = {"sel": ("sel", _selection), "fwd_union": ("fwd", _forward_union)}
+
+
+def _tool(name):
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
+def _mma_loops(sass):
+    """(first address, instructions, BAR.SYNC, HGMMA, local ld/st) per innermost loop holding
+    an HGMMA, from the backward branches of the disassembly."""
+    lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
+    addr = [int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16) for ln in lines]
+    where = {a: i for i, a in enumerate(addr)}
+    loops = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA (0x[0-9a-f]+)", ln)
+        if not m or int(m.group(1), 16) >= addr[i] or int(m.group(1), 16) not in where:
+            continue
+        body = lines[where[int(m.group(1), 16)]: i + 1]
+        count = collections.Counter()
+        for b in body:
+            for op in ("BAR.SYNC", "HGMMA", "LDL", "STL"):
+                count[op] += op in b
+        if count["HGMMA"]:
+            loops.append((where[int(m.group(1), 16)], i, count))
+    # Innermost loops only: a branch back over a whole inner loop is an outer loop or a jump
+    # between the kernel's phases.
+    inner = [(s, e, c) for s, e, c in loops
+             if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2, _ in loops)]
+    return [(hex(addr[s]), e - s + 1, c["BAR.SYNC"], c["HGMMA"], c["LDL"] + c["STL"])
+            for s, e, c in inner]
+
+
+def report(kernel, cfg):
+    """Compiles one kernel with the launch parameters ``cfg`` and returns its report lines."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, sig, constexprs, options = KERNELS[kernel][1](cfg)
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx.write_text(compiled.asm["ptx"])
+        info = subprocess.run([str(_tool("ptxas")), "-arch=sm_90a", "-v", str(ptx), "-o",
+                               str(cubin)], capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([str(_tool("cuobjdump")), "-sass", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    lines = [f"{kernel}: {regs} registers, spills {spill.group(1)} B stored / {spill.group(2)} B "
+             f"loaded, shared {compiled.metadata.shared} B, {options}"]
+    for start, size, bars, mmas, local in _mma_loops(sass):
+        lines.append(f"  loop at {start}: {size} instructions, {bars} BAR.SYNC, {mmas} HGMMA, "
+                     f"{local} local loads/stores")
+    return lines
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", default="all", choices=["all", *KERNELS])
+    ap.add_argument("--set", action="append", default=[], metavar="KERNEL.KEY=VALUE")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("kernel_report.py compiles the kernels: unset TRITON_INTERPRET")
+    from bench_msa import apply_overrides
+
+    apply_overrides(args.set)
+    import nemo_msa.attention.triton_fwd as tf
+    import nemo_msa.selection.triton_select as ts
+
+    configs = {"sel": ts.CONFIG, "fwd": tf.CONFIG}
+    for kernel in KERNELS if args.kernel == "all" else [args.kernel]:
+        for line in report(kernel, dict(configs[KERNELS[kernel][0]])):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

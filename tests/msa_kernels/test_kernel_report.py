@@ -1,0 +1,38 @@
+"""scripts/kernel_report.py compiles the hot kernels for sm_90a without a GPU and reads their
+registers, spills and MMA loops from ptxas and the disassembly."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kernel_report.py"
+
+
+def _run(*args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_kernel_report_reads_registers_and_the_mma_loop_of_a_variant():
+    res = _run("--kernel", "sel", "--set", "sel.num_warps=8")
+    assert res.returncode == 0, res.stderr[-2000:]
+    head = re.match(r"sel: (\d+) registers, spills (\d+) B stored / (\d+) B loaded, shared (\d+) B,"
+                    r" \{'num_warps': 8, 'num_stages': 2\}", res.stdout)
+    assert head, res.stdout
+    assert 32 <= int(head.group(1)) <= 255
+    # 128 x 128 x 128 per key tile: 8 wgmma steps of k = 16 per warpgroup row slice.
+    loops = re.findall(r"loop at 0x[0-9a-f]+: (\d+) instructions, (\d+) BAR.SYNC, (\d+) HGMMA",
+                       res.stdout)
+    assert loops and any(int(mma) >= 8 for _, _, mma in loops), res.stdout
+
+
+def test_kernel_report_refuses_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, str(SCRIPT), "--kernel", "sel"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert res.returncode != 0 and "unset TRITON_INTERPRET" in res.stderr
