@@ -72,7 +72,8 @@ def _forward_union(cfg):
     constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
                       SPLIT=cfg["union_split"], TMA=cfg["union_tma"],
                       UW=1 << (qt * TOPK - 1).bit_length(), BITS=bool(cfg["union_bits"]),
-                      Q_REGS=bool(cfg["union_q_regs"]), LAZY=float(cfg["union_lazy"]))
+                      Q_REGS=bool(cfg["union_q_regs"]), LAZY=float(cfg["union_lazy"]),
+                      PREBITS=bool(cfg["union_prebits"]) and cfg["union_max"] <= 31)
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     pointers.update(lse_ptr="*fp32", bits_ptr="*i64")
     sig = _signature(tf._fwd_union_kernel, constexprs, pointers, {"scale_log2", "one"},

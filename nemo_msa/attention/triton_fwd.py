@@ -45,6 +45,7 @@ from nemo_msa.attention.triton_tiles import (
     row_selected,
     tile_tokens_left,
     token_taken_by_union,
+    union_bits_in_program,
     union_full_blocks,
     union_row_selection,
     union_tile_rows,
@@ -84,7 +85,10 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           # union_lazy: the union kernel's whole-block loop rescales its accumulator only when
           # a row's max grows by more than this many log2 units (online_softmax_rows_lazy);
           # 0 rescales every tile.
-          "union_lazy": 0}
+          "union_lazy": 0,
+          # union_prebits: each union program builds its rows' membership bits in its prologue
+          # (union_bits_in_program; tiles of at most 31 union entries, so union_max <= 31).
+          "union_prebits": False}
 
 
 @triton.jit
@@ -219,7 +223,7 @@ def _fwd_union_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    BITS: tl.constexpr, Q_REGS: tl.constexpr, LAZY: tl.constexpr,
+    BITS: tl.constexpr, Q_REGS: tl.constexpr, LAZY: tl.constexpr, PREBITS: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected.
@@ -245,15 +249,17 @@ def _fwd_union_kernel(
         q = q.to(tl.float32)
     selection = union_row_selection(q2k_ptr, bits_ptr, g, tok, rmask, stride_sg, stride_st,
                                     stride_bg, TOPK, KP, BITS)
+    urow = union_ptr + g * stride_ug + tile * stride_ut
+    if PREBITS:
+        selection = union_bits_in_program(selection, urow, count)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
-    urow = union_ptr + g * stride_ug + tile * stride_ut
     full = union_full_blocks(urow, count, own, UW, SPLIT)
     for u in range(full):
         b = tl.load(urow + u)
-        sel = row_selected(selection, b, u, BITS) & rmask
+        sel = row_selected(selection, b, u, BITS or PREBITS) & rmask
         for c in tl.static_range(0, BS, BN):
             k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
                                       stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
@@ -266,7 +272,7 @@ def _fwd_union_kernel(
                                                     acc, scale_log2)
     for u in range(full, count):
         b = tl.load(urow + u)
-        sel = row_selected(selection, b, u, BITS) & rmask
+        sel = row_selected(selection, b, u, BITS or PREBITS) & rmask
         for c in tl.static_range(0, BS, BN):
             k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length, pos,
                                                sel, g, stride_kt, stride_kh, stride_vt,
@@ -560,6 +566,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             FP32_DOT=INTERPRET, SPLIT=bool(CONFIG["union_split"]), TMA=descs is not None,
             UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
             Q_REGS=bool(CONFIG["union_q_regs"]), LAZY=float(CONFIG["union_lazy"]),
+            PREBITS=bool(CONFIG["union_prebits"]) and not plan.has_bits and plan.max_count <= 31,
             num_warps=CONFIG["union_warps"], num_stages=CONFIG["union_stages"],
             **register_cap(CONFIG["union_maxnreg"], INTERPRET),
         )
