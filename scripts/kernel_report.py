@@ -56,10 +56,9 @@ def _selection(cfg):
 
     bn = cfg["bn"]
     constexprs = dict(BS=BS, BM=cfg["bm"], BN=bn, D=D, KP=TOPK, FP32_DOT=False, TMA=cfg["tma"],
-                      FLAGS=cfg["nan"] == "flags", BRANCH=cfg["insert"] == "branch",
-                      Q_REGS=bool(cfg["q_regs"]))
+                      FLAGS=cfg["nan"] == "flags", BRANCH=cfg["insert"] == "branch")
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "qbad_ptr": "*i8", "kbad_ptr": "*i8"}
-    sig = _signature(ts._select_kernel, constexprs, pointers, {"one"}, {"k_desc": (bn, D)})
+    sig = _signature(ts._select_kernel, constexprs, pointers, set(), {"k_desc": (bn, D)})
     return ts._select_kernel, sig, constexprs, {"num_warps": cfg["num_warps"],
                                                  "num_stages": cfg["num_stages"]}
 
@@ -72,11 +71,10 @@ def _forward_union(cfg):
     constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
                       SPLIT=cfg["union_split"], TMA=cfg["union_tma"],
                       UW=1 << (qt * TOPK - 1).bit_length(), BITS=bool(cfg["union_bits"]),
-                      Q_REGS=bool(cfg["union_q_regs"]), LAZY=float(cfg["union_lazy"]),
-                      PREBITS=bool(cfg["union_prebits"]) and cfg["union_max"] <= 31)
+                      LAZY=float(cfg["union_lazy"]))
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     pointers.update(lse_ptr="*fp32", bits_ptr="*i64")
-    sig = _signature(tf._fwd_union_kernel, constexprs, pointers, {"scale_log2", "one"},
+    sig = _signature(tf._fwd_union_kernel, constexprs, pointers, {"scale_log2"},
                      {"k_desc": (bn, D), "v_desc": (bn, D)})
     options = {"num_warps": cfg["union_warps"], "num_stages": cfg["union_stages"]}
     if cfg["union_maxnreg"] is not None:

@@ -56,7 +56,6 @@ from nemo_msa.attention.triton_tiles import (
     tile_tokens_left,
     token_rows,
     token_taken_by_union,
-    union_bits_in_program,
     union_full_blocks,
     union_row_selection,
     union_tile_rows,
@@ -72,7 +71,6 @@ CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
           "dq_union_stages": 2, "dq_union_split": True, "dq_union_tma": True,
           "dq_tile_grid": True,  # as the forward's tile_grid (1.2 ms faster, ADR 0003 v8)
           "dq_union_bits": False,  # as the forward's union_bits (no faster, ADR 0003 v8)
-          "dq_union_prebits": False,  # as the forward's union_prebits
           # Fused dk/dv + atomic dq (never in deterministic mode): measured slower than the
           # atomic-free path on the H200 (ADR 0003, v5) and 4 bytes per dq element, so opt-in.
           "dq_atomic": False, "fused_warps": 8,
@@ -220,7 +218,7 @@ def _dq_union_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    BITS: tl.constexpr, PREBITS: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     """dq of QT tokens of one document block x G heads in one pass over the union of their
     selected blocks (the forward's union tile); a row only sees blocks its token selected.
@@ -240,15 +238,13 @@ def _dq_union_kernel(
                                       stride_ot, stride_oh, stride_lh, D, FP32_DOT)
     selection = union_row_selection(q2k_ptr, bits_ptr, g, tok, rmask, stride_sg, stride_st,
                                     stride_bg, TOPK, KP, BITS)
-    urow = union_ptr + g * stride_ug + tile * stride_ut
-    if PREBITS:
-        selection = union_bits_in_program(selection, urow, count)
     dq = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
+    urow = union_ptr + g * stride_ug + tile * stride_ut
     full = union_full_blocks(urow, count, own, UW, SPLIT)
     for u in range(full):
         b = tl.load(urow + u)
-        sel = row_selected(selection, b, u, BITS or PREBITS) & rmask
+        sel = row_selected(selection, b, u, BITS) & rmask
         for c in tl.static_range(0, BS, BN):
             k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
                                       stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
@@ -256,7 +252,7 @@ def _dq_union_kernel(
             dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
     for u in range(full, count):
         b = tl.load(urow + u)
-        sel = row_selected(selection, b, u, BITS or PREBITS) & rmask
+        sel = row_selected(selection, b, u, BITS) & rmask
         for c in tl.static_range(0, BS, BN):
             k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length, pos,
                                                sel, g, stride_kt, stride_kh, stride_vt,
@@ -382,8 +378,6 @@ def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
             TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
             FP32_DOT=INTERPRET, SPLIT=split, TMA=descs is not None,
             UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
-            PREBITS=bool(CONFIG["dq_union_prebits"]) and not plan.has_bits
-            and plan.max_count <= 31,
             num_warps=CONFIG["dq_union_warps"], num_stages=CONFIG["dq_union_stages"],
         )
     tile_grid = plan.enabled and bool(CONFIG["dq_tile_grid"])

@@ -40,12 +40,10 @@ from nemo_msa.attention.triton_tiles import (
     online_softmax_rows,
     online_softmax_rows_lazy,
     online_softmax_step,
-    q_in_registers,
     register_cap,
     row_selected,
     tile_tokens_left,
     token_taken_by_union,
-    union_bits_in_program,
     union_full_blocks,
     union_row_selection,
     union_tile_rows,
@@ -78,17 +76,13 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           # bits (one shift per row and entry) instead of searching its q2k row; measured 1.7 ms
           # slower at 131072 tokens (ADR 0003 v8), so off.
           "union_bits": False,
-          # union_q_regs: the union kernel's QK^T MMA reads Q from registers (q_in_registers);
           # union_maxnreg: a register cap per thread for the union kernel (None: Triton's), so
-          # that two 8-warp programs fit an SM (128 registers).
-          "union_q_regs": False, "union_maxnreg": None,
+          # that two 8-warp programs fit an SM (128 registers); not yet timed (ADR 0003 v9).
+          "union_maxnreg": None,
           # union_lazy: the union kernel's whole-block loop rescales its accumulator only when
           # a row's max grows by more than this many log2 units (online_softmax_rows_lazy);
-          # 0 rescales every tile.
-          "union_lazy": 0,
-          # union_prebits: each union program builds its rows' membership bits in its prologue
-          # (union_bits_in_program; tiles of at most 31 union entries, so union_max <= 31).
-          "union_prebits": False}
+          # 0 rescales every tile; not yet timed (ADR 0003 v9).
+          "union_lazy": 0}
 
 
 @triton.jit
@@ -219,11 +213,11 @@ def _fwd_union_kernel(
     bits_ptr, cu_ptr, block_doc_ptr, block_local_ptr, num_tiles, max_count,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_sg, stride_st, stride_lh, stride_ug, stride_ut, stride_bg,
-    scale_log2, one,
+    scale_log2,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    BITS: tl.constexpr, Q_REGS: tl.constexpr, LAZY: tl.constexpr, PREBITS: tl.constexpr,
+    BITS: tl.constexpr, LAZY: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected.
@@ -243,23 +237,19 @@ def _fwd_union_kernel(
                                                                  block_local_ptr, G, GP, QT, BS)
     dd = tl.arange(0, D)
     q = load_rows(q_ptr, tok, heads, rmask, stride_qt, stride_qh, D)
-    if Q_REGS:
-        q = q_in_registers(q, one)
     if FP32_DOT:
         q = q.to(tl.float32)
     selection = union_row_selection(q2k_ptr, bits_ptr, g, tok, rmask, stride_sg, stride_st,
                                     stride_bg, TOPK, KP, BITS)
-    urow = union_ptr + g * stride_ug + tile * stride_ut
-    if PREBITS:
-        selection = union_bits_in_program(selection, urow, count)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
+    urow = union_ptr + g * stride_ug + tile * stride_ut
     full = union_full_blocks(urow, count, own, UW, SPLIT)
     for u in range(full):
         b = tl.load(urow + u)
-        sel = row_selected(selection, b, u, BITS or PREBITS) & rmask
+        sel = row_selected(selection, b, u, BITS) & rmask
         for c in tl.static_range(0, BS, BN):
             k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
                                       stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
@@ -272,7 +262,7 @@ def _fwd_union_kernel(
                                                     acc, scale_log2)
     for u in range(full, count):
         b = tl.load(urow + u)
-        sel = row_selected(selection, b, u, BITS or PREBITS) & rmask
+        sel = row_selected(selection, b, u, BITS) & rmask
         for c in tl.static_range(0, BS, BN):
             k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length, pos,
                                                sel, g, stride_kt, stride_kh, stride_vt,
@@ -561,12 +551,11 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             plan.max_count,
             q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
             out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
-            plan.union.stride(0), plan.union.stride(1), plan.bits.stride(0), scale * LOG2E, 1.0,
+            plan.union.stride(0), plan.union.stride(1), plan.bits.stride(0), scale * LOG2E,
             TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
             FP32_DOT=INTERPRET, SPLIT=bool(CONFIG["union_split"]), TMA=descs is not None,
             UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
-            Q_REGS=bool(CONFIG["union_q_regs"]), LAZY=float(CONFIG["union_lazy"]),
-            PREBITS=bool(CONFIG["union_prebits"]) and not plan.has_bits and plan.max_count <= 31,
+            LAZY=float(CONFIG["union_lazy"]),
             num_warps=CONFIG["union_warps"], num_stages=CONFIG["union_stages"],
             **register_cap(CONFIG["union_maxnreg"], INTERPRET),
         )

@@ -167,18 +167,6 @@ def union_row_selection(q2k_ptr, bits_ptr, g, tok, rmask, stride_sg, stride_st, 
 
 
 @triton.jit
-def union_bits_in_program(selection, union_row_ptr, count):
-    """int32 [M] membership bits of a union program's rows, built in its prologue: bit u is set
-    when the row's token selected union entry u (``count <= 31``). The main loop then tells the
-    rows of an entry with one shift of a loop-invariant vector instead of a [M, KP] search whose
-    result changes layout (through shared memory, with a barrier) in every iteration."""
-    bits = tl.sum(selection * 0, axis=1)
-    for u in range(count):
-        bits = bits | (rows_selecting(selection, tl.load(union_row_ptr + u)).to(tl.int32) << u)
-    return bits
-
-
-@triton.jit
 def row_selected(selection, b, u, BITS: tl.constexpr):
     """bool [M]: the rows whose token selected union entry ``u`` (block ``b``), from
     :func:`union_row_selection`'s result: one shift per row with BITS, else a [M, KP] search."""
@@ -304,15 +292,6 @@ def dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2):
     dp = tl.dot(do, tl.trans(v))
     ds = pr * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k)
-
-
-@triton.jit
-def q_in_registers(q, one):
-    """``q`` unchanged (``one`` is a run-time 1.0), but computed rather than loaded: Triton then
-    feeds it to Hopper's wgmma as a register operand instead of staging it in shared memory, so
-    each MMA reads only its B tile from shared memory. The product by a run-time scalar keeps
-    the compiler from folding it away; x * 1.0 is exact."""
-    return (q.to(tl.float32) * one).to(q.dtype)
 
 
 @triton.jit

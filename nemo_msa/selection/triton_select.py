@@ -35,7 +35,6 @@ from nemo_msa.attention.triton_layout import INTERPRET, check_kernel_devices, do
 from nemo_msa.attention.triton_tiles import (
     doc_block,
     next_pow2,
-    q_in_registers,
     row_descriptor,
 )
 
@@ -49,10 +48,8 @@ _LOW_MASK = tl.constexpr(0x7FFFFFFF)
 # "flags" (per-token non-finite flags; see the module docstring and ADR 0003 v9); "insert":
 # "branch" skips the top-k update of a block that no row takes (a program-wide reduction per
 # block), "always" runs it branch-free (0.5 ms faster at 131072 tokens, ADR 0003 v9).
-# "q_regs": the MMA reads the query tile from registers instead of shared memory (see
-# triton_tiles.q_in_registers).
 CONFIG = {"bm": 128, "bn": 128, "num_warps": 4, "num_stages": 2, "tma": True, "nan": "max",
-          "insert": "always", "q_regs": False}
+          "insert": "always"}
 
 
 @triton.jit
@@ -131,10 +128,10 @@ def _select_kernel(
     q_ptr, k_ptr, k_desc, qbad_ptr, kbad_ptr, out_ptr,
     cu_ptr, block_doc_ptr, block_local_ptr,
     stride_qt, stride_qh, stride_kt, stride_oh, stride_ot,
-    num_blocks_bound, top_k, init_blocks, local_blocks, one,
+    num_blocks_bound, top_k, init_blocks, local_blocks,
     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     KP: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr, FLAGS: tl.constexpr,
-    BRANCH: tl.constexpr, Q_REGS: tl.constexpr,
+    BRANCH: tl.constexpr,
 ):
     SPLIT: tl.constexpr = BS // BM
     pid = tl.program_id(0)
@@ -153,8 +150,6 @@ def _select_kernel(
     dk = tl.arange(0, D)
     q = tl.load(q_ptr + (start + pos)[:, None].to(tl.int64) * stride_qt + h * stride_qh
                 + dk[None, :], mask=row_ok[:, None], other=0.0)
-    if Q_REGS:
-        q = q_in_registers(q, one)
     if FP32_DOT:
         q = q.to(tl.float32)
     if FLAGS:
@@ -312,9 +307,9 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
         q, k, k if k_desc is None else k_desc, qbad, kbad, out, msa.cu_seqlens,
         blocks.block_doc, blocks.block_local,
         q.stride(0), q.stride(1), k.stride(0), out.stride(0), out.stride(1),
-        blocks.num_blocks_bound, top_k, init_blocks, local_blocks, 1.0,
+        blocks.num_blocks_bound, top_k, init_blocks, local_blocks,
         BS=bs, BM=bm, BN=bn, D=d, KP=kp, FP32_DOT=INTERPRET, TMA=k_desc is not None,
-        FLAGS=flags, BRANCH=CONFIG["insert"] == "branch", Q_REGS=bool(CONFIG["q_regs"]),
+        FLAGS=flags, BRANCH=CONFIG["insert"] == "branch",
         num_warps=CONFIG["num_warps"] if bm * bn >= 64 * 64 else 4,
         num_stages=CONFIG["num_stages"],
     )

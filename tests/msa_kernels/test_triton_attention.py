@@ -182,26 +182,16 @@ def test_union_loop_variants_match_reference(monkeypatch, split, tma):
     _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=5, drop_own=True)
 
 
-@pytest.mark.parametrize("lazy,prebits", [(0, True), (0.25, False), (8, True)])
-def test_union_forward_variants_match_reference(monkeypatch, lazy, prebits):
-    """The union forward with its query tile fed to the MMA from registers, a register cap
-    (ignored by the interpreter), the lazy rescale (thresholds that rescale in most tiles,
-    0.25, and almost never, 8) and the rows' membership bits built in the prologue, against
-    float64."""
+@pytest.mark.parametrize("lazy", [0.25, 8])
+def test_union_forward_lazy_rescale_and_register_cap_match_reference(monkeypatch, lazy):
+    """The union forward with the lazy rescale (thresholds that rescale in most tiles, 0.25,
+    and almost never, 8) and a register cap (ignored by the interpreter), against float64."""
     import nemo_msa.attention.triton_fwd as tf
 
     monkeypatch.setitem(tf.CONFIG, "union_qt", 4)
     monkeypatch.setitem(tf.CONFIG, "union_max", 1000)
-    monkeypatch.setitem(tf.CONFIG, "union_q_regs", True)
     monkeypatch.setitem(tf.CONFIG, "union_maxnreg", 128)
     monkeypatch.setitem(tf.CONFIG, "union_lazy", lazy)
-    monkeypatch.setitem(tf.CONFIG, "union_prebits", prebits)
-    monkeypatch.setitem(tf.CONFIG, "union_max", 31 if prebits else 1000)
-    import nemo_msa.attention.triton_bwd as tb  # the dq union kernel's same option
-
-    monkeypatch.setitem(tb.CONFIG, "dq_union_qt", 4)
-    monkeypatch.setitem(tb.CONFIG, "dq_union_max", 31 if prebits else 1000)
-    monkeypatch.setitem(tb.CONFIG, "dq_union_prebits", prebits)
     _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=21 + int(4 * lazy), drop_own=True)
 
 

@@ -75,14 +75,12 @@ def test_selection_nan_ranks_last(monkeypatch, nan):
     assert (got[0, 16:40] == 1).any(-1).all(), "document 1's block 1 is finite and must stay chosen"
 
 
-@pytest.mark.parametrize("insert,q_regs", [("branch", False), ("always", True)])
-def test_selection_insert_and_operand_variants_match_reference(monkeypatch, insert, q_regs):
-    """The top-k update skipped for blocks no row takes (the default runs it for every block),
-    and the query tile fed to the MMA from registers, give the same selection, ties included."""
+def test_selection_insert_with_the_branch_matches_reference(monkeypatch):
+    """The top-k update skipped for blocks no row takes (the default runs it for every block)
+    gives the same selection, ties included."""
     import nemo_msa.selection.triton_select as ts
 
-    monkeypatch.setitem(ts.CONFIG, "insert", insert)
-    monkeypatch.setitem(ts.CONFIG, "q_regs", q_regs)
+    monkeypatch.setitem(ts.CONFIG, "insert", "branch")
     test_selection_matches_reference([[40, 1], [16, 57], [80]], 100, 16, 32, 3, 1, 1, True)
     test_selection_matches_reference([[200]], 200, 16, 16, 5, 1, 2, False)
 
