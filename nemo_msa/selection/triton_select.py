@@ -32,11 +32,7 @@ import triton
 import triton.language as tl
 
 from nemo_msa.attention.triton_layout import INTERPRET, check_kernel_devices, doc_blocks
-from nemo_msa.attention.triton_tiles import (
-    doc_block,
-    next_pow2,
-    row_descriptor,
-)
+from nemo_msa.attention.triton_tiles import doc_block, next_pow2, row_descriptor
 
 _FORCED_CODE = tl.constexpr(0xFFFFFFF0)
 _NAN_CODE = tl.constexpr(1)
