@@ -572,8 +572,8 @@ def fmt_table(results, notes):
             f"| {r['case']} | {r['tokens']} | {r['sel_ms']:.2f} | {r['fwd_ms']:.2f} "
             f"| {r['bwd_ms']:.2f} | {r['bwd_det_ms']:.2f} | {r['msa_fwd_ms']:.2f} "
             f"| {r['msa_fwdbwd_ms']:.2f} "
-            f"| {r['dense_fwd_ms']:.2f} | {r['dense_fwdbwd_ms']:.2f} | {r['speedup_fwd']:.1f}x "
-            f"| {r['speedup_fwdbwd']:.1f}x | {r['fwd_tflops']:.0f} | {r['bwd_tflops']:.0f} "
+            f"| {r['dense_fwd_ms']:.2f} | {r['dense_fwdbwd_ms']:.2f} | {r['speedup_fwd']:.2f}x "
+            f"| {r['speedup_fwdbwd']:.2f}x | {r['fwd_tflops']:.0f} | {r['bwd_tflops']:.0f} "
             f"| {r['sel_tflops']:.0f} | {r['sel_extra_mib']:.1f} | {r['fwd_extra_mib']:.1f} "
             f"| {r['bwd_extra_mib']:.1f} | {match} | {out_err} | {dq_err} | {dk_err} "
             f"| {dv_err} |")
