@@ -65,20 +65,21 @@ def _selection(cfg):
 
 def _forward_union(cfg):
     import nemo_msa.attention.triton_fwd as tf
+    from nemo_msa.attention.triton_tiles import next_pow2, register_cap
 
     bn = cfg["union_bn"]
-    qt = cfg["union_qt"]
+    # The tile the launch would use (hybrid_plan's cap on the rows per program).
+    qt = max(1, min(int(cfg["union_qt"]), BS, tf.MAX_UNION_ROWS // G))
     constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
                       SPLIT=cfg["union_split"], TMA=cfg["union_tma"],
-                      UW=1 << (qt * TOPK - 1).bit_length(), BITS=bool(cfg["union_bits"]),
+                      UW=next_pow2(qt * TOPK), BITS=bool(cfg["union_bits"]),
                       LAZY=float(cfg["union_lazy"]))
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     pointers.update(lse_ptr="*fp32", bits_ptr="*i64")
     sig = _signature(tf._fwd_union_kernel, constexprs, pointers, {"scale_log2"},
                      {"k_desc": (bn, D), "v_desc": (bn, D)})
-    options = {"num_warps": cfg["union_warps"], "num_stages": cfg["union_stages"]}
-    if cfg["union_maxnreg"] is not None:
-        options["maxnreg"] = int(cfg["union_maxnreg"])
+    options = {"num_warps": cfg["union_warps"], "num_stages": cfg["union_stages"],
+               **register_cap(cfg["union_maxnreg"], interpret=False)}
     return tf._fwd_union_kernel, sig, constexprs, options
 
 

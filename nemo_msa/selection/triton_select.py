@@ -165,7 +165,8 @@ def _select_kernel(
     # Full blocks 0..o-1: every key visible to every row of the tile, no mask.
     for b in range(0, o):
         best = tl.full((BM,), float("-inf"), tl.float32)
-        kbad = 0
+        if FLAGS:
+            kbad = 0
         for c in tl.static_range(0, BS, BN):
             krow = start + b * BS + c + kn
             if TMA:
@@ -192,7 +193,8 @@ def _select_kernel(
 
     # Own block o: keys j <= pos only.
     best = tl.full((BM,), float("-inf"), tl.float32)
-    anybad = tl.zeros((BM,), tl.int32)
+    if FLAGS:
+        anybad = tl.zeros((BM,), tl.int32)
     for c in tl.static_range(0, BS, BN):
         j = o * BS + c + kn
         kmask = j < length
