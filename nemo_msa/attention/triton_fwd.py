@@ -33,6 +33,7 @@ from nemo_msa.attention.triton_tiles import (
     finish_softmax,
     kv_descriptors,
     load_kv_tile,
+    load_kv_tile_tma,
     load_masked_union_tile,
     load_rows,
     load_whole_kv_tile,
@@ -82,7 +83,17 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           # union_lazy: the union kernel's whole-block loop rescales its accumulator only when
           # a row's max grows by more than this many log2 units (online_softmax_rows_lazy);
           # 0 rescales every tile; not yet timed (ADR 0003 v9).
-          "union_lazy": 0}
+          "union_lazy": 0,
+          # union_flat: the whole-block loop takes one BN-key tile per step (a flat loop over
+          # blocks x tiles) instead of unrolling a block's BS / BN tiles in each step, so the
+          # pipeline keeps one K/V buffer per stage rather than one per tile of the block
+          # (164 -> 96 KB of shared memory at the defaults); not yet timed (ADR 0003 v10).
+          "union_flat": False,
+          # union_own_tma: the own block is read by TMA too (no [BN, d] pointer tiles, whose
+          # int64 addresses set the kernel's register count), with the values past a partial
+          # last block zeroed; entries past the own block are skipped (no visible key); not
+          # yet timed (ADR 0003 v10).
+          "union_own_tma": False}
 
 
 @triton.jit
@@ -217,7 +228,7 @@ def _fwd_union_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    BITS: tl.constexpr, LAZY: tl.constexpr,
+    BITS: tl.constexpr, LAZY: tl.constexpr, FLAT: tl.constexpr, OWN_TMA: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected.
@@ -247,26 +258,48 @@ def _fwd_union_kernel(
     kn = tl.arange(0, BN)
     urow = union_ptr + g * stride_ug + tile * stride_ut
     full = union_full_blocks(urow, count, own, UW, SPLIT)
-    for u in range(full):
+    if FLAT:
+        # One loop step per BN-key tile: one K and one V buffer per pipeline stage.
+        SUB: tl.constexpr = BS // BN
+        for step in range(full * SUB):
+            u = step // SUB
+            b = tl.load(urow + u)
+            sel = row_selected(selection, b, u, BITS) & rmask
+            k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc,
+                                      start + b * BS + (step % SUB) * BN, g, stride_kt,
+                                      stride_kh, stride_vt, stride_vh, BN, D, FP32_DOT, TMA)
+            m_i, l_i, acc = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2, LAZY)
+    else:
+        for u in range(full):
+            b = tl.load(urow + u)
+            sel = row_selected(selection, b, u, BITS) & rmask
+            for c in tl.static_range(0, BS, BN):
+                k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
+                                          stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
+                                          FP32_DOT, TMA)
+                m_i, l_i, acc = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2, LAZY)
+    if OWN_TMA:
+        # Entries past the own block hold no visible key: skip them. The own block is read by
+        # TMA; its rows past a partial last block belong to the next document (or read as 0
+        # past T), so their values are zeroed: a probability of 0 must not meet an inf there.
+        last = union_full_blocks(urow, count, own + 1, UW, True)
+    else:
+        last = count
+    # Not pipelined: mostly the one own block, whose stage buffers would add to the whole-block
+    # loop's in shared memory rather than reuse them.
+    for u in tl.range(full, last, num_stages=1 if OWN_TMA else None):
         b = tl.load(urow + u)
         sel = row_selected(selection, b, u, BITS) & rmask
         for c in tl.static_range(0, BS, BN):
-            k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
-                                      stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
-                                      FP32_DOT, TMA)
-            if LAZY > 0:
-                m_i, l_i, acc = online_softmax_rows_lazy(tl.dot(q, tl.trans(k)), v, sel, m_i,
-                                                         l_i, acc, scale_log2, LAZY)
+            if OWN_TMA:
+                j = b * BS + c + kn
+                k, v = load_kv_tile_tma(k_desc, v_desc, start + b * BS + c, g, D, FP32_DOT)
+                v = tl.where((j < length)[:, None], v, 0.0)
+                vis = (j[None, :] <= pos[:, None]) & sel[:, None]
             else:
-                m_i, l_i, acc = online_softmax_rows(tl.dot(q, tl.trans(k)), v, sel, m_i, l_i,
-                                                    acc, scale_log2)
-    for u in range(full, count):
-        b = tl.load(urow + u)
-        sel = row_selected(selection, b, u, BITS) & rmask
-        for c in tl.static_range(0, BS, BN):
-            k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length, pos,
-                                               sel, g, stride_kt, stride_kh, stride_vt,
-                                               stride_vh, D, FP32_DOT)
+                k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length,
+                                                   pos, sel, g, stride_kt, stride_kh, stride_vt,
+                                                   stride_vh, D, FP32_DOT)
             sc = tl.dot(q, tl.trans(k)) * scale_log2
             sc = tl.where(vis, sc, float("-inf"))
             m_i, l_i, acc = online_softmax_step(sc, v, m_i, l_i, acc)
@@ -274,6 +307,19 @@ def _fwd_union_kernel(
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + dd[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
     tl.store(lse_ptr + heads * stride_lh + tok, lse, mask=rmask)
+
+
+@triton.jit
+def _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2, LAZY: tl.constexpr):
+    """Folds one whole key tile (every key visible to the rows ``sel``) into the union rows'
+    online softmax, with the lazy rescale when ``LAZY > 0``."""
+    if LAZY > 0:
+        m_i, l_i, acc = online_softmax_rows_lazy(tl.dot(q, tl.trans(k)), v, sel, m_i, l_i, acc,
+                                                 scale_log2, LAZY)
+    else:
+        m_i, l_i, acc = online_softmax_rows(tl.dot(q, tl.trans(k)), v, sel, m_i, l_i, acc,
+                                            scale_log2)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -555,7 +601,8 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
             FP32_DOT=INTERPRET, SPLIT=bool(CONFIG["union_split"]), TMA=descs is not None,
             UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
-            LAZY=float(CONFIG["union_lazy"]),
+            LAZY=float(CONFIG["union_lazy"]), FLAT=bool(CONFIG["union_flat"]),
+            OWN_TMA=descs is not None and bool(CONFIG["union_own_tma"]),
             num_warps=CONFIG["union_warps"], num_stages=CONFIG["union_stages"],
             **register_cap(CONFIG["union_maxnreg"], INTERPRET),
         )
