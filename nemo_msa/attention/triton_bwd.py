@@ -48,6 +48,7 @@ from nemo_msa.attention.triton_tiles import (
     load_do_and_delta,
     load_dq_rows,
     load_kv_tile,
+    load_kv_tile_tma,
     load_masked_union_tile,
     load_rows,
     load_whole_kv_tile,
@@ -71,6 +72,8 @@ CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
           "dq_union_stages": 2, "dq_union_split": True, "dq_union_tma": True,
           "dq_tile_grid": True,  # as the forward's tile_grid (1.2 ms faster, ADR 0003 v8)
           "dq_union_bits": False,  # as the forward's union_bits (no faster, ADR 0003 v8)
+          # As the forward's union_flat and union_own_tma (not yet timed, ADR 0003 v10).
+          "dq_union_flat": False, "dq_union_own_tma": False,
           # Fused dk/dv + atomic dq (never in deterministic mode): measured slower than the
           # atomic-free path on the H200 (ADR 0003, v5) and 4 bytes per dq element, so opt-in.
           "dq_atomic": False, "fused_warps": 8,
@@ -218,7 +221,7 @@ def _dq_union_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    BITS: tl.constexpr,
+    BITS: tl.constexpr, FLAT: tl.constexpr, OWN_TMA: tl.constexpr,
 ):
     """dq of QT tokens of one document block x G heads in one pass over the union of their
     selected blocks (the forward's union tile); a row only sees blocks its token selected.
@@ -242,21 +245,47 @@ def _dq_union_kernel(
     kn = tl.arange(0, BN)
     urow = union_ptr + g * stride_ug + tile * stride_ut
     full = union_full_blocks(urow, count, own, UW, SPLIT)
-    for u in range(full):
-        b = tl.load(urow + u)
-        sel = row_selected(selection, b, u, BITS) & rmask
-        for c in tl.static_range(0, BS, BN):
-            k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
-                                      stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
-                                      FP32_DOT, TMA)
+    if FLAT:
+        # As the forward's flat loop: one BN-key tile per step.
+        SUB: tl.constexpr = BS // BN
+        for step in range(full * SUB):
+            u = step // SUB
+            b = tl.load(urow + u)
+            sel = row_selected(selection, b, u, BITS) & rmask
+            k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc,
+                                      start + b * BS + (step % SUB) * BN, g, stride_kt,
+                                      stride_kh, stride_vt, stride_vh, BN, D, FP32_DOT, TMA)
             dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
-    for u in range(full, count):
+    else:
+        for u in range(full):
+            b = tl.load(urow + u)
+            sel = row_selected(selection, b, u, BITS) & rmask
+            for c in tl.static_range(0, BS, BN):
+                k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
+                                          stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
+                                          FP32_DOT, TMA)
+                dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
+    if OWN_TMA:
+        # As the forward's own block by TMA; here K is zeroed past the document end too,
+        # since dS (0 there) multiplies K.
+        last = union_full_blocks(urow, count, own + 1, UW, True)
+    else:
+        last = count
+    for u in tl.range(full, last, num_stages=1 if OWN_TMA else None):
         b = tl.load(urow + u)
         sel = row_selected(selection, b, u, BITS) & rmask
         for c in tl.static_range(0, BS, BN):
-            k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length, pos,
-                                               sel, g, stride_kt, stride_kh, stride_vt,
-                                               stride_vh, D, FP32_DOT)
+            if OWN_TMA:
+                j = b * BS + c + kn
+                k, v = load_kv_tile_tma(k_desc, v_desc, start + b * BS + c, g, D, FP32_DOT)
+                inside = (j < length)[:, None]
+                k = tl.where(inside, k, 0.0)
+                v = tl.where(inside, v, 0.0)
+                vis = (j[None, :] <= pos[:, None]) & sel[:, None]
+            else:
+                k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length,
+                                                   pos, sel, g, stride_kt, stride_kh, stride_vt,
+                                                   stride_vh, D, FP32_DOT)
             dq += dq_tile(q, do, k, v, vis, lse2, delta, scale_log2)
     dq = dq * scale
     tl.store(dq_ptr + tok[:, None] * stride_dqt + heads[:, None] * stride_dqh + dd[None, :],
@@ -378,6 +407,8 @@ def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
             TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
             FP32_DOT=INTERPRET, SPLIT=split, TMA=descs is not None,
             UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
+            FLAT=bool(CONFIG["dq_union_flat"]),
+            OWN_TMA=descs is not None and bool(CONFIG["dq_union_own_tma"]),
             num_warps=CONFIG["dq_union_warps"], num_stages=CONFIG["dq_union_stages"],
         )
     tile_grid = plan.enabled and bool(CONFIG["dq_tile_grid"])

@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 from _msa_support import (
-    attention_reference,
     attention_reference_grads,
     layout_on_kernel_device,
     make_layout,
@@ -197,39 +196,47 @@ def test_union_forward_lazy_rescale_and_register_cap_match_reference(monkeypatch
 
 
 @pytest.mark.parametrize("flat,own_tma", [(True, False), (False, True), (True, True)])
-def test_union_forward_flat_loop_and_own_block_by_tma_match_reference(monkeypatch, flat,
-                                                                      own_tma):
-    """The union forward's flat whole-block loop (one 64-key tile per step, d = 128 and block
-    128 so that a block is two tiles) and its own block read by TMA, against float64. The
-    documents end inside a block, the next document starts with an infinite value (a zero
-    probability must not meet it), and some rows select a block past their own (it holds no
-    visible key and must contribute nothing)."""
+def test_union_flat_loop_and_own_block_by_tma_match_reference(monkeypatch, flat, own_tma):
+    """The union forward's and dq's flat whole-block loop (one 64-key tile per step, d = 128
+    and block 128 so that a block is two tiles) and their own block read by TMA, against
+    float64. The documents end inside a block, the next document starts with infinite K and V
+    rows (a zero probability or dS must not meet them), and some rows select a block past
+    their own (it holds no visible key and must contribute nothing)."""
+    import nemo_msa.attention.triton_bwd as tb
     import nemo_msa.attention.triton_fwd as tf
 
-    monkeypatch.setitem(tf.CONFIG, "union_max", 1000)
-    monkeypatch.setitem(tf.CONFIG, "union_flat", flat)
-    monkeypatch.setitem(tf.CONFIG, "union_own_tma", own_tma)
+    for mod, prefix in ((tf, "union_"), (tb, "dq_union_")):
+        monkeypatch.setitem(mod.CONFIG, prefix + "max", 1000)
+        monkeypatch.setitem(mod.CONFIG, prefix + "flat", flat)
+        monkeypatch.setitem(mod.CONFIG, prefix + "own_tma", own_tma)
     bs, hq, hkv, d, top_k = 128, 16, 1, 128, 3
     gen = torch.Generator().manual_seed(31)
     msa = make_layout([[200, 60], [140]], 300, bs)
     t = msa.num_tokens
-    q, k, v = (torch.randn((t, h, d), generator=gen).to(torch.bfloat16)
-               for h in (hq, hkv, hkv))
-    v[200] = float("inf")  # the first token of document 2, right after document 1's block 1
+    q, k, v, dout = (torch.randn((t, h, d), generator=gen).to(torch.bfloat16)
+                     for h in (hq, hkv, hkv, hq))
+    k[200] = float("inf")  # the first token of document 2, right after document 1's block 1
+    v[200] = float("inf")
     q2k = random_q2k(msa, hkv, top_k, bs, gen, drop_own=True)
     pos = msa.document_positions
     past_own = (pos < bs) & (torch.arange(t) % 3 == 0)
     q2k[0, past_own, top_k - 1] = 1  # block 1: past the own block 0 of these rows
     scale = 1.0 / math.sqrt(d)
-    ref_out, ref_lse = attention_reference(q, k, v, q2k, msa, scale, bs)
-    out, lse = triton_attention_forward(*on_kernel_device(q, k, v, q2k),
-                                        layout_on_kernel_device(msa), scale, block_size=bs)
-    out, lse = out.cpu(), lse.cpu()
-    clean = torch.isfinite(ref_out).flatten(1).all(1)  # rows that never see the inf value
-    assert clean.sum() >= 200 and not clean[200:260].all()
+    ref_out, ref_lse, ref_dq, _, _ = attention_reference_grads(q, k, v, q2k, msa, scale, bs,
+                                                               dout)
+    dev = on_kernel_device(q, k, v, q2k, dout)
+    dmsa = layout_on_kernel_device(msa)
+    out, lse = triton_attention_forward(*dev[:4], dmsa, scale, block_size=bs)
+    dq, _, _ = triton_attention_backward(dev[4], *dev[:3], out, lse, dev[3], dmsa, scale,
+                                         block_size=bs)
+    out, lse, dq = out.cpu(), lse.cpu(), dq.cpu()
+    # The rows that never see the inf rows: documents 1 and 3 (document 2 sees its own).
+    clean = torch.isfinite(ref_out).flatten(1).all(1) & torch.isfinite(ref_dq).flatten(1).all(1)
+    assert clean[:200].all() and clean[260:].all() and not clean[200:260].all()
     assert rel_err(out[clean], ref_out[clean]) < TOL
     fin = torch.isfinite(ref_lse) & clean[None, :]
     assert rel_err(lse[fin], ref_lse[fin]) < 1e-4
+    assert rel_err(dq[clean], ref_dq[clean]) < TOL
 
 
 @pytest.mark.parametrize("max_count", [1000, 2])
