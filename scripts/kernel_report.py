@@ -12,7 +12,7 @@ dropped here. Timing still needs the GPU (scripts/bench_msa.py).
 
 Usage::
 
-    python scripts/kernel_report.py [--kernel sel|fwd_union|all] [--set fwd.union_bn=128 ...]
+    python scripts/kernel_report.py [--kernel sel|fwd_union|dq_union|all] [--set KERNEL.KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -84,7 +84,28 @@ def _forward_union(cfg):
     return tf._fwd_union_kernel, sig, constexprs, options
 
 
-KERNELS = {"sel": ("sel", _selection), "fwd_union": ("fwd", _forward_union)}
+def _dq_union(cfg):
+    import nemo_msa.attention.triton_bwd as tb
+    import nemo_msa.attention.triton_fwd as tf
+    from nemo_msa.attention.triton_tiles import next_pow2
+
+    bn = cfg["dq_union_bn"]
+    qt = max(1, min(int(cfg["dq_union_qt"]), BS, tf.MAX_UNION_ROWS // G))
+    constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
+                      SPLIT=cfg["dq_union_split"], TMA=cfg["dq_union_tma"],
+                      UW=next_pow2(qt * TOPK), BITS=bool(cfg["dq_union_bits"]),
+                      FLAT=bool(cfg["dq_union_flat"]),
+                      OWN_TMA=bool(cfg["dq_union_tma"] and cfg["dq_union_own_tma"]))
+    pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "o_ptr", "dq_ptr")}
+    pointers.update(lse_ptr="*fp32", delta_ptr="*fp32", bits_ptr="*i64")
+    sig = _signature(tb._dq_union_kernel, constexprs, pointers, {"scale", "scale_log2"},
+                     {"k_desc": (bn, D), "v_desc": (bn, D)})
+    return tb._dq_union_kernel, sig, constexprs, {"num_warps": cfg["dq_union_warps"],
+                                                   "num_stages": cfg["dq_union_stages"]}
+
+
+KERNELS = {"sel": ("sel", _selection), "fwd_union": ("fwd", _forward_union),
+           "dq_union": ("bwd", _dq_union)}
 
 
 def _tool(name):
@@ -155,10 +176,11 @@ def main(argv=None):
     from bench_msa import apply_overrides
 
     apply_overrides(args.set)
+    import nemo_msa.attention.triton_bwd as tb
     import nemo_msa.attention.triton_fwd as tf
     import nemo_msa.selection.triton_select as ts
 
-    configs = {"sel": ts.CONFIG, "fwd": tf.CONFIG}
+    configs = {"sel": ts.CONFIG, "fwd": tf.CONFIG, "bwd": tb.CONFIG}
     for kernel in KERNELS if args.kernel == "all" else [args.kernel]:
         for line in report(kernel, dict(configs[KERNELS[kernel][0]])):
             print(line, flush=True)

@@ -36,3 +36,24 @@ def test_kernel_report_refuses_the_interpreter():
     res = subprocess.run([sys.executable, str(SCRIPT), "--kernel", "sel"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert res.returncode != 0 and "unset TRITON_INTERPRET" in res.stderr
+
+
+def _shared_and_loops(res, kernel):
+    assert res.returncode == 0, res.stderr[-2000:]
+    head = re.match(kernel + r": \d+ registers, spills \d+ B stored / \d+ B loaded, shared (\d+) B",
+                    res.stdout)
+    assert head, res.stdout
+    loops = re.findall(r"loop at 0x[0-9a-f]+: \d+ instructions, \d+ BAR.SYNC, (\d+) HGMMA",
+                       res.stdout)
+    return int(head.group(1)), sorted(int(m) for m in loops)
+
+
+def test_kernel_report_shows_the_flat_dq_loop_taking_one_key_tile_per_step():
+    """The dq union kernel's flat whole-block loop holds one 64-key tile's MMAs (S, dP and dq:
+    8 + 8 + 4 wgmma steps per warpgroup) where the default unrolls a block's two tiles, and it
+    keeps one K/V buffer per stage, so it needs less shared memory."""
+    shared, loops = _shared_and_loops(_run("--kernel", "dq_union"), "dq_union")
+    flat_shared, flat_loops = _shared_and_loops(
+        _run("--kernel", "dq_union", "--set", "bwd.dq_union_flat=true"), "dq_union")
+    assert 40 in loops and 20 in flat_loops, (loops, flat_loops)
+    assert flat_shared < shared
