@@ -73,7 +73,7 @@ def _forward_union(cfg):
     constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
                       SPLIT=cfg["union_split"], TMA=cfg["union_tma"],
                       UW=next_pow2(qt * TOPK), BITS=bool(cfg["union_bits"]),
-                      LAZY=float(cfg["union_lazy"]), FLAT=bool(cfg["union_flat"]),
+                      FLAT=bool(cfg["union_flat"]),
                       OWN_TMA=bool(cfg["union_tma"] and cfg["union_own_tma"]))
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     pointers.update(lse_ptr="*fp32", bits_ptr="*i64")

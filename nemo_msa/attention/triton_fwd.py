@@ -39,7 +39,6 @@ from nemo_msa.attention.triton_tiles import (
     load_whole_kv_tile,
     next_pow2,
     online_softmax_rows,
-    online_softmax_rows_lazy,
     online_softmax_step,
     register_cap,
     row_selected,
@@ -59,12 +58,13 @@ from nemo_msa.attention.triton_tiles import (
 # Hybrid schedule (d = 128, block >= 64): tiles of "union_qt" tokens whose selected blocks
 # have a union of at most "union_max" blocks run the query-tile union kernel (M = 128 rows,
 # K/V read once per tile); the others run the per-token kernel. Break-even measured at about
-# 30 blocks for 8-token tiles (ADR 0003). union_qt = 0 disables the union kernel.
+# 30 blocks for 8-token tiles (ADR 0003); with the two-programs-per-SM union kernel 40 was
+# 0.2-0.3 ms faster than 30 in two calls (v10). union_qt = 0 disables the union kernel.
 # union_split: the union kernel walks the whole blocks before a tile's own block without a
 # per-score mask; union_tma: and reads them by TMA (Hopper; pointer loads elsewhere).
 CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
-          "union_qt": 8, "union_max": 30, "union_warps": 8,
-          "union_bn": 64, "union_stages": 3, "union_split": True, "union_tma": True,
+          "union_qt": 8, "union_max": 40, "union_warps": 8,
+          "union_bn": 64, "union_stages": 2, "union_split": True, "union_tma": True,
           # tile_grid: the per-token kernel of a hybrid launch gets one program per union tile
           # (its tokens one by one) instead of one per token (8x fewer programs that exit at
           # once; 0.6 ms faster at 131072 tokens, ADR 0003 v8).
@@ -77,23 +77,22 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           # bits (one shift per row and entry) instead of searching its q2k row; measured 1.7 ms
           # slower at 131072 tokens (ADR 0003 v8), so off.
           "union_bits": False,
-          # union_maxnreg: a register cap per thread for the union kernel (None: Triton's), so
-          # that two 8-warp programs fit an SM (128 registers); not yet timed (ADR 0003 v9).
-          "union_maxnreg": None,
-          # union_lazy: the union kernel's whole-block loop rescales its accumulator only when
-          # a row's max grows by more than this many log2 units (online_softmax_rows_lazy);
-          # 0 rescales every tile; not yet timed (ADR 0003 v9).
-          "union_lazy": 0,
+          # union_maxnreg: a register cap per thread for the union kernel, so that two 8-warp
+          # programs share an SM (2 x 256 threads x 128 registers); with union_flat and
+          # union_own_tma their shared memory fits too (98 KB each). Forward 27.6 -> 26.6 ms
+          # at 131072 tokens despite the spills it causes (ADR 0003 v10). None: Triton's.
+          "union_maxnreg": 128,
           # union_flat: the whole-block loop takes one BN-key tile per step (a flat loop over
           # blocks x tiles) instead of unrolling a block's BS / BN tiles in each step, so the
           # pipeline keeps one K/V buffer per stage rather than one per tile of the block
-          # (164 -> 96 KB of shared memory at the defaults); not yet timed (ADR 0003 v10).
-          "union_flat": False,
+          # (164 -> 98 KB of shared memory). Alone it is slower (29.9 ms, one program per SM);
+          # it is what lets two programs share an SM (ADR 0003 v10).
+          "union_flat": True,
           # union_own_tma: the own block is read by TMA too (no [BN, d] pointer tiles, whose
           # int64 addresses set the kernel's register count), with the values past a partial
-          # last block zeroed; entries past the own block are skipped (no visible key); not
-          # yet timed (ADR 0003 v10).
-          "union_own_tma": False}
+          # last block zeroed; entries past the own block are skipped (no visible key). Needs
+          # union_tma; part of the two-programs-per-SM configuration (ADR 0003 v10).
+          "union_own_tma": True}
 
 
 @triton.jit
@@ -228,7 +227,7 @@ def _fwd_union_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    BITS: tl.constexpr, LAZY: tl.constexpr, FLAT: tl.constexpr, OWN_TMA: tl.constexpr,
+    BITS: tl.constexpr, FLAT: tl.constexpr, OWN_TMA: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected.
@@ -268,7 +267,7 @@ def _fwd_union_kernel(
             k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc,
                                       start + b * BS + (step % SUB) * BN, g, stride_kt,
                                       stride_kh, stride_vt, stride_vh, BN, D, FP32_DOT, TMA)
-            m_i, l_i, acc = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2, LAZY)
+            m_i, l_i, acc = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2)
     else:
         for u in range(full):
             b = tl.load(urow + u)
@@ -277,7 +276,7 @@ def _fwd_union_kernel(
                 k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
                                           stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
                                           FP32_DOT, TMA)
-                m_i, l_i, acc = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2, LAZY)
+                m_i, l_i, acc = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2)
     if OWN_TMA:
         # Entries past the own block hold no visible key: skip them. The own block is read by
         # TMA; its rows past a partial last block belong to the next document (or read as 0
@@ -310,16 +309,10 @@ def _fwd_union_kernel(
 
 
 @triton.jit
-def _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2, LAZY: tl.constexpr):
+def _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2):
     """Folds one whole key tile (every key visible to the rows ``sel``) into the union rows'
-    online softmax, with the lazy rescale when ``LAZY > 0``."""
-    if LAZY > 0:
-        m_i, l_i, acc = online_softmax_rows_lazy(tl.dot(q, tl.trans(k)), v, sel, m_i, l_i, acc,
-                                                 scale_log2, LAZY)
-    else:
-        m_i, l_i, acc = online_softmax_rows(tl.dot(q, tl.trans(k)), v, sel, m_i, l_i, acc,
-                                            scale_log2)
-    return m_i, l_i, acc
+    online softmax."""
+    return online_softmax_rows(tl.dot(q, tl.trans(k)), v, sel, m_i, l_i, acc, scale_log2)
 
 
 @triton.jit
@@ -601,7 +594,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
             FP32_DOT=INTERPRET, SPLIT=bool(CONFIG["union_split"]), TMA=descs is not None,
             UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
-            LAZY=float(CONFIG["union_lazy"]), FLAT=bool(CONFIG["union_flat"]),
+            FLAT=bool(CONFIG["union_flat"]),
             OWN_TMA=descs is not None and bool(CONFIG["union_own_tma"]),
             num_warps=CONFIG["union_warps"], num_stages=CONFIG["union_stages"],
             **register_cap(CONFIG["union_maxnreg"], INTERPRET),

@@ -196,32 +196,6 @@ def online_softmax_rows(sc, v, sel, m_i, l_i, acc, scale_log2):
 
 
 @triton.jit
-def online_softmax_rows_lazy(sc, v, sel, m_i, l_i, acc, scale_log2, THRESHOLD: tl.constexpr):
-    """:func:`online_softmax_rows` that rescales only when some row's max grows by more than
-    ``THRESHOLD`` (log2 units) past the max its exponents use, as FlashAttention-4 does.
-
-    Rows keep a reference max ``m_i``; a tile whose scores stay below ``m_i + THRESHOLD`` is
-    folded in as ``exp2(s - m_i)`` (at most 2**THRESHOLD, exact in fp32 and bf16's range), so
-    the [M, D] rescale of ``acc`` runs only in the few tiles where a row's reference moves (its
-    first selected block, mostly). The skip is decided for the whole program (one reduction),
-    since a per-row choice would still multiply every row. The output ``acc / l`` and the LSE
-    ``m + log2 l`` do not depend on the reference, so the result is the same up to rounding.
-    """
-    m_blk = tl.max(sc, axis=1) * scale_log2
-    grow = sel & (m_blk > m_i + THRESHOLD)
-    if tl.max(grow.to(tl.int32), axis=0) > 0:
-        m_new = tl.where(grow, m_blk, m_i)
-        alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-        l_i = l_i * alpha
-        acc = acc * alpha[:, None]
-        m_i = m_new
-    pr = tl.exp2(sc * scale_log2 - tl.where(sel, m_i, float("inf"))[:, None])
-    l_i = l_i + tl.sum(pr, axis=1)
-    acc = acc + tl.dot(pr.to(v.dtype), v)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def union_full_blocks(union_row_ptr, count, own_block, UW: tl.constexpr, SPLIT: tl.constexpr):
     """How many of a tile's ``count`` sorted union entries lie before the tile's own block:
     those blocks are whole (inside the document) and causally visible to every row. 0 when
