@@ -12,7 +12,8 @@ dropped here. Timing still needs the GPU (scripts/bench_msa.py).
 
 Usage::
 
-    python scripts/kernel_report.py [--kernel sel|fwd_union|dq_union|all] [--set KERNEL.KEY=VALUE]
+    python scripts/kernel_report.py [--kernel sel|fwd_union|dq_union|union_build|all] \
+        [--set KERNEL.KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def _forward_union(cfg):
 def _dq_union(cfg):
     import nemo_msa.attention.triton_bwd as tb
     import nemo_msa.attention.triton_fwd as tf
-    from nemo_msa.attention.triton_tiles import next_pow2
+    from nemo_msa.attention.triton_tiles import next_pow2, register_cap
 
     bn = cfg["dq_union_bn"]
     qt = max(1, min(int(cfg["dq_union_qt"]), BS, tf.MAX_UNION_ROWS // G))
@@ -100,12 +101,24 @@ def _dq_union(cfg):
     pointers.update(lse_ptr="*fp32", delta_ptr="*fp32", bits_ptr="*i64")
     sig = _signature(tb._dq_union_kernel, constexprs, pointers, {"scale", "scale_log2"},
                      {"k_desc": (bn, D), "v_desc": (bn, D)})
-    return tb._dq_union_kernel, sig, constexprs, {"num_warps": cfg["dq_union_warps"],
-                                                   "num_stages": cfg["dq_union_stages"]}
+    options = {"num_warps": cfg["dq_union_warps"], "num_stages": cfg["dq_union_stages"],
+               **register_cap(cfg["dq_union_maxnreg"], interpret=False)}
+    return tb._dq_union_kernel, sig, constexprs, options
+
+
+def _union_build(cfg):
+    import nemo_msa.attention.triton_fwd as tf
+    from nemo_msa.attention.triton_tiles import next_pow2
+
+    qt = max(1, min(int(cfg["union_qt"]), BS, tf.MAX_UNION_ROWS // G))
+    constexprs = dict(TOPK=TOPK, QT=qt, BS=BS, WIDTH=qt * TOPK, W=next_pow2(qt * TOPK),
+                      SCAN=cfg["union_build"] == "triton_scan")
+    sig = _signature(tf._tile_union_kernel, constexprs, {}, set(), {})
+    return tf._tile_union_kernel, sig, constexprs, {"num_warps": 4}
 
 
 KERNELS = {"sel": ("sel", _selection), "fwd_union": ("fwd", _forward_union),
-           "dq_union": ("bwd", _dq_union)}
+           "dq_union": ("bwd", _dq_union), "union_build": ("fwd", _union_build)}
 
 
 def _tool(name):

@@ -48,16 +48,19 @@ from nemo_msa.attention.triton_tiles import (
     load_do_and_delta,
     load_dq_rows,
     load_kv_tile,
-    load_kv_tile_tma,
     load_masked_union_tile,
+    load_own_union_tile_tma,
     load_rows,
     load_whole_kv_tile,
     next_pow2,
+    register_cap,
     row_selected,
     tile_tokens_left,
     token_rows,
     token_taken_by_union,
+    union_flat_step,
     union_full_blocks,
+    union_masked_end,
     union_row_selection,
     union_tile_rows,
     union_tile_skipped,
@@ -72,8 +75,11 @@ CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
           "dq_union_stages": 2, "dq_union_split": True, "dq_union_tma": True,
           "dq_tile_grid": True,  # as the forward's tile_grid (1.2 ms faster, ADR 0003 v8)
           "dq_union_bits": False,  # as the forward's union_bits (no faster, ADR 0003 v8)
-          # As the forward's union_flat and union_own_tma (not yet timed, ADR 0003 v10).
-          "dq_union_flat": False, "dq_union_own_tma": False,
+          # As the forward's union_flat and union_own_tma: 3 ms slower at one program per SM
+          # (ADR 0003 v10). dq_union_maxnreg caps the registers (None: Triton's), but two dq
+          # programs also need <= 113 KB of shared memory each, and the flat dq (Q and dO
+          # tiles too) takes 131.6 KB; not yet timed.
+          "dq_union_flat": False, "dq_union_own_tma": False, "dq_union_maxnreg": None,
           # Fused dk/dv + atomic dq (never in deterministic mode): measured slower than the
           # atomic-free path on the H200 (ADR 0003, v5) and 4 bytes per dq element, so opt-in.
           "dq_atomic": False, "fused_warps": 8,
@@ -246,15 +252,10 @@ def _dq_union_kernel(
     urow = union_ptr + g * stride_ug + tile * stride_ut
     full = union_full_blocks(urow, count, own, UW, SPLIT)
     if FLAT:
-        # As the forward's flat loop: one BN-key tile per step.
-        SUB: tl.constexpr = BS // BN
-        for step in range(full * SUB):
-            u = step // SUB
-            b = tl.load(urow + u)
-            sel = row_selected(selection, b, u, BITS) & rmask
-            k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc,
-                                      start + b * BS + (step % SUB) * BN, g, stride_kt,
-                                      stride_kh, stride_vt, stride_vh, BN, D, FP32_DOT, TMA)
+        for step in range(full * (BS // BN)):
+            sel, k, v = union_flat_step(k_ptr, v_ptr, k_desc, v_desc, urow, step, selection,
+                                        rmask, start, g, stride_kt, stride_kh, stride_vt,
+                                        stride_vh, BS, BN, D, FP32_DOT, TMA, BITS)
             dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
     else:
         for u in range(full):
@@ -265,23 +266,14 @@ def _dq_union_kernel(
                                           stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
                                           FP32_DOT, TMA)
                 dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
-    if OWN_TMA:
-        # As the forward's own block by TMA; here K is zeroed past the document end too,
-        # since dS (0 there) multiplies K.
-        last = union_full_blocks(urow, count, own + 1, UW, True)
-    else:
-        last = count
+    last = union_masked_end(urow, count, own, UW, OWN_TMA)  # as in the forward
     for u in tl.range(full, last, num_stages=1 if OWN_TMA else None):
         b = tl.load(urow + u)
         sel = row_selected(selection, b, u, BITS) & rmask
         for c in tl.static_range(0, BS, BN):
             if OWN_TMA:
-                j = b * BS + c + kn
-                k, v = load_kv_tile_tma(k_desc, v_desc, start + b * BS + c, g, D, FP32_DOT)
-                inside = (j < length)[:, None]
-                k = tl.where(inside, k, 0.0)
-                v = tl.where(inside, v, 0.0)
-                vis = (j[None, :] <= pos[:, None]) & sel[:, None]
+                k, v, vis = load_own_union_tile_tma(k_desc, v_desc, b * BS + c, start, length,
+                                                    pos, sel, g, BN, D, FP32_DOT, True)
             else:
                 k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length,
                                                    pos, sel, g, stride_kt, stride_kh, stride_vt,
@@ -410,6 +402,7 @@ def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
             FLAT=bool(CONFIG["dq_union_flat"]),
             OWN_TMA=descs is not None and bool(CONFIG["dq_union_own_tma"]),
             num_warps=CONFIG["dq_union_warps"], num_stages=CONFIG["dq_union_stages"],
+            **register_cap(CONFIG["dq_union_maxnreg"], INTERPRET),
         )
     tile_grid = plan.enabled and bool(CONFIG["dq_tile_grid"])
     _dq_kernel[(plan.num_tiles if tile_grid else t, hkv)](

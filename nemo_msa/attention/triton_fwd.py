@@ -33,8 +33,8 @@ from nemo_msa.attention.triton_tiles import (
     finish_softmax,
     kv_descriptors,
     load_kv_tile,
-    load_kv_tile_tma,
     load_masked_union_tile,
+    load_own_union_tile_tma,
     load_rows,
     load_whole_kv_tile,
     next_pow2,
@@ -44,7 +44,9 @@ from nemo_msa.attention.triton_tiles import (
     row_selected,
     tile_tokens_left,
     token_taken_by_union,
+    union_flat_step,
     union_full_blocks,
+    union_masked_end,
     union_row_selection,
     union_tile_rows,
     union_tile_skipped,
@@ -71,7 +73,10 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           "tile_grid": True,
           # union_build: the union lists of the hybrid split (forward and dq) built by torch
           # sorts in chunks ("torch") or by one Triton kernel ("triton": 1.4 ms faster and
-          # 79 MiB less at 131072 tokens, ADR 0003 v8).
+          # 79 MiB less at 131072 tokens, ADR 0003 v8). It takes 1.0 ms at 131072 tokens, and
+          # runs in the forward and in dq (ADR 0003 v10). "triton_scan": the same kernel
+          # deduplicating by sort, predecessor scan and sort instead of a quadratic
+          # comparison; tested, not yet timed.
           "union_build": "triton",
           # union_bits: each union row tells the blocks its token selected from 64 membership
           # bits (one shift per row and entry) instead of searching its q2k row; measured 1.7 ms
@@ -258,15 +263,10 @@ def _fwd_union_kernel(
     urow = union_ptr + g * stride_ug + tile * stride_ut
     full = union_full_blocks(urow, count, own, UW, SPLIT)
     if FLAT:
-        # One loop step per BN-key tile: one K and one V buffer per pipeline stage.
-        SUB: tl.constexpr = BS // BN
-        for step in range(full * SUB):
-            u = step // SUB
-            b = tl.load(urow + u)
-            sel = row_selected(selection, b, u, BITS) & rmask
-            k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc,
-                                      start + b * BS + (step % SUB) * BN, g, stride_kt,
-                                      stride_kh, stride_vt, stride_vh, BN, D, FP32_DOT, TMA)
+        for step in range(full * (BS // BN)):
+            sel, k, v = union_flat_step(k_ptr, v_ptr, k_desc, v_desc, urow, step, selection,
+                                        rmask, start, g, stride_kt, stride_kh, stride_vt,
+                                        stride_vh, BS, BN, D, FP32_DOT, TMA, BITS)
             m_i, l_i, acc = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2)
     else:
         for u in range(full):
@@ -277,24 +277,16 @@ def _fwd_union_kernel(
                                           stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
                                           FP32_DOT, TMA)
                 m_i, l_i, acc = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2)
-    if OWN_TMA:
-        # Entries past the own block hold no visible key: skip them. The own block is read by
-        # TMA; its rows past a partial last block belong to the next document (or read as 0
-        # past T), so their values are zeroed: a probability of 0 must not meet an inf there.
-        last = union_full_blocks(urow, count, own + 1, UW, True)
-    else:
-        last = count
-    # Not pipelined: mostly the one own block, whose stage buffers would add to the whole-block
-    # loop's in shared memory rather than reuse them.
+    # With OWN_TMA the loop is not pipelined: it is mostly the one own block, whose stage
+    # buffers would add to the whole-block loop's in shared memory rather than reuse them.
+    last = union_masked_end(urow, count, own, UW, OWN_TMA)
     for u in tl.range(full, last, num_stages=1 if OWN_TMA else None):
         b = tl.load(urow + u)
         sel = row_selected(selection, b, u, BITS) & rmask
         for c in tl.static_range(0, BS, BN):
             if OWN_TMA:
-                j = b * BS + c + kn
-                k, v = load_kv_tile_tma(k_desc, v_desc, start + b * BS + c, g, D, FP32_DOT)
-                v = tl.where((j < length)[:, None], v, 0.0)
-                vis = (j[None, :] <= pos[:, None]) & sel[:, None]
+                k, v, vis = load_own_union_tile_tma(k_desc, v_desc, b * BS + c, start, length,
+                                                    pos, sel, g, BN, D, FP32_DOT, False)
             else:
                 k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length,
                                                    pos, sel, g, stride_kt, stride_kh, stride_vt,
@@ -316,12 +308,21 @@ def _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2):
 
 
 @triton.jit
+def _previous_of_segment(n1, prev1, last1, n2, prev2, last2):
+    """Combine of a scan over segments ``(length, element before the last, last)``: the
+    inclusive scan of ``(1, x_i, x_i)`` holds ``x_{i-1}`` in its middle part for ``i >= 1``."""
+    return n1 + n2, tl.where(n2 >= 2, prev2, last1), last2
+
+
+@triton.jit
 def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, block_local_ptr,
                        stride_sg, stride_st, stride_ug, stride_ut, num_tiles,
                        TOPK: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                       WIDTH: tl.constexpr, W: tl.constexpr):
+                       WIDTH: tl.constexpr, W: tl.constexpr, SCAN: tl.constexpr):
     """One (union tile, KV head): the sorted distinct blocks its tokens selected, in registers
-    (no sort temporaries in memory). An entry is kept where no earlier entry equals it."""
+    (no sort temporaries in memory). An entry is kept where no earlier entry equals it: found
+    by a [W, W] comparison, or with SCAN by sorting first and comparing each entry with its
+    predecessor (:func:`_previous_of_segment`), then sorting the kept ones again."""
     BIG: tl.constexpr = 2147483647
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -333,8 +334,14 @@ def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, blo
     ids = tl.load(q2k_ptr + g * stride_sg + (start + pos).to(tl.int64) * stride_st + i % TOPK,
                   mask=valid, other=-1)
     key = tl.where(ids >= 0, ids, BIG)
-    earlier_equal = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None])
-    key = tl.where(tl.max(earlier_equal.to(tl.int32), axis=1) > 0, BIG, key)
+    if SCAN:
+        key = tl.sort(key)
+        n, prev, _ = tl.associative_scan((tl.full((W,), 1, tl.int32), key, key), 0,
+                                         _previous_of_segment)
+        key = tl.where((n >= 2) & (prev == key), BIG, key)
+    else:
+        earlier_equal = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None])
+        key = tl.where(tl.max(earlier_equal.to(tl.int32), axis=1) > 0, BIG, key)
     srt = tl.sort(key)
     real = srt != BIG
     tl.store(union_ptr + g * stride_ug + tile * stride_ut + i, tl.where(real, srt, 0),
@@ -417,13 +424,14 @@ def tile_unions(q2k: torch.Tensor, blocks, msa, qt: int):
     tiles = blocks.num_blocks_bound * sub
     dev = q2k.device
     width = qt * top_k
-    if CONFIG["union_build"] == "triton":
+    if CONFIG["union_build"] in ("triton", "triton_scan"):
         union = torch.empty((hkv, tiles, width), dtype=torch.int32, device=dev)
         count = torch.empty((hkv, tiles), dtype=torch.int32, device=dev)
         _tile_union_kernel[(tiles, hkv)](
             q2k, union, count, msa.cu_seqlens, blocks.block_doc, blocks.block_local,
             q2k.stride(0), q2k.stride(1), union.stride(0), union.stride(1), tiles,
-            TOPK=top_k, QT=qt, BS=bs, WIDTH=width, W=next_pow2(width))
+            TOPK=top_k, QT=qt, BS=bs, WIDTH=width, W=next_pow2(width),
+            SCAN=CONFIG["union_build"] == "triton_scan")
         return union, count
     # Local block ids stay below max_seqlen / bs: 16-bit sort keys when they fit.
     max_blocks = -(-int(getattr(msa, "max_seqlen", 2**31 - 1)) // bs)

@@ -149,6 +149,50 @@ def load_masked_union_tile(k_ptr, v_ptr, j, start, length, pos, sel, g, stride_k
 
 
 @triton.jit
+def union_flat_step(k_ptr, v_ptr, k_desc, v_desc, urow, step, selection, rmask, start, g,
+                    stride_kt, stride_kh, stride_vt, stride_vh, BS: tl.constexpr,
+                    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr,
+                    BITS: tl.constexpr):
+    """Step ``step`` of a union program's flat whole-block loop (one BN-key tile per step, so
+    BS / BN steps per union entry and one K/V buffer per pipeline stage): ``(sel, k, v)``, the
+    rows that selected the step's block (see :func:`row_selected`) and the tile's K and V."""
+    SUB: tl.constexpr = BS // BN
+    u = step // SUB
+    b = tl.load(urow + u)
+    sel = row_selected(selection, b, u, BITS) & rmask
+    k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + (step % SUB) * BN,
+                              g, stride_kt, stride_kh, stride_vt, stride_vh, BN, D, FP32_DOT,
+                              TMA)
+    return sel, k, v
+
+
+@triton.jit
+def union_masked_end(union_row_ptr, count, own_block, UW: tl.constexpr, SKIP_PAST: tl.constexpr):
+    """Where a union program's masked loop stops: ``count``, or with SKIP_PAST after the own
+    block (the sorted entries past it hold no key visible to any row of the tile)."""
+    if SKIP_PAST:
+        return union_full_blocks(union_row_ptr, count, own_block + 1, UW, True)
+    else:
+        return count
+
+
+@triton.jit
+def load_own_union_tile_tma(k_desc, v_desc, j0, start, length, pos, sel, g, BN: tl.constexpr,
+                            D: tl.constexpr, FP32_DOT: tl.constexpr, ZERO_K: tl.constexpr):
+    """:func:`load_masked_union_tile` by TMA for the tile of document keys ``j0 .. j0 + BN -
+    1`` of the own block. Rows past a partial last block belong to the next document (or read
+    as 0 past T): their V is zeroed, and with ZERO_K their K (where dS multiplies K), so that a
+    probability or dS of 0 never meets an inf there."""
+    j = j0 + tl.arange(0, BN)
+    k, v = load_kv_tile_tma(k_desc, v_desc, start + j0, g, D, FP32_DOT)
+    inside = (j < length)[:, None]
+    if ZERO_K:
+        k = tl.where(inside, k, 0.0)
+    v = tl.where(inside, v, 0.0)
+    return k, v, (j[None, :] <= pos[:, None]) & sel[:, None]
+
+
+@triton.jit
 def rows_selecting(lists, b):
     """bool [M]: the rows whose token's selection ``lists`` [M, KP] holds block ``b``."""
     return tl.max((lists == b).to(tl.int32), axis=1) > 0

@@ -300,18 +300,20 @@ def test_tile_unions_are_the_same_in_chunks_and_by_kernel(monkeypatch):
     monkeypatch.setattr(tf, "UNION_CHUNK_TILES", 3)
     union, count = tf.tile_unions(q2k, blocks, msa, 4)
     assert torch.equal(union, whole) and torch.equal(count, whole_count)
-    monkeypatch.setitem(tf.CONFIG, "union_build", "triton")
     dmsa = layout_on_kernel_device(msa)
-    by_kernel = tf.tile_unions(on_kernel_device(q2k), doc_blocks(dmsa, 16), dmsa, 4)
-    assert torch.equal(by_kernel[0].cpu(), whole) and torch.equal(by_kernel[1].cpu(), whole_count)
-    # The production width: 8 tokens x top-16 = 128 entries per tile.
+    # The production width too: 8 tokens x top-16 = 128 entries per tile.
     big = make_layout([[300, 20]], 320, 16)
     q2k16 = random_q2k(big, 1, 16, 16, gen)
-    dbig = layout_on_kernel_device(big)
-    got = tf.tile_unions(on_kernel_device(q2k16), doc_blocks(dbig, 16), dbig, 8)
-    monkeypatch.setitem(tf.CONFIG, "union_build", "torch")
     want = tf.tile_unions(q2k16, doc_blocks(big, 16), big, 8)
-    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    dbig = layout_on_kernel_device(big)
+    for build in ("triton", "triton_scan"):
+        monkeypatch.setitem(tf.CONFIG, "union_build", build)
+        by_kernel = tf.tile_unions(on_kernel_device(q2k), doc_blocks(dmsa, 16), dmsa, 4)
+        assert torch.equal(by_kernel[0].cpu(), whole), build
+        assert torch.equal(by_kernel[1].cpu(), whole_count), build
+        got = tf.tile_unions(on_kernel_device(q2k16), doc_blocks(dbig, 16), dbig, 8)
+        assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), build
+    monkeypatch.setitem(tf.CONFIG, "union_build", "torch")
     assert int(want[1].max()) > 16  # the tiles' tokens disagree: real unions
     tok_tile = tf.hybrid_plan(q2k, blocks, msa, 4, 30, 16, q2k).tok_tile
     for g in range(2):
