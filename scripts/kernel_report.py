@@ -80,8 +80,10 @@ def _forward_union(cfg):
     pointers.update(lse_ptr="*fp32", bits_ptr="*i64")
     sig = _signature(tf._fwd_union_kernel, constexprs, pointers, {"scale_log2"},
                      {"k_desc": (bn, D), "v_desc": (bn, D)})
+    own_tma = bool(cfg["union_tma"] and cfg["union_own_tma"])
+    cap = cfg["union_maxnreg"] if own_tma else None  # as tf.union_register_cap
     options = {"num_warps": cfg["union_warps"], "num_stages": cfg["union_stages"],
-               **register_cap(cfg["union_maxnreg"], interpret=False)}
+               **register_cap(cap, interpret=False)}
     return tf._fwd_union_kernel, sig, constexprs, options
 
 

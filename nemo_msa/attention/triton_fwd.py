@@ -86,6 +86,7 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           # programs share an SM (2 x 256 threads x 128 registers); with union_flat and
           # union_own_tma their shared memory fits too (98 KB each). Forward 27.6 -> 26.6 ms
           # at 131072 tokens despite the spills it causes (ADR 0003 v10). None: Triton's.
+          # Applied only with the own block by TMA (union_register_cap).
           "union_maxnreg": 128,
           # union_flat: the whole-block loop takes one BN-key tile per step (a flat loop over
           # blocks x tiles) instead of unrolling a block's BS / BN tiles in each step, so the
@@ -521,6 +522,13 @@ def hybrid_plan(q2k: torch.Tensor, blocks, msa, union_qt: int, union_max: int, g
     return plan
 
 
+def union_register_cap(own_tma: bool):
+    """The union kernel's register cap: ``CONFIG["union_maxnreg"]`` when its own block is read
+    by TMA, else None. With pointer-loaded own-block tiles the cap spills their addresses (36
+    ms against 29.9 uncapped at 131072 tokens, ADR 0003 v10), as on GPUs without TMA."""
+    return CONFIG["union_maxnreg"] if own_tma else None
+
+
 def check_attention_inputs(q, k, v, q2k, msa, block_size):
     """Validates the shared inputs of the forward and backward; returns (T, Hq, Hkv, d, G, K)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -592,6 +600,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ubn = min(bs, CONFIG["union_bn"]) if d == 128 else bs
         descs = (kv_descriptors(k_, v_, ubn, INTERPRET)
                  if CONFIG["union_split"] and CONFIG["union_tma"] else None)
+        own_tma = descs is not None and bool(CONFIG["union_own_tma"])
         _fwd_union_kernel[(plan.num_tiles, hkv)](
             q_, k_, v_, *(descs or (k_, v_)), q2k_, out, lse, plan.union, plan.count,
             plan.bits, msa.cu_seqlens, blocks.block_doc, blocks.block_local, plan.num_tiles,
@@ -603,9 +612,9 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             FP32_DOT=INTERPRET, SPLIT=bool(CONFIG["union_split"]), TMA=descs is not None,
             UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
             FLAT=bool(CONFIG["union_flat"]),
-            OWN_TMA=descs is not None and bool(CONFIG["union_own_tma"]),
+            OWN_TMA=own_tma,
             num_warps=CONFIG["union_warps"], num_stages=CONFIG["union_stages"],
-            **register_cap(CONFIG["union_maxnreg"], INTERPRET),
+            **register_cap(union_register_cap(own_tma), INTERPRET),
         )
     tile_grid = plan.enabled and bool(CONFIG["tile_grid"])
     _fwd_kernel[(plan.num_tiles if tile_grid else t, hkv)](
