@@ -64,48 +64,43 @@ def _selection(cfg):
                                                  "num_stages": cfg["num_stages"]}
 
 
-def _forward_union(cfg):
-    import nemo_msa.attention.triton_fwd as tf
+def _union_kernel(cfg, prefix, fn, pointers, floats, cap_rule):
+    """The shared build of the two union kernels' reports (forward: ``union_*`` keys, dq:
+    ``dq_union_*``): the launch's constexprs, typed arguments and options. ``cap_rule`` maps
+    (the configured cap, own block by TMA) to the cap the launch uses."""
+    from nemo_msa.attention.triton_fwd import MAX_UNION_ROWS
     from nemo_msa.attention.triton_tiles import next_pow2, register_cap
 
-    bn = cfg["union_bn"]
+    bn = cfg[prefix + "bn"]
     # The tile the launch would use (hybrid_plan's cap on the rows per program).
-    qt = max(1, min(int(cfg["union_qt"]), BS, tf.MAX_UNION_ROWS // G))
+    qt = max(1, min(int(cfg[prefix + "qt"]), BS, MAX_UNION_ROWS // G))
+    own_tma = bool(cfg[prefix + "tma"] and cfg[prefix + "own_tma"])
     constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
-                      SPLIT=cfg["union_split"], TMA=cfg["union_tma"],
-                      UW=next_pow2(qt * TOPK), BITS=bool(cfg["union_bits"]),
-                      FLAT=bool(cfg["union_flat"]),
-                      OWN_TMA=bool(cfg["union_tma"] and cfg["union_own_tma"]))
+                      SPLIT=cfg[prefix + "split"], TMA=cfg[prefix + "tma"],
+                      UW=next_pow2(qt * TOPK), BITS=bool(cfg[prefix + "bits"]),
+                      FLAT=bool(cfg[prefix + "flat"]), OWN_TMA=own_tma)
+    sig = _signature(fn, constexprs, pointers, floats, {"k_desc": (bn, D), "v_desc": (bn, D)})
+    options = {"num_warps": cfg[prefix + "warps"], "num_stages": cfg[prefix + "stages"],
+               **register_cap(cap_rule(cfg[prefix + "maxnreg"], own_tma), interpret=False)}
+    return fn, sig, constexprs, options
+
+
+def _forward_union(cfg):
+    import nemo_msa.attention.triton_fwd as tf
+
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     pointers.update(lse_ptr="*fp32", bits_ptr="*i64")
-    sig = _signature(tf._fwd_union_kernel, constexprs, pointers, {"scale_log2"},
-                     {"k_desc": (bn, D), "v_desc": (bn, D)})
-    own_tma = bool(cfg["union_tma"] and cfg["union_own_tma"])
-    cap = cfg["union_maxnreg"] if own_tma else None  # as tf.union_register_cap
-    options = {"num_warps": cfg["union_warps"], "num_stages": cfg["union_stages"],
-               **register_cap(cap, interpret=False)}
-    return tf._fwd_union_kernel, sig, constexprs, options
+    return _union_kernel(cfg, "union_", tf._fwd_union_kernel, pointers, {"scale_log2"},
+                         tf.union_register_cap)
 
 
 def _dq_union(cfg):
     import nemo_msa.attention.triton_bwd as tb
-    import nemo_msa.attention.triton_fwd as tf
-    from nemo_msa.attention.triton_tiles import next_pow2, register_cap
 
-    bn = cfg["dq_union_bn"]
-    qt = max(1, min(int(cfg["dq_union_qt"]), BS, tf.MAX_UNION_ROWS // G))
-    constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
-                      SPLIT=cfg["dq_union_split"], TMA=cfg["dq_union_tma"],
-                      UW=next_pow2(qt * TOPK), BITS=bool(cfg["dq_union_bits"]),
-                      FLAT=bool(cfg["dq_union_flat"]),
-                      OWN_TMA=bool(cfg["dq_union_tma"] and cfg["dq_union_own_tma"]))
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "o_ptr", "dq_ptr")}
     pointers.update(lse_ptr="*fp32", delta_ptr="*fp32", bits_ptr="*i64")
-    sig = _signature(tb._dq_union_kernel, constexprs, pointers, {"scale", "scale_log2"},
-                     {"k_desc": (bn, D), "v_desc": (bn, D)})
-    options = {"num_warps": cfg["dq_union_warps"], "num_stages": cfg["dq_union_stages"],
-               **register_cap(cfg["dq_union_maxnreg"], interpret=False)}
-    return tb._dq_union_kernel, sig, constexprs, options
+    return _union_kernel(cfg, "dq_union_", tb._dq_union_kernel, pointers,
+                         {"scale", "scale_log2"}, lambda cap, own_tma: cap)
 
 
 def _union_build(cfg):

@@ -522,11 +522,12 @@ def hybrid_plan(q2k: torch.Tensor, blocks, msa, union_qt: int, union_max: int, g
     return plan
 
 
-def union_register_cap(own_tma: bool):
-    """The union kernel's register cap: ``CONFIG["union_maxnreg"]`` when its own block is read
-    by TMA, else None. With pointer-loaded own-block tiles the cap spills their addresses (36
-    ms against 29.9 uncapped at 131072 tokens, ADR 0003 v10), as on GPUs without TMA."""
-    return CONFIG["union_maxnreg"] if own_tma else None
+def union_register_cap(maxnreg, own_tma: bool):
+    """The union kernel's register cap: ``maxnreg`` (``CONFIG["union_maxnreg"]``) when its own
+    block is read by TMA, else None. With pointer-loaded own-block tiles the cap spills their
+    addresses (36 ms against 29.9 uncapped at 131072 tokens, ADR 0003 v10), as on GPUs without
+    TMA."""
+    return maxnreg if own_tma else None
 
 
 def check_attention_inputs(q, k, v, q2k, msa, block_size):
@@ -614,7 +615,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             FLAT=bool(CONFIG["union_flat"]),
             OWN_TMA=own_tma,
             num_warps=CONFIG["union_warps"], num_stages=CONFIG["union_stages"],
-            **register_cap(union_register_cap(own_tma), INTERPRET),
+            **register_cap(union_register_cap(CONFIG["union_maxnreg"], own_tma), INTERPRET),
         )
     tile_grid = plan.enabled and bool(CONFIG["tile_grid"])
     _fwd_kernel[(plan.num_tiles if tile_grid else t, hkv)](

@@ -194,15 +194,14 @@ def test_union_forward_register_cap_matches_reference(monkeypatch, maxnreg):
     _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=21, drop_own=True)
 
 
-def test_union_register_cap_only_with_the_own_block_by_tma(monkeypatch):
+def test_union_register_cap_only_with_the_own_block_by_tma():
     """The union kernel's register cap applies only where the own block is read by TMA: with
     pointer-loaded own-block tiles (no TMA on the GPU, or union_own_tma off) it would spill
     their addresses (ADR 0003 v10)."""
     import nemo_msa.attention.triton_fwd as tf
 
-    monkeypatch.setitem(tf.CONFIG, "union_maxnreg", 128)
-    assert tf.union_register_cap(True) == 128
-    assert tf.union_register_cap(False) is None
+    assert tf.union_register_cap(128, True) == 128
+    assert tf.union_register_cap(128, False) is None
 
 
 @pytest.mark.parametrize("flat,own_tma", [(False, False), (True, False), (False, True),
