@@ -330,6 +330,8 @@ def run_case(case, args, gen, results):
         return triton_attention_backward(s["do"], s["q"], s["k"], s["v"], o, lse_, sel, msa,
                                          scale)
 
+    if args.union_builds:
+        r["union_build_ms"] = time_union_builds(args.union_builds, sets, msa)
     r["sel_ms"], _ = time_fn(sel_fn, sets)
     r["fwd_ms"], _ = time_fn(fwd_fn, sets)
     r["bwd_ms"], _ = time_fn(bwd_fn, sets)
@@ -389,6 +391,37 @@ def run_case(case, args, gen, results):
     torch.cuda.empty_cache()
     _log(json.dumps(r))
     results.append(r)
+
+
+def time_union_builds(specs: str, sets, msa) -> dict:
+    """Times the forward's union-list build alone for each ``build:tiles:warps`` in ``specs``
+    (comma-separated; ``tiles`` and ``warps`` default to CONFIG's) on the sets' selections,
+    after checking that it gives the torch build's lists and counts; logs one line each."""
+    import nemo_msa.attention.triton_fwd as tf
+    from nemo_msa.attention.triton_layout import doc_blocks
+
+    blocks = doc_blocks(msa, BS)
+    qt = tf.union_tile_tokens(tf.CONFIG["union_qt"], BS, max(16, HQ // HKV))
+    saved = dict(tf.CONFIG)
+    try:
+        tf.CONFIG["union_build"] = "torch"
+        want = tf.tile_unions(sets[0]["q2k"], blocks, msa, qt)
+        times = {}
+        for spec in specs.split(","):
+            build, *rest = spec.split(":")
+            tf.CONFIG.update(saved, union_build=build)
+            if rest:
+                tf.CONFIG["union_build_tiles"] = int(rest[0])
+            if len(rest) > 1:
+                tf.CONFIG["union_build_warps"] = int(rest[1])
+            got = tf.tile_unions(sets[0]["q2k"], blocks, msa, qt)
+            same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            times[spec], _ = time_fn(lambda s: tf.tile_unions(s["q2k"], blocks, msa, qt), sets)
+            _log(f"union build {spec}: {times[spec]:.3f} ms, equal to the torch build: {same}")
+    finally:
+        tf.CONFIG.clear()
+        tf.CONFIG.update(saved)
+    return times
 
 
 def profile_kernels(fn, sets, name, reps=3):
@@ -623,6 +656,9 @@ def main(argv=None):
                     help="override the dq union tile (0 = per-token dq kernel only)")
     ap.add_argument("--profile", action="store_true",
                     help="also print a per-kernel torch.profiler table of MSA fwd+bwd per case")
+    ap.add_argument("--union-builds", default="",
+                    help="also time the union-list build alone per build:tiles:warps, "
+                    "comma-separated (e.g. triton,triton_scan:4:4)")
     ap.add_argument("--no-dense", action="store_true",
                     help="skip the dense baseline (launch-parameter sweeps; no speedup ratios)")
     ap.add_argument("--set", action="append", default=[], metavar="KERNEL.KEY=VALUE",

@@ -68,12 +68,11 @@ def _union_kernel(cfg, prefix, fn, pointers, floats, cap_rule):
     """The shared build of the two union kernels' reports (forward: ``union_*`` keys, dq:
     ``dq_union_*``): the launch's constexprs, typed arguments and options. ``cap_rule`` maps
     (the configured cap, own block by TMA) to the cap the launch uses."""
-    from nemo_msa.attention.triton_fwd import MAX_UNION_ROWS
+    from nemo_msa.attention.triton_fwd import union_tile_tokens
     from nemo_msa.attention.triton_tiles import next_pow2, register_cap
 
     bn = cfg[prefix + "bn"]
-    # The tile the launch would use (hybrid_plan's cap on the rows per program).
-    qt = max(1, min(int(cfg[prefix + "qt"]), BS, MAX_UNION_ROWS // G))
+    qt = union_tile_tokens(cfg[prefix + "qt"], BS, G)  # the tile the launch would use
     own_tma = bool(cfg[prefix + "tma"] and cfg[prefix + "own_tma"])
     constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
                       SPLIT=cfg[prefix + "split"], TMA=cfg[prefix + "tma"],
@@ -107,11 +106,12 @@ def _union_build(cfg):
     import nemo_msa.attention.triton_fwd as tf
     from nemo_msa.attention.triton_tiles import next_pow2
 
-    qt = max(1, min(int(cfg["union_qt"]), BS, tf.MAX_UNION_ROWS // G))
+    qt = tf.union_tile_tokens(cfg["union_qt"], BS, G)
+    tp, warps = tf.union_build_launch(cfg)
     constexprs = dict(TOPK=TOPK, QT=qt, BS=BS, WIDTH=qt * TOPK, W=next_pow2(qt * TOPK),
-                      SCAN=cfg["union_build"] == "triton_scan")
+                      SCAN=cfg["union_build"] == "triton_scan", TP=tp)
     sig = _signature(tf._tile_union_kernel, constexprs, {}, set(), {})
-    return tf._tile_union_kernel, sig, constexprs, {"num_warps": 4}
+    return tf._tile_union_kernel, sig, constexprs, {"num_warps": warps}
 
 
 KERNELS = {"sel": ("sel", _selection), "fwd_union": ("fwd", _forward_union),

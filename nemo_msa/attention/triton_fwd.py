@@ -75,9 +75,12 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           # sorts in chunks ("torch") or by one Triton kernel ("triton": 1.4 ms faster and
           # 79 MiB less at 131072 tokens, ADR 0003 v8). It takes 1.0 ms at 131072 tokens, and
           # runs in the forward and in dq (ADR 0003 v10). "triton_scan": the same kernel
-          # deduplicating by sort, predecessor scan and sort instead of a quadratic
-          # comparison; tested, not yet timed.
+          # deduplicating by one sort and two scans (predecessor, place) instead of a
+          # quadratic comparison and a sort, over union_build_tiles tiles per program of
+          # union_build_warps warps; tested, not yet timed.
           "union_build": "triton",
+          "union_build_tiles": 1,
+          "union_build_warps": 4,
           # union_bits: each union row tells the blocks its token selected from 64 membership
           # bits (one shift per row and entry) instead of searching its q2k row; measured 1.7 ms
           # slower at 131072 tokens (ADR 0003 v8), so off.
@@ -319,35 +322,49 @@ def _previous_of_segment(n1, prev1, last1, n2, prev2, last2):
 def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, block_local_ptr,
                        stride_sg, stride_st, stride_ug, stride_ut, num_tiles,
                        TOPK: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                       WIDTH: tl.constexpr, W: tl.constexpr, SCAN: tl.constexpr):
-    """One (union tile, KV head): the sorted distinct blocks its tokens selected, in registers
-    (no sort temporaries in memory). An entry is kept where no earlier entry equals it: found
-    by a [W, W] comparison, or with SCAN by sorting first and comparing each entry with its
-    predecessor (:func:`_previous_of_segment`), then sorting the kept ones again."""
+                       WIDTH: tl.constexpr, W: tl.constexpr, SCAN: tl.constexpr,
+                       TP: tl.constexpr):
+    """``TP`` union tiles of one KV head: the sorted distinct blocks their tokens selected, in
+    registers (no sort temporaries in memory), one [TP, W] row per tile.
+
+    Without SCAN an entry is kept where no earlier entry equals it (a [W, W] comparison, TP = 1),
+    and the kept ones are sorted. With SCAN the entries are sorted first; an entry is kept where
+    it differs from its predecessor (:func:`_previous_of_segment`), and an inclusive count of
+    the kept ones gives each its place in the list (a scan instead of the second sort)."""
     BIG: tl.constexpr = 2147483647
-    tile = tl.program_id(0)
+    tiles = tl.program_id(0) * TP + tl.arange(0, TP)
     g = tl.program_id(1)
-    doc, start, length, p0 = union_tile_span(tile, block_doc_ptr, block_local_ptr, cu_ptr, QT,
-                                             BS)
+    live = tiles < num_tiles
+    doc, start, length, p0 = union_tile_span(tl.minimum(tiles, num_tiles - 1), block_doc_ptr,
+                                             block_local_ptr, cu_ptr, QT, BS)
     i = tl.arange(0, W)
-    pos = p0 + i // TOPK
-    valid = (doc >= 0) & (i < WIDTH) & (pos < length)
-    ids = tl.load(q2k_ptr + g * stride_sg + (start + pos).to(tl.int64) * stride_st + i % TOPK,
-                  mask=valid, other=-1)
+    pos = p0[:, None] + (i // TOPK)[None, :]
+    valid = ((live & (doc >= 0))[:, None] & (i < WIDTH)[None, :]) & (pos < length[:, None])
+    ids = tl.load(q2k_ptr + g * stride_sg + (start[:, None] + pos).to(tl.int64) * stride_st
+                  + (i % TOPK)[None, :], mask=valid, other=-1)
     key = tl.where(ids >= 0, ids, BIG)
+    dst = union_ptr + g * stride_ug + tiles[:, None] * stride_ut
     if SCAN:
         key = tl.sort(key)
-        n, prev, _ = tl.associative_scan((tl.full((W,), 1, tl.int32), key, key), 0,
+        n, prev, _ = tl.associative_scan((tl.full((TP, W), 1, tl.int32), key, key), 1,
                                          _previous_of_segment)
-        key = tl.where((n >= 2) & (prev == key), BIG, key)
+        kept = (key != BIG) & ((n < 2) | (prev != key))
+        place = tl.cumsum(kept.to(tl.int32), axis=1) - 1
+        count = tl.sum(kept.to(tl.int32), axis=1)
+        # The kept entries go to places 0..count-1, zeros to count..WIDTH-1: disjoint stores.
+        tl.store(dst + place, key, mask=live[:, None] & kept)
+        tl.store(dst + i[None, :], tl.zeros((TP, W), tl.int32),
+                 mask=(live[:, None] & (i < WIDTH)[None, :]) & (i[None, :] >= count[:, None]))
     else:
-        earlier_equal = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None])
-        key = tl.where(tl.max(earlier_equal.to(tl.int32), axis=1) > 0, BIG, key)
-    srt = tl.sort(key)
-    real = srt != BIG
-    tl.store(union_ptr + g * stride_ug + tile * stride_ut + i, tl.where(real, srt, 0),
-             mask=i < WIDTH)
-    tl.store(count_ptr + g * num_tiles + tile, tl.sum(real.to(tl.int32)))
+        earlier_equal = (key[:, :, None] == key[:, None, :]) & (i[None, None, :]
+                                                               < i[None, :, None])
+        key = tl.where(tl.max(earlier_equal.to(tl.int32), axis=2) > 0, BIG, key)
+        srt = tl.sort(key)
+        real = srt != BIG
+        count = tl.sum(real.to(tl.int32), axis=1)
+        tl.store(dst + i[None, :], tl.where(real, srt, 0), mask=live[:, None]
+                 & (i < WIDTH)[None, :])
+    tl.store(count_ptr + g * num_tiles + tiles, count, mask=live)
 
 
 #: Membership bits per row are an int64: union entries 0..62 (63 keeps the sign bit clear).
@@ -403,6 +420,22 @@ def union_membership_bits(q2k: torch.Tensor, plan, blocks, msa) -> torch.Tensor:
 UNION_CHUNK_TILES = 8192
 
 
+def union_build_launch(config: dict) -> tuple[int, int]:
+    """``(tiles per program, warps)`` of the Triton union build from ``config`` (the keys
+    ``union_build``, ``union_build_tiles`` and ``union_build_warps`` of :data:`CONFIG`),
+    validated: the quadratic comparison of ``"triton"`` takes one tile per program."""
+    build, tp, warps = (config[k] for k in ("union_build", "union_build_tiles",
+                                             "union_build_warps"))
+    if not isinstance(tp, int) or tp < 1 or tp & (tp - 1):
+        raise ValueError(f"CONFIG['union_build_tiles']={tp!r}: expected a power of two >= 1")
+    if build == "triton" and tp != 1:
+        raise ValueError(f"CONFIG['union_build_tiles']={tp} needs union_build='triton_scan' "
+                         f"(the 'triton' build's [W, W] comparison takes one tile per program)")
+    if warps not in (1, 2, 4, 8):
+        raise ValueError(f"CONFIG['union_build_warps']={warps!r}: expected 1, 2, 4 or 8")
+    return tp, warps
+
+
 def tile_unions(q2k: torch.Tensor, blocks, msa, qt: int):
     """Per (KV head, query tile of ``qt`` tokens of one document block): the sorted union of the
     tokens' selected blocks.
@@ -425,14 +458,19 @@ def tile_unions(q2k: torch.Tensor, blocks, msa, qt: int):
     tiles = blocks.num_blocks_bound * sub
     dev = q2k.device
     width = qt * top_k
-    if CONFIG["union_build"] in ("triton", "triton_scan"):
+    build = CONFIG["union_build"]
+    if build not in ("torch", "triton", "triton_scan"):
+        raise ValueError(f"CONFIG['union_build']={build!r}: expected 'torch', 'triton' or "
+                         f"'triton_scan'")
+    if build != "torch":
+        tp, warps = union_build_launch(CONFIG)
         union = torch.empty((hkv, tiles, width), dtype=torch.int32, device=dev)
         count = torch.empty((hkv, tiles), dtype=torch.int32, device=dev)
-        _tile_union_kernel[(tiles, hkv)](
+        _tile_union_kernel[(triton.cdiv(tiles, tp), hkv)](
             q2k, union, count, msa.cu_seqlens, blocks.block_doc, blocks.block_local,
             q2k.stride(0), q2k.stride(1), union.stride(0), union.stride(1), tiles,
             TOPK=top_k, QT=qt, BS=bs, WIDTH=width, W=next_pow2(width),
-            SCAN=CONFIG["union_build"] == "triton_scan")
+            SCAN=build == "triton_scan", TP=tp, num_warps=warps)
         return union, count
     # Local block ids stay below max_seqlen / bs: 16-bit sort keys when they fit.
     max_blocks = -(-int(getattr(msa, "max_seqlen", 2**31 - 1)) // bs)
@@ -502,6 +540,12 @@ class HybridPlan:
         return self.qt > 0
 
 
+def union_tile_tokens(union_qt: int, block_size: int, gp: int) -> int:
+    """Tokens per union tile for a requested ``union_qt`` (> 0): at most a block, and at most
+    ``MAX_UNION_ROWS`` rows of ``gp`` padded heads."""
+    return max(1, min(int(union_qt), block_size, MAX_UNION_ROWS // gp))
+
+
 def hybrid_plan(q2k: torch.Tensor, blocks, msa, union_qt: int, union_max: int, gp: int,
                 placeholder: torch.Tensor, bits: bool = False) -> HybridPlan:
     """Builds the split for ``union_qt``-token tiles (capped so a tile has at most
@@ -511,7 +555,7 @@ def hybrid_plan(q2k: torch.Tensor, blocks, msa, union_qt: int, union_max: int, g
     if union_qt <= 0:
         return HybridPlan(0, None, placeholder, placeholder, 0, 0, placeholder)
     bs = blocks.block_size
-    qt = max(1, min(int(union_qt), bs, MAX_UNION_ROWS // gp))
+    qt = union_tile_tokens(union_qt, bs, gp)
     union, count = tile_unions(q2k, blocks, msa, qt)
     tok_tile = ((blocks.doc_first_block[msa.token_documents.long()] + blocks.token_pos // bs)
                 * (bs // qt) + (blocks.token_pos % bs) // qt).to(torch.int32)

@@ -270,6 +270,51 @@ def test_per_token_grids_and_union_bits_match_reference(monkeypatch, max_count, 
     _run_case([[37, 1], [18, 3]], 40, 16, 8, 2, 16, 3, seed=17, drop_own=True)
 
 
+def test_union_build_programs_write_only_their_tiles():
+    """With several tiles per program the last program's surplus tiles write nothing: the
+    lists and counts sit in larger buffers whose tails must keep their sentinel."""
+    import nemo_msa.attention.triton_fwd as tf
+    from nemo_msa.attention.triton_layout import doc_blocks
+
+    msa = make_layout([[300, 20]], 320, 16)
+    q2k = random_q2k(msa, 1, 16, 16, torch.Generator().manual_seed(5))
+    blocks = doc_blocks(msa, 16)
+    want, want_count = tf.tile_unions(q2k, blocks, msa, 8)
+    tiles = want.shape[1]
+    assert tiles % 8 != 0
+    dmsa = layout_on_kernel_device(msa)
+    dblocks = doc_blocks(dmsa, 16)
+    union, count = on_kernel_device(torch.full((1, tiles + 8, 128), -7, dtype=torch.int32),
+                                    torch.full((tiles + 8,), -7, dtype=torch.int32))
+    dq2k = on_kernel_device(q2k)
+    tf._tile_union_kernel[(-(-tiles // 8), 1)](
+        dq2k, union, count, dmsa.cu_seqlens, dblocks.block_doc, dblocks.block_local,
+        dq2k.stride(0), dq2k.stride(1), union.stride(0), union.stride(1), tiles,
+        TOPK=16, QT=8, BS=16, WIDTH=128, W=128, SCAN=True, TP=8)
+    union, count = union.cpu(), count.cpu()
+    assert torch.equal(union[:, :tiles], want) and torch.equal(count[:tiles], want_count[0])
+    assert (union[:, tiles:] == -7).all() and (count[tiles:] == -7).all()
+
+
+@pytest.mark.parametrize(("key", "value", "build", "match"), [
+    ("union_build", "bitonic", "bitonic", "expected 'torch', 'triton' or 'triton_scan'"),
+    ("union_build_tiles", 3, "triton_scan", "union_build_tiles'\\]=3: expected a power of two"),
+    ("union_build_tiles", 4, "triton", "union_build_tiles'\\]=4 needs union_build='triton_scan'"),
+    ("union_build_warps", 16, "triton_scan", "union_build_warps'\\]=16: expected 1, 2, 4 or 8"),
+])
+def test_union_build_rejects_bad_settings(monkeypatch, key, value, build, match):
+    """A bad union-build setting is named with its value before anything launches."""
+    import nemo_msa.attention.triton_fwd as tf
+    from nemo_msa.attention.triton_layout import doc_blocks
+
+    msa = make_layout([[20]], 20, 16)
+    q2k = random_q2k(msa, 1, 2, 16, torch.Generator().manual_seed(0))
+    monkeypatch.setitem(tf.CONFIG, "union_build", build)
+    monkeypatch.setitem(tf.CONFIG, key, value)
+    with pytest.raises(ValueError, match=match):
+        tf.tile_unions(q2k, doc_blocks(msa, 16), msa, 4)
+
+
 def test_kv_descriptors_only_for_unit_head_stride_and_aligned_rows():
     """TMA needs k/v viewable as [T, Hkv * d] with 16-byte aligned rows; anything else falls
     back to pointer loads (None) rather than reading the wrong rows."""
@@ -316,13 +361,19 @@ def test_tile_unions_are_the_same_in_chunks_and_by_kernel(monkeypatch):
     q2k16 = random_q2k(big, 1, 16, 16, gen)
     want = tf.tile_unions(q2k16, doc_blocks(big, 16), big, 8)
     dbig = layout_on_kernel_device(big)
-    for build in ("triton", "triton_scan"):
+    # Several tiles per program, with a tile count that is not a multiple of them (the last
+    # program's surplus tiles must write nothing).
+    assert want[0].shape[1] % 8 != 0
+    for build, tp, warps in (("triton", 1, 4), ("triton_scan", 1, 4), ("triton_scan", 8, 2)):
         monkeypatch.setitem(tf.CONFIG, "union_build", build)
+        monkeypatch.setitem(tf.CONFIG, "union_build_tiles", tp)
+        monkeypatch.setitem(tf.CONFIG, "union_build_warps", warps)
         by_kernel = tf.tile_unions(on_kernel_device(q2k), doc_blocks(dmsa, 16), dmsa, 4)
-        assert torch.equal(by_kernel[0].cpu(), whole), build
-        assert torch.equal(by_kernel[1].cpu(), whole_count), build
+        assert torch.equal(by_kernel[0].cpu(), whole), (build, tp)
+        assert torch.equal(by_kernel[1].cpu(), whole_count), (build, tp)
         got = tf.tile_unions(on_kernel_device(q2k16), doc_blocks(dbig, 16), dbig, 8)
-        assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), build
+        assert torch.equal(got[0].cpu(), want[0]), (build, tp)
+        assert torch.equal(got[1].cpu(), want[1]), (build, tp)
     monkeypatch.setitem(tf.CONFIG, "union_build", "torch")
     assert int(want[1].max()) > 16  # the tiles' tokens disagree: real unions
     tok_tile = tf.hybrid_plan(q2k, blocks, msa, 4, 30, 16, q2k).tok_tile
