@@ -39,6 +39,9 @@ class MSABackend:
             (dq, dk, dv)``.
         unavailable_reason: ``(device) -> str | None``; None when it runs on the device.
         description: one line for the README table and error messages.
+        forward_residuals: when True, ``attention_forward`` returns ``(out, lse, residuals)``
+            and ``attention_backward`` takes them as the keyword ``residuals``: state of the
+            forward the backward reuses (the Triton backend's union lists).
     """
 
     name: str
@@ -47,6 +50,7 @@ class MSABackend:
     attention_backward: Callable
     unavailable_reason: Callable[[torch.device], str | None]
     description: str
+    forward_residuals: bool = False
 
 
 _REGISTRY: dict[str, MSABackend] = {}

@@ -35,11 +35,13 @@ def _select(index_q, index_k, msa, *, top_k, init_blocks, local_blocks, score="m
 
 
 def _forward(q, k, v, q2k, msa, softmax_scale):
-    return triton_attention_forward(q, k, v, q2k, msa, softmax_scale)
+    # The union lists are the residual: dq reuses them instead of building its own.
+    return triton_attention_forward(q, k, v, q2k, msa, softmax_scale, return_unions=True)
 
 
-def _backward(dout, q, k, v, out, lse, q2k, msa, softmax_scale):
-    return triton_attention_backward(dout, q, k, v, out, lse, q2k, msa, softmax_scale)
+def _backward(dout, q, k, v, out, lse, q2k, msa, softmax_scale, *, residuals=None):
+    return triton_attention_backward(dout, q, k, v, out, lse, q2k, msa, softmax_scale,
+                                     unions=residuals)
 
 
 register_backend(
@@ -49,6 +51,7 @@ register_backend(
         attention_forward=_forward,
         attention_backward=_backward,
         unavailable_reason=_unavailable_reason,
+        forward_residuals=True,
         description="Triton kernels for SM90: fused select+top-k, hybrid union/per-token "
         "forward, deterministic backward (union/per-token dq, KV-outer dk/dv)",
     )

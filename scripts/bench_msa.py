@@ -270,9 +270,11 @@ def run_case(case, args, gen, results):
     rows[-1] = t - 1  # always include the last token (most candidates)
     ref_sel = oracle_select_rows(x["iq"], x["ik"], msa, rows)
     r["sel_match_subset"] = (q2k[:, rows] == ref_sel).all(-1).float().mean().item()
-    out, lse = triton_attention_forward(x["q"], x["k"], x["v"], q2k, msa, scale)
+    # The backward takes the forward's union lists, as through autograd (backends_triton).
+    out, lse, unions = triton_attention_forward(x["q"], x["k"], x["v"], q2k, msa, scale,
+                                                return_unions=True)
     dq, dk, dv = triton_attention_backward(x["do"], x["q"], x["k"], x["v"], out, lse, q2k, msa,
-                                           scale)
+                                           scale, unions=unions)
     o_ref, l_ref, dq_ref = oracle_attention_rows(x["q"], x["k"], x["v"], x["do"], q2k, msa,
                                                  rows, scale)
     r["out_err_subset"] = rel(out[rows], o_ref)
@@ -299,10 +301,10 @@ def run_case(case, args, gen, results):
     # Determinism of the backward (bitwise) in deterministic mode (the atomic-free path).
     with deterministic_mode():
         runs = [triton_attention_backward(x["do"], x["q"], x["k"], x["v"], out, lse, q2k, msa,
-                                          scale) for _ in range(2)]
+                                          scale, unions=unions) for _ in range(2)]
     r["bwd_bitwise_repeat"] = all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
     r["dq_err_det_vs_default"] = rel(runs[0][0], dq)
-    del out, lse, dq, dk, dv, runs, x
+    del out, lse, unions, dq, dk, dv, runs, x
     _log(json.dumps(r))
 
     # --- timing
@@ -314,11 +316,12 @@ def run_case(case, args, gen, results):
         return triton_attention_forward(s["q"], s["k"], s["v"], s["q2k"], msa, scale)
 
     for s in sets:
-        s["out"], s["lse"] = fwd_fn(s)
+        s["out"], s["lse"], s["unions"] = triton_attention_forward(
+            s["q"], s["k"], s["v"], s["q2k"], msa, scale, return_unions=True)
 
     def bwd_fn(s):
         return triton_attention_backward(s["do"], s["q"], s["k"], s["v"], s["out"], s["lse"],
-                                         s["q2k"], msa, scale)
+                                         s["q2k"], msa, scale, unions=s["unions"])
 
     def msa_fwd(s):
         sel = sel_fn(s)
@@ -326,9 +329,10 @@ def run_case(case, args, gen, results):
 
     def msa_fwdbwd(s):
         sel = sel_fn(s)
-        o, lse_ = triton_attention_forward(s["q"], s["k"], s["v"], sel, msa, scale)
+        o, lse_, unions_ = triton_attention_forward(s["q"], s["k"], s["v"], sel, msa, scale,
+                                                    return_unions=True)
         return triton_attention_backward(s["do"], s["q"], s["k"], s["v"], o, lse_, sel, msa,
-                                         scale)
+                                         scale, unions=unions_)
 
     if args.union_builds:
         r["union_build_ms"] = time_union_builds(args.union_builds, sets, msa)
@@ -704,6 +708,7 @@ def main(argv=None):
         + ("coherent (shared per 128-token block + 5% noise)" if COHERENT else "random")
         + f"; forward union_qt={tf.CONFIG['union_qt']}, union_max={tf.CONFIG['union_max']}"
         + f"; dq union_qt={tb.CONFIG['dq_union_qt']}, union_max={tb.CONFIG['dq_union_max']}"
+        + " (the backward takes the forward's union lists, as through autograd)"
         + (f"; overrides {args.set}" if args.set else "") + ".",
         "s = checked on a random subset of query rows (incl. the last) against float64; "
         "f = all rows against the package reference (selection in fp32, attention in float64).",

@@ -65,7 +65,10 @@ def validate_attention_inputs(
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q2k, msa, softmax_scale, backend: MSABackend):
-        out, lse = backend.attention_forward(q, k, v, q2k, msa, softmax_scale)
+        if backend.forward_residuals:
+            out, lse, ctx.residuals = backend.attention_forward(q, k, v, q2k, msa, softmax_scale)
+        else:
+            out, lse = backend.attention_forward(q, k, v, q2k, msa, softmax_scale)
         ctx.save_for_backward(q, k, v, q2k, out, lse)
         ctx.msa = msa
         ctx.softmax_scale = softmax_scale
@@ -76,8 +79,9 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, q2k, out, lse = ctx.saved_tensors
+        extra = {"residuals": ctx.residuals} if ctx.backend.forward_residuals else {}
         dq, dk, dv = ctx.backend.attention_backward(
-            dout.contiguous(), q, k, v, out, lse, q2k, ctx.msa, ctx.softmax_scale
+            dout.contiguous(), q, k, v, out, lse, q2k, ctx.msa, ctx.softmax_scale, **extra
         )
         return dq, dk, dv, None, None, None, None
 

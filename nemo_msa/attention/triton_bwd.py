@@ -30,7 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_fwd import check_attention_inputs, hybrid_plan
+from nemo_msa.attention.triton_fwd import (
+    TileUnions,
+    check_attention_inputs,
+    hybrid_plan,
+    q2k_identity,
+    tiles_per_program,
+)
 from nemo_msa.attention.triton_layout import (
     INTERPRET,
     block_query_csr,
@@ -74,6 +80,7 @@ CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
           "dq_union_qt": 8, "dq_union_max": 30, "dq_union_warps": 8, "dq_union_bn": 64,
           "dq_union_stages": 2, "dq_union_split": True, "dq_union_tma": True,
           "dq_tile_grid": True,  # as the forward's tile_grid (1.2 ms faster, ADR 0003 v8)
+          "dq_tile_grid_tiles": 1,  # as the forward's tile_grid_tiles (not yet timed)
           "dq_union_bits": False,  # as the forward's union_bits (no faster, ADR 0003 v8)
           # As the forward's union_flat and union_own_tma: 3 ms slower at one program per SM
           # (ADR 0003 v10). dq_union_maxnreg caps the registers (None: Triton's), but two dq
@@ -99,21 +106,24 @@ def _dq_kernel(
     num_tiles, max_count,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr,
-    HYBRID: tl.constexpr, QT: tl.constexpr, TILE_GRID: tl.constexpr,
+    HYBRID: tl.constexpr, QT: tl.constexpr, TILE_GRID: tl.constexpr, TPP: tl.constexpr,
 ):
     """Per-token dq: the grids of the per-token forward (one program per token, or with
-    HYBRID and TILE_GRID one per union tile doing the tokens the union kernel left)."""
+    HYBRID and TILE_GRID one per ``TPP`` union tiles doing the tokens the union kernel
+    left)."""
     g = tl.program_id(1)
     if HYBRID and TILE_GRID:
-        n, start, p0 = tile_tokens_left(tl.program_id(0), g, count_ptr, num_tiles, max_count,
-                                        block_doc_ptr, block_local_ptr, cu_ptr, QT, BS)
-        for i in range(n):
-            _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
-                      start + p0 + i, g, start, p0 + i,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                      stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
-                      stride_sg, stride_st, stride_lh, scale, scale_log2,
-                      TOPK, G, GP, BS, BN, D, FP32_DOT, TRANS)
+        for j in range(TPP):
+            n, start, p0 = tile_tokens_left(tl.program_id(0) * TPP + j, g, count_ptr,
+                                            num_tiles, max_count, block_doc_ptr,
+                                            block_local_ptr, cu_ptr, QT, BS)
+            for i in range(n):
+                _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr,
+                          q2k_ptr, start + p0 + i, g, start, p0 + i,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt,
+                          stride_dqh, stride_sg, stride_st, stride_lh, scale, scale_log2,
+                          TOPK, G, GP, BS, BN, D, FP32_DOT, TRANS)
     else:
         t = tl.program_id(0)
         left = True
@@ -379,13 +389,14 @@ def _dkdv_kernel(
 
 
 def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
-               t, hkv, top_k, grp, gp, bs, bn, d):
-    """dq and delta: the union kernel for tiles with a small union, per token for the rest."""
+               t, hkv, top_k, grp, gp, bs, bn, d, unions):
+    """dq and delta: the union kernel for tiles with a small union, per token for the rest
+    (with the forward's union lists when ``unions`` holds them for dq's tile size)."""
     common = (q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0),
               v_.stride(1), do_.stride(0), do_.stride(1), o_.stride(0), o_.stride(1),
               dq.stride(0), dq.stride(1), q2k_.stride(0), q2k_.stride(1), lse_.stride(0))
     plan = hybrid_plan(q2k_, blocks, msa, CONFIG["dq_union_qt"], CONFIG["dq_union_max"], gp,
-                       delta, bits=bool(CONFIG["dq_union_bits"]))
+                       delta, bits=bool(CONFIG["dq_union_bits"]), unions=unions)
     if plan.enabled:
         ubn = min(bs, CONFIG["dq_union_bn"]) if d == 128 else bs
         split = bool(CONFIG["dq_union_split"])
@@ -405,13 +416,14 @@ def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
             **register_cap(CONFIG["dq_union_maxnreg"], INTERPRET),
         )
     tile_grid = plan.enabled and bool(CONFIG["dq_tile_grid"])
-    _dq_kernel[(plan.num_tiles if tile_grid else t, hkv)](
+    tpp = tiles_per_program(CONFIG, "dq_tile_grid_tiles") if tile_grid else 1
+    _dq_kernel[(triton.cdiv(plan.num_tiles, tpp) if tile_grid else t, hkv)](
         q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks.token_start, blocks.token_pos,
         *common, scale, scale * LOG2E, plan.count, plan.tok_tile, blocks.block_doc,
         blocks.block_local, msa.cu_seqlens, plan.num_tiles, plan.max_count, TOPK=top_k, G=grp,
         GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
         TRANS=bool(CONFIG["dq_trans"]) and bn >= 64, HYBRID=plan.enabled, QT=max(plan.qt, 1),
-        TILE_GRID=tile_grid,
+        TILE_GRID=tile_grid, TPP=tpp,
         num_warps=CONFIG["dq_warps"], num_stages=CONFIG["dq_stages"],
     )
 
@@ -419,7 +431,7 @@ def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
 def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                               q2k: torch.Tensor, msa, softmax_scale: float | None = None, *,
-                              block_size: int | None = None):
+                              block_size: int | None = None, unions: TileUnions | None = None):
     """Gradients of the sparse MSA attention; deterministic (no atomics).
 
     Args:
@@ -433,6 +445,8 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         msa: the microbatch layout (see :func:`triton_attention_forward`).
         softmax_scale: the forward's scale; ``1 / sqrt(d)`` when None.
         block_size: key block size; defaults to ``msa.block_size``.
+        unions: the forward's union lists of this q2k (``return_unions=True``); dq uses them
+            instead of building its own when its tile size is theirs. None: dq builds them.
 
     Returns:
         ``(dq, dk, dv)`` with q's, k's and v's shapes and dtypes.
@@ -449,6 +463,10 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         raise ValueError(f"lse must be fp32 [Hq={hq}, T={t}], got {lse.dtype} "
                          f"{tuple(lse.shape)}")
     check_kernel_devices(msa, dout=dout, out=out, lse=lse)
+    if unions is not None and unions.source != q2k_identity(q2k):
+        raise ValueError(f"unions were built from another q2k (data_ptr, version, shape) = "
+                         f"{unions.source}, got {q2k_identity(q2k)}: pass the forward's "
+                         f"unions with the q2k it was given, unchanged")
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -472,7 +490,7 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         dq32 = delta  # placeholder, never read (DQ_ATOMIC=False)
         if CONFIG["skip"] != "dq":
             _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
-                       t, hkv, top_k, grp, gp, bs, bn, d)
+                       t, hkv, top_k, grp, gp, bs, bn, d, unions)
     csr = block_query_csr(q2k_, blocks, msa)
     qt = max(1, CONFIG["kv_rows"] // gp)
     bn_kv = min(bs, CONFIG["kv_bn"])

@@ -71,6 +71,10 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           # (its tokens one by one) instead of one per token (8x fewer programs that exit at
           # once; 0.6 ms faster at 131072 tokens, ADR 0003 v8).
           "tile_grid": True,
+          # tile_grid_tiles: union tiles per program of that grid. With coherent selections
+          # nearly every program only reads its tiles' counts and exits; fewer programs do
+          # that sooner. Not yet timed.
+          "tile_grid_tiles": 1,
           # union_build: the union lists of the hybrid split (forward and dq) built by torch
           # sorts in chunks ("torch") or by one Triton kernel ("triton": 1.4 ms faster and
           # 79 MiB less at 131072 tokens, ADR 0003 v8). It takes 1.0 ms at 131072 tokens, and
@@ -113,20 +117,23 @@ def _fwd_kernel(
     max_count,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr,
-    HYBRID: tl.constexpr, QT: tl.constexpr, TILE_GRID: tl.constexpr,
+    HYBRID: tl.constexpr, QT: tl.constexpr, TILE_GRID: tl.constexpr, TPP: tl.constexpr,
 ):
     """Per-token forward: one program per (token, KV head); with HYBRID it skips the tokens
-    of the union kernel's tiles, and with TILE_GRID too there is one program per (union tile,
-    KV head) doing the tile's tokens one by one when the union kernel left them."""
+    of the union kernel's tiles, and with TILE_GRID too there is one program per (``TPP``
+    union tiles, KV head) doing the tiles' tokens one by one where the union kernel left
+    them."""
     g = tl.program_id(1)
     if HYBRID and TILE_GRID:
-        n, start, p0 = tile_tokens_left(tl.program_id(0), g, count_ptr, num_tiles, max_count,
-                                        block_doc_ptr, block_local_ptr, cu_ptr, QT, BS)
-        for i in range(n):
-            _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, start + p0 + i, g, start,
-                       p0 + i, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                       stride_vh, stride_ot, stride_oh, stride_sg, stride_st, stride_lh,
-                       scale_log2, TOPK, G, GP, BS, BN, D, FP32_DOT, TRANS)
+        for j in range(TPP):
+            n, start, p0 = tile_tokens_left(tl.program_id(0) * TPP + j, g, count_ptr,
+                                            num_tiles, max_count, block_doc_ptr,
+                                            block_local_ptr, cu_ptr, QT, BS)
+            for i in range(n):
+                _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, start + p0 + i, g,
+                           start, p0 + i, stride_qt, stride_qh, stride_kt, stride_kh,
+                           stride_vt, stride_vh, stride_ot, stride_oh, stride_sg, stride_st,
+                           stride_lh, scale_log2, TOPK, G, GP, BS, BN, D, FP32_DOT, TRANS)
     else:
         t = tl.program_id(0)
         left = True
@@ -420,6 +427,14 @@ def union_membership_bits(q2k: torch.Tensor, plan, blocks, msa) -> torch.Tensor:
 UNION_CHUNK_TILES = 8192
 
 
+def tiles_per_program(config: dict, key: str) -> int:
+    """``config[key]``: union tiles per program of a per-token tile grid, validated."""
+    tpp = config[key]
+    if not isinstance(tpp, int) or not 1 <= tpp <= 64:
+        raise ValueError(f"CONFIG[{key!r}]={tpp!r}: expected an int in 1..64")
+    return tpp
+
+
 def union_build_launch(config: dict) -> tuple[int, int]:
     """``(tiles per program, warps)`` of the Triton union build from ``config`` (the keys
     ``union_build``, ``union_build_tiles`` and ``union_build_warps`` of :data:`CONFIG`),
@@ -540,6 +555,30 @@ class HybridPlan:
         return self.qt > 0
 
 
+@dataclass(frozen=True)
+class TileUnions:
+    """The union lists of one selection, kept by the forward for dq (same tiles, same lists):
+    the backward then skips its own build (1.0 ms at 131072 tokens, ADR 0003 v11).
+
+    Attributes:
+        qt: tokens per union tile.
+        union: int32 [Hkv, tiles, qt * top_k] sorted distinct blocks per tile (0 past count).
+        count: int32 [Hkv, tiles] union sizes.
+        source: ``(data_ptr, version, shape)`` of the q2k they were built from; the backward
+            refuses them for another q2k, or one changed in place since.
+    """
+
+    qt: int
+    union: torch.Tensor
+    count: torch.Tensor
+    source: tuple
+
+
+def q2k_identity(q2k: torch.Tensor) -> tuple:
+    """What ties :class:`TileUnions` to its q2k: storage address, in-place version, shape."""
+    return q2k.data_ptr(), q2k._version, tuple(q2k.shape)
+
+
 def union_tile_tokens(union_qt: int, block_size: int, gp: int) -> int:
     """Tokens per union tile for a requested ``union_qt`` (> 0): at most a block, and at most
     ``MAX_UNION_ROWS`` rows of ``gp`` padded heads."""
@@ -547,16 +586,21 @@ def union_tile_tokens(union_qt: int, block_size: int, gp: int) -> int:
 
 
 def hybrid_plan(q2k: torch.Tensor, blocks, msa, union_qt: int, union_max: int, gp: int,
-                placeholder: torch.Tensor, bits: bool = False) -> HybridPlan:
+                placeholder: torch.Tensor, bits: bool = False,
+                unions: TileUnions | None = None) -> HybridPlan:
     """Builds the split for ``union_qt``-token tiles (capped so a tile has at most
     ``MAX_UNION_ROWS`` rows of ``gp`` padded heads), or a disabled plan whose tensors are
     ``placeholder`` when it is 0. With ``bits`` (and ``union_max <= 63``) it also builds the
-    rows' membership bits."""
+    rows' membership bits. ``unions`` built for the same tile size (the forward's, checked
+    against q2k by the caller) are used instead of building the lists again."""
     if union_qt <= 0:
         return HybridPlan(0, None, placeholder, placeholder, 0, 0, placeholder)
     bs = blocks.block_size
     qt = union_tile_tokens(union_qt, bs, gp)
-    union, count = tile_unions(q2k, blocks, msa, qt)
+    if unions is not None and unions.qt == qt:
+        union, count = unions.union, unions.count
+    else:
+        union, count = tile_unions(q2k, blocks, msa, qt)
     tok_tile = ((blocks.doc_first_block[msa.token_documents.long()] + blocks.token_pos // bs)
                 * (bs // qt) + (blocks.token_pos % bs) // qt).to(torch.int32)
     plan = HybridPlan(qt, union, count, tok_tile, union.shape[1], int(union_max), placeholder)
@@ -607,7 +651,7 @@ def check_attention_inputs(q, k, v, q2k, msa, block_size):
 
 def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              q2k: torch.Tensor, msa, softmax_scale: float | None = None, *,
-                             block_size: int | None = None):
+                             block_size: int | None = None, return_unions: bool = False):
     """Sparse MSA attention forward over the selected key blocks.
 
     Args:
@@ -619,10 +663,13 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``document_positions``, host ints ``num_tokens``, ``num_documents``, ``block_size``.
         softmax_scale: score scale; ``1 / sqrt(d)`` when None.
         block_size: key block size; defaults to ``msa.block_size``.
+        return_unions: also return the tiles' union lists (:class:`TileUnions`, or None when
+            the union kernel is off), for :func:`triton_attention_backward`'s ``unions``.
 
     Returns:
         ``(out, lse)``: out [T, Hq, d] in q's dtype; lse fp32 [Hq, T], the natural log-sum-exp
         of the scaled scores (-inf and out = 0 for a query with no visible key).
+        ``(out, lse, unions)`` with ``return_unions``.
 
     Raises:
         ValueError: on a bad argument (the message names it, its value and the expectation).
@@ -633,7 +680,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     lse = torch.empty((hq, t), dtype=torch.float32, device=q.device)
     if t == 0:
-        return out, lse
+        return (out, lse, None) if return_unions else (out, lse)
     blocks = doc_blocks(msa, bs)
     q_, k_, v_ = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     q2k_ = q2k.contiguous()
@@ -662,7 +709,8 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             **register_cap(union_register_cap(CONFIG["union_maxnreg"], own_tma), INTERPRET),
         )
     tile_grid = plan.enabled and bool(CONFIG["tile_grid"])
-    _fwd_kernel[(plan.num_tiles if tile_grid else t, hkv)](
+    tpp = tiles_per_program(CONFIG, "tile_grid_tiles") if tile_grid else 1
+    _fwd_kernel[(triton.cdiv(plan.num_tiles, tpp) if tile_grid else t, hkv)](
         q_, k_, v_, q2k_, out, lse, blocks.token_start, blocks.token_pos,
         q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
         out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
@@ -670,7 +718,11 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         msa.cu_seqlens, plan.num_tiles, plan.max_count,
         TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
         TRANS=bool(CONFIG["trans"]) and bn >= 64, HYBRID=plan.enabled, QT=max(plan.qt, 1),
-        TILE_GRID=tile_grid,
+        TILE_GRID=tile_grid, TPP=tpp,
         num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )
-    return out, lse
+    if not return_unions:
+        return out, lse
+    unions = (TileUnions(plan.qt, plan.union, plan.count, q2k_identity(q2k)) if plan.enabled
+              else None)
+    return out, lse, unions

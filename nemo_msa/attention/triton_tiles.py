@@ -385,14 +385,17 @@ def tile_tokens_left(tile, g, count_ptr, num_tiles, max_count, block_doc_ptr, bl
     """The same split seen from a per-token program of the hybrid grid (one program per union
     tile): ``(n, start, p0)``, the tile's tokens left to it (document positions ``p0 .. p0 +
     n - 1`` of the document starting at compact row ``start``). ``n`` is 0 when the union
-    kernel ran the tile (union of at most ``max_count`` blocks) or the tile lies past the last
-    document block; one program per tile rather than per token keeps the launch small when the
-    union kernel takes nearly every tile."""
+    kernel ran the tile (union of at most ``max_count`` blocks), or the tile lies past the last
+    document block or at ``num_tiles`` or beyond (a grid of several tiles per program); one
+    program per tile or more, rather than per token, keeps the launch small when the union kernel
+    takes nearly every tile."""
+    live = tile < num_tiles
+    tile = tl.minimum(tile, num_tiles - 1)
     doc, start, length, p0 = union_tile_span(tile, block_doc_ptr, block_local_ptr, cu_ptr, QT,
                                              BS)
     count = tl.load(count_ptr + g * num_tiles + tile)
     n = tl.minimum(length - p0, QT)
-    return tl.where((doc < 0) | (count <= max_count), 0, n), start, p0
+    return tl.where((doc < 0) | (count <= max_count) | (~live), 0, n), start, p0
 
 
 @triton.jit

@@ -126,3 +126,21 @@ def test_reference_on_cuda_matches_float64_and_is_deterministic():
     for got, exp in zip(runs[0], (ref, *want), strict=True):
         err = ((got.double() - exp).norm() / exp.norm()).item()
         assert err < 1e-2 and not math.isnan(err), err
+
+
+def test_triton_autograd_reuses_the_forward_unions_bitwise():
+    """Through autograd the Triton backward takes the forward's union lists; its gradients are
+    bitwise those of a backward that builds the lists itself."""
+    from nemo_msa.attention.triton_bwd import triton_attention_backward
+    from nemo_msa.attention.triton_fwd import triton_attention_forward
+
+    msa, iq, ik, q, k, v, dout = _production_inputs(4, max_doc=4096)
+    q2k = select_blocks(iq, ik, msa, top_k=16, backend="triton")
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = sparse_attention(*xs, q2k, msa, backend="triton")
+    grads = torch.autograd.grad(out, xs, dout)
+    scale = 1 / math.sqrt(128)
+    out2, lse, unions = triton_attention_forward(q, k, v, q2k, msa, scale, return_unions=True)
+    assert unions is not None and torch.equal(out, out2)
+    built = triton_attention_backward(dout, q, k, v, out2, lse, q2k, msa, scale)
+    assert all(torch.equal(a, b) for a, b in zip(grads, built, strict=True))

@@ -132,3 +132,44 @@ def test_a_registered_backend_is_dispatched_to(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "reference")
     select_blocks(torch.randn(40, 1, 8), torch.randn(40, 8), msa, top_k=2, backend="counting")
     assert calls == ["select"], "the environment variable must override the requested backend"
+
+
+def test_forward_residuals_reach_the_backward(monkeypatch):
+    """A backend with ``forward_residuals`` returns (out, lse, residuals) from its forward;
+    autograd hands exactly those residuals to its backward, and the gradients are the
+    wrapped reference's."""
+    from nemo_msa import sparse_attention
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
+    reference = get_backend("reference")
+    handed = []
+
+    def forward(q, k, v, q2k, msa, scale):
+        out, lse = reference.attention_forward(q, k, v, q2k, msa, scale)
+        return out, lse, ("residual", q2k.data_ptr())
+
+    def backward(*args, residuals):
+        handed.append(residuals)
+        return reference.attention_backward(*args)
+
+    register_backend(MSABackend(
+        name="residual", select_blocks=reference.select_blocks, attention_forward=forward,
+        attention_backward=backward, unavailable_reason=lambda device: None,
+        description="test double", forward_residuals=True,
+    ))
+    g = torch.Generator().manual_seed(3)
+    msa = MSAMicrobatch.build(batch_size=1, seq_len=40, block_size=16)
+    q = torch.randn(40, 2, 16, generator=g).bfloat16()
+    k, v = (torch.randn(40, 1, 16, generator=g).bfloat16() for _ in range(2))
+    q2k = select_blocks(torch.randn(40, 1, 8, generator=g), torch.randn(40, 8, generator=g),
+                        msa, top_k=2, backend="reference")
+    dout = torch.randn(40, 2, 16, generator=g).bfloat16()
+    grads = {}
+    for name in ("residual", "reference"):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = sparse_attention(*xs, q2k, msa, backend=name)
+        grads[name] = (out, *torch.autograd.grad(out, xs, dout))
+    assert handed == [("residual", q2k.data_ptr())]
+    assert all(torch.equal(a, b) for a, b in zip(grads["residual"], grads["reference"],
+                                                 strict=True))

@@ -167,6 +167,43 @@ def test_union_forward_and_dq_match_reference(monkeypatch, qt, max_count):
     _run_case(rows, seq_len, 16, hq, hkv, 16, 2, seed=13 + qt, drop_own=True, repeat=True)
 
 
+def test_dq_reuses_the_forward_union_lists(monkeypatch):
+    """With the forward's unions the backward builds no union lists and gives bitwise the
+    gradients it gives when it builds its own; unions of another (or changed) q2k are refused,
+    and unions for another tile size are not used."""
+    import nemo_msa.attention.triton_bwd as tb
+    import nemo_msa.attention.triton_fwd as tf
+
+    monkeypatch.setitem(tb.CONFIG, "dq_union_max", 3)  # a hybrid: union and per-token tiles
+    gen = torch.Generator().manual_seed(31)
+    msa = make_layout([[45, 30]], 80, 16)
+    t = msa.num_tokens
+    q, dout = (torch.randn((t, 16, 16), generator=gen).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn((t, 1, 16), generator=gen).to(torch.bfloat16) for _ in range(2))
+    q2k = random_q2k(msa, 1, 2, 16, gen, drop_own=True)
+    dmsa = layout_on_kernel_device(msa)
+    q, k, v, q2k, dout = on_kernel_device(q, k, v, q2k, dout)
+    out, lse, unions = triton_attention_forward(q, k, v, q2k, dmsa, 0.25, return_unions=True)
+    assert unions is not None and unions.qt == 8
+    builds = []
+    build = tf.tile_unions
+    monkeypatch.setattr(tf, "tile_unions", lambda *a: builds.append(1) or build(*a))
+    args = (dout, q, k, v, out, lse, q2k, dmsa, 0.25)
+    reused = triton_attention_backward(*args, unions=unions)
+    assert builds == []
+    built = triton_attention_backward(*args)
+    assert builds == [1]
+    assert all(torch.equal(a, b) for a, b in zip(reused, built, strict=True))
+    monkeypatch.setitem(tb.CONFIG, "dq_union_qt", 4)  # another tile size: dq builds its own
+    triton_attention_backward(*args, unions=unions)
+    assert builds == [1, 1]
+    with pytest.raises(ValueError, match="unions were built from another q2k"):
+        triton_attention_backward(*args[:6], q2k.clone(), *args[7:], unions=unions)
+    q2k[0, 0, 0] = q2k[0, 0, 0]  # an in-place write bumps the version
+    with pytest.raises(ValueError, match="unions were built from another q2k"):
+        triton_attention_backward(*args, unions=unions)
+
+
 @pytest.mark.parametrize("split,tma", [(True, False), (False, False)])
 def test_union_loop_variants_match_reference(monkeypatch, split, tma):
     """The union kernels' other loop variants (the default, whole blocks first by TMA, runs in
@@ -250,14 +287,20 @@ def test_union_flat_loop_and_own_block_by_tma_match_reference(monkeypatch, flat,
 
 
 @pytest.mark.parametrize("max_count", [1000, 2])
-@pytest.mark.parametrize("tile_grid,build", [(True, "triton"), (False, "torch")])
-def test_per_token_grids_and_union_bits_match_reference(monkeypatch, max_count, tile_grid, build):
+@pytest.mark.parametrize("tile_grid,tiles,build", [(True, 1, "triton"), (True, 3, "triton_scan"),
+                                                   (False, 1, "torch")])
+def test_per_token_grids_and_union_bits_match_reference(monkeypatch, max_count, tile_grid,
+                                                        tiles, build):
     """The hybrid's variants together against float64, with the rows' membership bits: the
     per-token kernels' tile grid (one program per union tile doing the tokens the union kernel
-    left) with the Triton union build, and the token grid with the torch build; every tile to
-    the union kernel, and a mix (max_count 2)."""
+    left, or per 3 tiles, a count that leaves the last program short) with the Triton union
+    builds, and the token grid with the torch build; every tile to the union kernel, and a mix
+    (max_count 2)."""
     import nemo_msa.attention.triton_bwd as tb
     import nemo_msa.attention.triton_fwd as tf
+
+    monkeypatch.setitem(tf.CONFIG, "tile_grid_tiles", tiles)
+    monkeypatch.setitem(tb.CONFIG, "dq_tile_grid_tiles", tiles)
 
     for mod, prefix in ((tf, "union_"), (tb, "dq_union_")):
         monkeypatch.setitem(mod.CONFIG, prefix + "qt", 4)
@@ -313,6 +356,15 @@ def test_union_build_rejects_bad_settings(monkeypatch, key, value, build, match)
     monkeypatch.setitem(tf.CONFIG, key, value)
     with pytest.raises(ValueError, match=match):
         tf.tile_unions(q2k, doc_blocks(msa, 16), msa, 4)
+
+
+@pytest.mark.parametrize("value", [0, 65, 2.0, None])
+def test_tile_grid_tiles_rejects_bad_values(value):
+    from nemo_msa.attention.triton_fwd import tiles_per_program
+
+    assert tiles_per_program({"tile_grid_tiles": 8}, "tile_grid_tiles") == 8
+    with pytest.raises(ValueError, match=f"'dq_tile_grid_tiles'\\]={value!r}: expected an int"):
+        tiles_per_program({"dq_tile_grid_tiles": value}, "dq_tile_grid_tiles")
 
 
 def test_kv_descriptors_only_for_unit_head_stride_and_aligned_rows():
