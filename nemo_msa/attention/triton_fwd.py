@@ -72,19 +72,20 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           # once; 0.6 ms faster at 131072 tokens, ADR 0003 v8).
           "tile_grid": True,
           # tile_grid_tiles: union tiles per program of that grid. With coherent selections
-          # nearly every program only reads its tiles' counts and exits; fewer programs do
-          # that sooner. Not yet timed.
+          # nearly every program only reads its tiles' counts and exits; 8 per program cut the
+          # per-token kernel from 0.11 to 0.04 ms, but random selections (every tile left to
+          # it) slowed from 72.2 to 75.5 ms (4: 74.6), so 1 (ADR 0003 v11).
           "tile_grid_tiles": 1,
           # union_build: the union lists of the hybrid split (forward and dq) built by torch
           # sorts in chunks ("torch") or by one Triton kernel ("triton": 1.4 ms faster and
-          # 79 MiB less at 131072 tokens, ADR 0003 v8). It takes 1.0 ms at 131072 tokens, and
-          # runs in the forward and in dq (ADR 0003 v10). "triton_scan": the same kernel
-          # deduplicating by one sort and two scans (predecessor, place) instead of a
-          # quadratic comparison and a sort, over union_build_tiles tiles per program of
-          # union_build_warps warps; tested, not yet timed.
-          "union_build": "triton",
+          # 79 MiB less at 131072 tokens, ADR 0003 v8; it takes 0.99 ms there). "triton_scan":
+          # the same kernel deduplicating by one sort and two scans (predecessor, place)
+          # instead of a quadratic comparison and a sort, over union_build_tiles tiles per
+          # program of union_build_warps warps: 0.11 ms with one tile of one warp (0.11-0.19
+          # for the others measured, ADR 0003 v11). dq reuses the forward's lists.
+          "union_build": "triton_scan",
           "union_build_tiles": 1,
-          "union_build_warps": 4,
+          "union_build_warps": 1,
           # union_bits: each union row tells the blocks its token selected from 64 membership
           # bits (one shift per row and entry) instead of searching its q2k row; measured 1.7 ms
           # slower at 131072 tokens (ADR 0003 v8), so off.
