@@ -312,12 +312,12 @@ def run_case(case, args, gen, results):
     for s in sets:
         s["q2k"] = sel_fn(s)
 
-    def fwd_fn(s):
-        return triton_attention_forward(s["q"], s["k"], s["v"], s["q2k"], msa, scale)
+    def fwd_fn(s, return_unions=False):
+        return triton_attention_forward(s["q"], s["k"], s["v"], s["q2k"], msa, scale,
+                                        return_unions=return_unions)
 
     for s in sets:
-        s["out"], s["lse"], s["unions"] = triton_attention_forward(
-            s["q"], s["k"], s["v"], s["q2k"], msa, scale, return_unions=True)
+        s["out"], s["lse"], s["unions"] = fwd_fn(s, return_unions=True)
 
     def bwd_fn(s):
         return triton_attention_backward(s["do"], s["q"], s["k"], s["v"], s["out"], s["lse"],
@@ -399,13 +399,17 @@ def run_case(case, args, gen, results):
 
 def time_union_builds(specs: str, sets, msa) -> dict:
     """Times the forward's union-list build alone for each ``build:tiles:warps`` in ``specs``
-    (comma-separated; ``tiles`` and ``warps`` default to CONFIG's) on the sets' selections,
-    after checking that it gives the torch build's lists and counts; logs one line each."""
+    (comma-separated; ``tiles`` and ``warps`` default to CONFIG's) on the sets' selections, at
+    the tile size their forward used (``s["unions"]``), after checking that it gives the torch
+    build's lists and counts; logs one line each."""
     import nemo_msa.attention.triton_fwd as tf
     from nemo_msa.attention.triton_layout import doc_blocks
 
+    if sets[0]["unions"] is None:
+        _log("union build: not timed, the forward's union kernel is off (union_qt 0)")
+        return {}
     blocks = doc_blocks(msa, BS)
-    qt = tf.union_tile_tokens(tf.CONFIG["union_qt"], BS, max(16, HQ // HKV))
+    qt = sets[0]["unions"].qt
     saved = dict(tf.CONFIG)
     try:
         tf.CONFIG["union_build"] = "torch"
