@@ -29,3 +29,18 @@ def test_readme_holds_exactly_one_main_and_one_test_command():
         assert len(block) == 1 and "\n" not in block[0], f"{marker}: {block}"
     ci = (ROOT / ".ci" / "run").read_text()
     assert "test-command" in ci, ".ci/run must read the README's test command"
+
+
+def test_readme_install_and_ci_take_the_measured_versions():
+    """The README's install and .ci/run both pass constraints.txt, which pins torch, triton and
+    numpy exactly (the versions the GPU figures were measured with)."""
+    main = re.search(r"<!-- main-command -->\n```\n(.*?)\n```", README).group(1)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert '-e ".[test]" -c constraints.txt' in main, main
+    assert '-e ".[test]" -c constraints.txt' in ci
+    pins = dict(
+        line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    assert {"torch", "triton", "numpy", "megatron-core"} <= set(pins), pins
+    assert all(re.fullmatch(r"\d+(\.\d+)+", v) for v in pins.values()), pins

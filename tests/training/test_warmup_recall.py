@@ -11,8 +11,14 @@ already attends in a structured way, with a fresh indexer.
    ``eps`` does not move it; the coefficient is kept > 0 so the indexer loss and recall are still
    measured). The indexer loss rises: the main attention moves away from what the untrained
    indexer predicts.
-2. Phase 2: resume from phase 1's checkpoint with the contract's warm-up (main model frozen,
-   ``msa_indexer_loss_coeff=1``). Only the indexer learns; its loss falls and recall rises.
+2. Phase 2, twice from phase 1's checkpoint, on the same batches with the main model frozen:
+   the contract's warm-up (``msa_indexer_loss_coeff=1``: only the indexer learns), and a control
+   in which the indexer does not learn either (coefficient 1e-12, as in phase 1). The statement
+   is paired: on the same batches, the trained indexer's recall beats the untrained one's at
+   every step and by a clear margin, and its loss falls well below the control's
+   (:func:`indexer_learning_failures`). Comparing the warm-up against its own first steps
+   instead depends on how fast the first few steps learn, which moves with torch versions and
+   thread counts (issue #19: 0.862 -> 0.938 with torch 2.14, 0.75 -> 0.95 with torch 2.11).
 
 The learning rate stays the same in both phases (resuming restores the optimizer's parameter
 groups, which are keyed by learning rate) and is constant, so phase 2 does not start at the
@@ -83,6 +89,43 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+#: The last phase-2 steps compared between the trained indexer and the control.
+LAST = 10
+
+
+def indexer_learning_failures(learn: list[dict], control: list[dict]) -> list[str]:
+    """What the warm-up failed to show, comparing the phase-2 histories of the trained indexer
+    and of the control on the same batches (empty when it learned).
+
+    The margins are relative to what there is to learn: phase 1 leaves more or less structure
+    depending on the seed (measured over the last 10 steps: seed 1234 control recall 0.73,
+    trained 0.94; seed 7 control 0.80, trained 0.88), so the trained indexer must win every
+    step, close at least a quarter of the recall the control misses, and cut the control's
+    indexer loss by at least 30%.
+
+    Args:
+        learn: phase-2 rows (``recall``, ``indexer_loss``) of the warm-up that trains the
+            indexer.
+        control: the same steps with an indexer that does not learn.
+    """
+    failures = []
+    learn, control = learn[-LAST:], control[-LAST:]
+    gain = [a["recall"] - b["recall"] for a, b in zip(learn, control, strict=True)]
+    if min(gain) <= 0:
+        failures.append(f"the trained indexer's recall does not beat the control's at every "
+                        f"step: gains {[round(g, 3) for g in gain]}")
+    missed = 1.0 - _mean([h["recall"] for h in control])
+    if _mean(gain) <= max(0.05, 0.25 * missed):
+        failures.append(f"recall gain {_mean(gain):.3f} over the control is not above "
+                        f"max(0.05, a quarter of the {missed:.3f} it misses)")
+    loss = _mean([h["indexer_loss"] for h in learn])
+    control_loss = _mean([h["indexer_loss"] for h in control])
+    if loss >= 0.7 * control_loss:
+        failures.append(f"indexer loss {loss:.3f} not below 0.7 x the control's "
+                        f"{control_loss:.3f}")
+    return failures
+
+
 def test_dense_warmup_raises_recall_on_structured_attention(tmp_path: Path):
     prefix = str(tmp_path / "copy")
     _copy_corpus(prefix)
@@ -95,26 +138,30 @@ def test_dense_warmup_raises_recall_on_structured_attention(tmp_path: Path):
         f"checkpoint.save={tmp_path / 'phase1'}",
     ])
     total = PHASE1_STEPS + PHASE2_STEPS
-    summary = _train(data + [
-        f"train.train_iters={total}", f"model.msa_dense_warmup_steps={total}",
-        "train.freeze_main_during_warmup=true", "model.msa_indexer_loss_coeff=1.0",
-        f"checkpoint.load={tmp_path / 'phase1'}", f"checkpoint.save={tmp_path / 'phase2'}",
-        # A longer run than phase 1's schedule: continue with this recipe's (lr is constant).
-        "scheduler.override_opt_param_scheduler=true",
-    ])
-    assert summary["last phase"] == "dense-warmup"
-    hist = summary["history"]  # phase 1's history travels with the checkpoint
-    assert [h["iteration"] for h in hist] == list(range(1, total + 1))
+    phase2 = {}
+    for name, coeff in (("learn", "1.0"), ("control", "1e-12")):
+        summary = _train(data + [
+            f"train.train_iters={total}", f"model.msa_dense_warmup_steps={total}",
+            "train.freeze_main_during_warmup=true", f"model.msa_indexer_loss_coeff={coeff}",
+            f"checkpoint.load={tmp_path / 'phase1'}", f"checkpoint.save={tmp_path / name}",
+            # A longer run than phase 1's schedule: continue with this recipe's (lr is constant).
+            "scheduler.override_opt_param_scheduler=true",
+        ])
+        assert summary["last phase"] == "dense-warmup"
+        hist = summary["history"]  # phase 1's history travels with the checkpoint
+        assert [h["iteration"] for h in hist] == list(range(1, total + 1))
+        phase2[name] = hist[PHASE1_STEPS:]
     phase1 = hist[:PHASE1_STEPS]
-    warmup = hist[PHASE1_STEPS:]
     idx1 = [h["indexer_loss"] for h in phase1]
-    idx = [h["indexer_loss"] for h in warmup]
-    recall = [h["recall"] for h in warmup]
 
     # Phase 1: the main attention became structured, away from the untrained indexer.
     assert _mean(idx1[-5:]) > 3 * _mean(idx1[:5]), idx1
-    # Phase 2 (main model frozen): the indexer learns it; its loss falls, recall rises.
-    assert _mean(idx[-5:]) < 0.5 * _mean(idx[:3]), idx
-    assert _mean(recall[-5:]) > _mean(recall[:3]) + 0.08, recall
-    assert _mean(recall[-5:]) > _mean([h["recall"] for h in phase1[-5:]]) + 0.15, recall
-    assert _mean(recall[-5:]) > 0.9, recall
+    # Same batches in both phase-2 runs: the data position travels with the checkpoint.
+    assert [h["iteration"] for h in phase2["learn"]] == [h["iteration"] for h in
+                                                          phase2["control"]]
+    # Phase 2 (main model frozen): the indexer learns the attention; the control does not.
+    failures = indexer_learning_failures(phase2["learn"], phase2["control"])
+    assert not failures, (failures, [round(h["recall"], 3) for h in phase2["learn"]],
+                          [round(h["recall"], 3) for h in phase2["control"]])
+    # The criterion is not vacuous: the control measured against itself fails it.
+    assert indexer_learning_failures(phase2["control"], phase2["control"])
