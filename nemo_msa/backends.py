@@ -32,9 +32,12 @@ class MSABackend:
     Attributes:
         name: registry key.
         select_blocks: ``(index_q [T,H,d], index_k [T,d], msa, *, top_k, init_blocks,
-            local_blocks, score) -> int32 [H,T,top_k]``.
+            local_blocks, score, return_scores=False) -> int32 [H,T,top_k]``; with
+            ``return_scores`` also the per-slot block scores fp32 and keys int32 [H,T,top_k].
         attention_forward: ``(q [T,Hq,d], k [T,Hkv,d], v, q2k int32 [Hkv,T,top_k], msa,
-            softmax_scale) -> (out [T,Hq,d], lse fp32 [Hq,T])``.
+            softmax_scale, return_block_mass=False) -> (out [T,Hq,d], lse fp32 [Hq,T])``; with
+            ``return_block_mass`` the per-slot attention mass fp32 [Hkv,T,top_k] is appended
+            (after the residuals, if any).
         attention_backward: ``(dout, q, k, v, out, lse, q2k, msa, softmax_scale) ->
             (dq, dk, dv)``.
         unavailable_reason: ``(device) -> str | None``; None when it runs on the device.

@@ -29,14 +29,17 @@ def _unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def _select(index_q, index_k, msa, *, top_k, init_blocks, local_blocks, score="max"):
+def _select(index_q, index_k, msa, *, top_k, init_blocks, local_blocks, score="max",
+            return_scores=False):
     return triton_select_blocks(index_q, index_k, msa, top_k=top_k, init_blocks=init_blocks,
-                                local_blocks=local_blocks, score=score)
+                                local_blocks=local_blocks, score=score,
+                                return_scores=return_scores)
 
 
-def _forward(q, k, v, q2k, msa, softmax_scale):
+def _forward(q, k, v, q2k, msa, softmax_scale, return_block_mass=False):
     # The union lists are the residual: dq reuses them instead of building its own.
-    return triton_attention_forward(q, k, v, q2k, msa, softmax_scale, return_unions=True)
+    return triton_attention_forward(q, k, v, q2k, msa, softmax_scale, return_unions=True,
+                                    return_block_mass=return_block_mass)
 
 
 def _backward(dout, q, k, v, out, lse, q2k, msa, softmax_scale, *, residuals=None):

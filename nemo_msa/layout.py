@@ -397,7 +397,8 @@ class MSAMicrobatch:
         top_k: int = 16,
         score: str = "max",
         backend: str | None = None,
-    ) -> torch.Tensor:
+        return_scores: bool = False,
+    ):
         """Top-k key blocks per index head and query token (see nemo_msa.selection).
 
         Args:
@@ -406,11 +407,15 @@ class MSAMicrobatch:
             top_k: blocks per query (forced blocks count inside).
             score: ``"max"`` (the contract) or ``"lse"``.
             backend: backend name; None picks by device (nemo_msa.backends).
+            return_scores: also return the per-slot block scores and keys attaining them (see
+                :func:`nemo_msa.selection.select_blocks`).
 
         Returns:
-            int32 [H, T, top_k]: document-local block ids, ascending, -1 at the tail.
+            int32 [H, T, top_k]: document-local block ids, ascending, -1 at the tail (with
+            ``return_scores``, ``(ids, scores, keys)``).
         """
         from nemo_msa.selection import select_blocks
 
-        return select_blocks(index_q, index_k, self, top_k=top_k, score=score, backend=backend)
+        return select_blocks(index_q, index_k, self, top_k=top_k, score=score, backend=backend,
+                             return_scores=return_scores)
 

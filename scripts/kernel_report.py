@@ -13,7 +13,7 @@ dropped here. Timing still needs the GPU (scripts/bench_msa.py).
 Usage::
 
     python scripts/kernel_report.py [--kernel sel|fwd_union|dq_union|union_build|all] \
-        [--set KERNEL.KEY=VALUE ...]
+        [--set KERNEL.KEY=VALUE ...] [--emit]
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The production topology (MSA_SPEC.md): d = 128, block 128, top-k 16, 16 query heads per KV head.
 D, BS, TOPK, G = 128, 128, 16, 16
+# Set in a report's config by --emit: the selection and the union forward compiled with the
+# indexer loss's by-products (EMIT), as the training step with the sparse loss launches them.
+EMIT_KEY = "_emit"
 
 
 def _signature(fn, constexprs, pointers, floats, descs):
@@ -57,8 +60,10 @@ def _selection(cfg):
 
     bn = cfg["bn"]
     constexprs = dict(BS=BS, BM=cfg["bm"], BN=bn, D=D, KP=TOPK, FP32_DOT=False, TMA=cfg["tma"],
-                      FLAGS=cfg["nan"] == "flags", BRANCH=cfg["insert"] == "branch")
-    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "qbad_ptr": "*i8", "kbad_ptr": "*i8"}
+                      FLAGS=cfg["nan"] == "flags", BRANCH=cfg["insert"] == "branch",
+                      EMIT=bool(cfg.get(EMIT_KEY)))
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "qbad_ptr": "*i8", "kbad_ptr": "*i8",
+                "score_ptr": "*fp32"}
     sig = _signature(ts._select_kernel, constexprs, pointers, set(), {"k_desc": (bn, D)})
     return ts._select_kernel, sig, constexprs, {"num_warps": cfg["num_warps"],
                                                  "num_stages": cfg["num_stages"]}
@@ -78,6 +83,8 @@ def _union_kernel(cfg, prefix, fn, pointers, floats, cap_rule):
                       SPLIT=cfg[prefix + "split"], TMA=cfg[prefix + "tma"],
                       UW=next_pow2(qt * TOPK), BITS=bool(cfg[prefix + "bits"]),
                       FLAT=bool(cfg[prefix + "flat"]), OWN_TMA=own_tma)
+    if "EMIT" in fn.arg_names:
+        constexprs["EMIT"] = bool(cfg.get(EMIT_KEY))
     sig = _signature(fn, constexprs, pointers, floats, {"k_desc": (bn, D), "v_desc": (bn, D)})
     options = {"num_warps": cfg[prefix + "warps"], "num_stages": cfg[prefix + "stages"],
                **register_cap(cap_rule(cfg[prefix + "maxnreg"], own_tma), interpret=False)}
@@ -88,7 +95,7 @@ def _forward_union(cfg):
     import nemo_msa.attention.triton_fwd as tf
 
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
-    pointers.update(lse_ptr="*fp32", bits_ptr="*i64")
+    pointers.update(lse_ptr="*fp32", bits_ptr="*i64", mass_ptr="*fp32")
     return _union_kernel(cfg, "union_", tf._fwd_union_kernel, pointers, {"scale_log2"},
                          tf.union_register_cap)
 
@@ -180,6 +187,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", default="all", choices=["all", *KERNELS])
     ap.add_argument("--set", action="append", default=[], metavar="KERNEL.KEY=VALUE")
+    ap.add_argument("--emit", action="store_true",
+                    help="compile sel and fwd_union with the indexer-loss by-products (EMIT)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernel_report.py compiles the kernels: unset TRITON_INTERPRET")
@@ -192,7 +201,7 @@ def main(argv=None):
 
     configs = {"sel": ts.CONFIG, "fwd": tf.CONFIG, "bwd": tb.CONFIG}
     for kernel in KERNELS if args.kernel == "all" else [args.kernel]:
-        for line in report(kernel, dict(configs[KERNELS[kernel][0]])):
+        for line in report(kernel, {**configs[KERNELS[kernel][0]], EMIT_KEY: args.emit}):
             print(line, flush=True)
 
 

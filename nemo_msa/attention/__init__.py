@@ -64,26 +64,28 @@ def validate_attention_inputs(
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q2k, msa, softmax_scale, backend: MSABackend):
+    def forward(ctx, q, k, v, q2k, msa, softmax_scale, backend: MSABackend, block_mass: bool):
+        extra = {"return_block_mass": True} if block_mass else {}
+        result = backend.attention_forward(q, k, v, q2k, msa, softmax_scale, **extra)
+        out, lse = result[:2]
         if backend.forward_residuals:
-            out, lse, ctx.residuals = backend.attention_forward(q, k, v, q2k, msa, softmax_scale)
-        else:
-            out, lse = backend.attention_forward(q, k, v, q2k, msa, softmax_scale)
+            ctx.residuals = result[2]
+        mass = result[-1] if block_mass else lse.new_empty(0)
         ctx.save_for_backward(q, k, v, q2k, out, lse)
         ctx.msa = msa
         ctx.softmax_scale = softmax_scale
         ctx.backend = backend
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        ctx.mark_non_differentiable(lse, mass)
+        return out, lse, mass
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, _dlse, _dmass):
         q, k, v, q2k, out, lse = ctx.saved_tensors
         extra = {"residuals": ctx.residuals} if ctx.backend.forward_residuals else {}
         dq, dk, dv = ctx.backend.attention_backward(
             dout.contiguous(), q, k, v, out, lse, q2k, ctx.msa, ctx.softmax_scale, **extra
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def sparse_attention(
@@ -96,6 +98,7 @@ def sparse_attention(
     softmax_scale: float | None = None,
     backend: str | None = None,
     return_lse: bool = False,
+    return_block_mass: bool = False,
 ):
     """Block-sparse causal attention within documents (differentiable in q, k, v).
 
@@ -109,9 +112,13 @@ def sparse_attention(
         softmax_scale: defaults to 1 / sqrt(d).
         backend: backend name or "auto"/None (see nemo_msa.backends).
         return_lse: also return the fp32 [Hq, T] log-sum-exp.
+        return_block_mass: also return the attention mass per selected slot, fp32
+            [Hkv, T, top_k] (no gradient): the softmax probability of the slot's keys summed,
+            averaged over the group's query heads, 0 at -1 slots; accumulated in the forward's
+            pass over K/V (the target of the sparse indexer loss).
 
     Returns:
-        bf16 [T, Hq, d] output (and the LSE when asked).
+        bf16 [T, Hq, d] output, then the LSE and the block mass when asked (in that order).
 
     Raises:
         ValueError: non-bf16 inputs or disagreeing shapes.
@@ -121,7 +128,9 @@ def sparse_attention(
     reject_cuda_graph_capture("sparse_attention")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     chosen = resolve_backend(backend, q.device)
-    out, lse = _SparseAttention.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), q2k.contiguous(), msa, scale, chosen
+    out, lse, mass = _SparseAttention.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), q2k.contiguous(), msa, scale, chosen,
+        return_block_mass,
     )
-    return (out, lse) if return_lse else out
+    extra = ((lse,) if return_lse else ()) + ((mass,) if return_block_mass else ())
+    return (out, *extra) if extra else out

@@ -94,7 +94,8 @@ def sparse_attention_forward_reference(
     q2k: torch.Tensor,
     msa: MSAMicrobatch,
     softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_block_mass: bool = False,
+):
     """Sparse attention forward over selected blocks.
 
     Args:
@@ -104,12 +105,16 @@ def sparse_attention_forward_reference(
         q2k: int32 [Hkv, T, top_k] document-local block ids (-1 = none).
         msa: layout.
         softmax_scale: multiplies q.k before the softmax.
+        return_block_mass: also return the attention mass per selected slot [Hkv, T, top_k]
+            (fp32, fp64 for fp64 inputs): the softmax probability of the slot's keys summed,
+            averaged over the group's query heads; 0 at -1 slots.
 
     Returns:
         ``(out [T, Hq, d] in q's dtype, lse fp32-or-fp64 [Hq, T])``; a query with no visible
-        key gets zeros and lse = -inf.
+        key gets zeros and lse = -inf. With ``return_block_mass`` the mass follows.
     """
     tokens, q_heads, dim = q.shape
+    full_top_k = q2k.shape[-1]
     q2k = _trim_unused_slots(q2k, msa)
     kv_heads, _, top_k = q2k.shape
     group = q_heads // kv_heads
@@ -118,6 +123,9 @@ def sparse_attention_forward_reference(
     v_blocks = _workspace_blocks(msa, v, dtype)
     out = torch.empty(tokens, q_heads, dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(q_heads, tokens, dtype=dtype, device=q.device)
+    if return_block_mass:
+        # Slots trimmed away (no document has that many blocks) hold no mass.
+        mass = torch.zeros(kv_heads, tokens, full_top_k, dtype=dtype, device=q.device)
     chunk = _chunk_size(msa, kv_heads, top_k, dim)
     for start in range(0, tokens, chunk):
         stop = min(tokens, start + chunk)
@@ -130,7 +138,10 @@ def sparse_attention_forward_reference(
         oc = torch.matmul(probs, vc)
         out[start:stop] = oc.reshape(stop - start, q_heads, dim).to(q.dtype)
         lse[:, start:stop] = row_lse.reshape(stop - start, q_heads).transpose(0, 1)
-    return out, lse
+        if return_block_mass:
+            per_slot = probs.view(stop - start, kv_heads, group, top_k, -1).sum(-1).mean(2)
+            mass[:, start:stop, :top_k] = per_slot.transpose(0, 1)
+    return (out, lse, mass) if return_block_mass else (out, lse)
 
 
 def sparse_attention_backward_reference(

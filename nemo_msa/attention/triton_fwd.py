@@ -30,7 +30,9 @@ import triton.language as tl
 from nemo_msa.attention.triton_layout import INTERPRET, check_kernel_devices, doc_blocks
 from nemo_msa.attention.triton_tiles import (
     LOG2E,
+    finish_block_mass,
     finish_softmax,
+    fold_block_mass,
     kv_descriptors,
     load_kv_tile,
     load_masked_union_tile,
@@ -115,10 +117,11 @@ def _fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_sg, stride_st, stride_lh,
     scale_log2, count_ptr, tok_tile_ptr, block_doc_ptr, block_local_ptr, cu_ptr, num_tiles,
-    max_count,
+    max_count, mass_ptr, stride_mg, stride_mt,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr,
     HYBRID: tl.constexpr, QT: tl.constexpr, TILE_GRID: tl.constexpr, TPP: tl.constexpr,
+    KP: tl.constexpr, EMIT: tl.constexpr,
 ):
     """Per-token forward: one program per (token, KV head); with HYBRID it skips the tokens
     of the union kernel's tiles, and with TILE_GRID too there is one program per (``TPP``
@@ -134,7 +137,8 @@ def _fwd_kernel(
                 _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, start + p0 + i, g,
                            start, p0 + i, stride_qt, stride_qh, stride_kt, stride_kh,
                            stride_vt, stride_vh, stride_ot, stride_oh, stride_sg, stride_st,
-                           stride_lh, scale_log2, TOPK, G, GP, BS, BN, D, FP32_DOT, TRANS)
+                           stride_lh, scale_log2, mass_ptr, stride_mg, stride_mt, TOPK, G, GP,
+                           BS, BN, D, FP32_DOT, TRANS, KP, EMIT)
     else:
         t = tl.program_id(0)
         left = True
@@ -144,18 +148,21 @@ def _fwd_kernel(
             _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g,
                        tl.load(tok_start_ptr + t), tl.load(tok_pos_ptr + t), stride_qt,
                        stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
-                       stride_oh, stride_sg, stride_st, stride_lh, scale_log2, TOPK, G, GP, BS,
-                       BN, D, FP32_DOT, TRANS)
+                       stride_oh, stride_sg, stride_st, stride_lh, scale_log2, mass_ptr,
+                       stride_mg, stride_mt, TOPK, G, GP, BS, BN, D, FP32_DOT, TRANS, KP, EMIT)
 
 
 @triton.jit
 def _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                stride_ot, stride_oh, stride_sg, stride_st, stride_lh, scale_log2,
+               mass_ptr, stride_mg, stride_mt,
                TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
-               BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr):
+               BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr,
+               KP: tl.constexpr, EMIT: tl.constexpr):
     """Token ``t`` (document position ``p``, document start ``start``) x the G heads of KV
-    head ``g`` over its ``TOPK`` selected blocks."""
+    head ``g`` over its ``TOPK`` selected blocks. With EMIT it also writes the group's mean
+    attention mass per slot to ``mass[g, t, :]``."""
     if TRANS:
         _fwd_body_trans(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -174,6 +181,8 @@ def _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
     m_i = tl.full((GP,), float("-inf"), tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
+    kk = tl.arange(0, KP)
+    mass = tl.zeros((GP, KP), tl.float32)
     kn = tl.arange(0, BN)
     for s in range(TOPK):
         b = tl.load(q2k_ptr + g * stride_sg + t64 * stride_st + s)
@@ -184,11 +193,18 @@ def _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
                                 stride_kh, stride_vt, stride_vh, D, FP32_DOT)
             sc = tl.dot(q, tl.trans(k)) * scale_log2
             sc = tl.where(kmask[None, :], sc, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(sc, v, m_i, l_i, acc)
+            m_i, l_i, acc, alpha, psum = online_softmax_step(sc, v, m_i, l_i, acc)
+            if EMIT:
+                mass = fold_block_mass(mass, alpha, psum, (kk == s)[None, :])
     out, lse = finish_softmax(m_i, l_i, acc)
     tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + dd[None, :],
              out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
     tl.store(lse_ptr + heads * stride_lh + t, lse, mask=hmask)
+    if EMIT:
+        # Padded head rows hold q = 0: their mass is real softmax mass and must be left out.
+        head_mass = tl.where(hmask[:, None], finish_block_mass(mass, l_i), 0.0)
+        tl.store(mass_ptr + g * stride_mg + t64 * stride_mt + kk, tl.sum(head_mass, axis=0) / G,
+                 mask=kk < TOPK)
 
 
 @triton.jit
@@ -240,11 +256,11 @@ def _fwd_union_kernel(
     bits_ptr, cu_ptr, block_doc_ptr, block_local_ptr, num_tiles, max_count,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_sg, stride_st, stride_lh, stride_ug, stride_ut, stride_bg,
-    scale_log2,
+    scale_log2, mass_ptr, stride_mg, stride_mt,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    BITS: tl.constexpr, FLAT: tl.constexpr, OWN_TMA: tl.constexpr,
+    BITS: tl.constexpr, FLAT: tl.constexpr, OWN_TMA: tl.constexpr, EMIT: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected.
@@ -252,6 +268,9 @@ def _fwd_union_kernel(
     With SPLIT, the union entries before the tile's own block (whole blocks, every key visible
     to every row) run first without a per-score mask, read by TMA when TMA is set; the rest
     (the own block, and any entry past it) run with the causal mask and masked pointer loads.
+
+    With EMIT (needs the rows' q2k lists, not BITS) each row also keeps its softmax mass per
+    selected slot, and the group's mean per (token, slot) is written to ``mass``.
     """
     BM: tl.constexpr = QT * GP
     tile = tl.program_id(0)
@@ -271,6 +290,7 @@ def _fwd_union_kernel(
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
+    mass = tl.zeros((BM, KP), tl.float32)
     kn = tl.arange(0, BN)
     urow = union_ptr + g * stride_ug + tile * stride_ut
     full = union_full_blocks(urow, count, own, UW, SPLIT)
@@ -279,7 +299,11 @@ def _fwd_union_kernel(
             sel, k, v = union_flat_step(k_ptr, v_ptr, k_desc, v_desc, urow, step, selection,
                                         rmask, start, g, stride_kt, stride_kh, stride_vt,
                                         stride_vh, BS, BN, D, FP32_DOT, TMA, BITS)
-            m_i, l_i, acc = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2)
+            m_i, l_i, acc, alpha, psum = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc,
+                                                          scale_log2)
+            if EMIT:
+                b = tl.load(urow + step // (BS // BN))
+                mass = fold_block_mass(mass, alpha, psum, selection == b)
     else:
         for u in range(full):
             b = tl.load(urow + u)
@@ -288,7 +312,10 @@ def _fwd_union_kernel(
                 k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
                                           stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
                                           FP32_DOT, TMA)
-                m_i, l_i, acc = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2)
+                m_i, l_i, acc, alpha, psum = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc,
+                                                              scale_log2)
+                if EMIT:
+                    mass = fold_block_mass(mass, alpha, psum, selection == b)
     # With OWN_TMA the loop is not pipelined: it is mostly the one own block, whose stage
     # buffers would add to the whole-block loop's in shared memory rather than reuse them.
     last = union_masked_end(urow, count, own, UW, OWN_TMA)
@@ -305,17 +332,28 @@ def _fwd_union_kernel(
                                                    stride_vh, D, FP32_DOT)
             sc = tl.dot(q, tl.trans(k)) * scale_log2
             sc = tl.where(vis, sc, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(sc, v, m_i, l_i, acc)
+            m_i, l_i, acc, alpha, psum = online_softmax_step(sc, v, m_i, l_i, acc)
+            if EMIT:
+                mass = fold_block_mass(mass, alpha, psum, selection == b)
     out, lse = finish_softmax(m_i, l_i, acc)
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + dd[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
     tl.store(lse_ptr + heads * stride_lh + tok, lse, mask=rmask)
+    if EMIT:
+        # Rows are token-major (row = i * GP + head): sum each token's heads.
+        row_mass = tl.where(rmask[:, None], finish_block_mass(mass, l_i), 0.0)
+        tok_mass = tl.sum(tl.reshape(row_mass, (QT, GP, KP)), axis=1) / G
+        i = tl.arange(0, QT)
+        p0 = own * BS + (tile % (BS // QT)) * QT
+        kk = tl.arange(0, KP)
+        tl.store(mass_ptr + g * stride_mg + (start + p0 + i)[:, None].to(tl.int64) * stride_mt
+                 + kk[None, :], tok_mass, mask=((p0 + i) < length)[:, None] & (kk < TOPK)[None, :])
 
 
 @triton.jit
 def _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2):
     """Folds one whole key tile (every key visible to the rows ``sel``) into the union rows'
-    online softmax."""
+    online softmax; returns :func:`online_softmax_rows`'s five values."""
     return online_softmax_rows(tl.dot(q, tl.trans(k)), v, sel, m_i, l_i, acc, scale_log2)
 
 
@@ -652,7 +690,8 @@ def check_attention_inputs(q, k, v, q2k, msa, block_size):
 
 def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              q2k: torch.Tensor, msa, softmax_scale: float | None = None, *,
-                             block_size: int | None = None, return_unions: bool = False):
+                             block_size: int | None = None, return_unions: bool = False,
+                             return_block_mass: bool = False):
     """Sparse MSA attention forward over the selected key blocks.
 
     Args:
@@ -666,11 +705,16 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block_size: key block size; defaults to ``msa.block_size``.
         return_unions: also return the tiles' union lists (:class:`TileUnions`, or None when
             the union kernel is off), for :func:`triton_attention_backward`'s ``unions``.
+        return_block_mass: also return the attention mass per selected slot, fp32
+            [Hkv, T, top_k]: for slot s of ``q2k[g, t]``, the softmax probability of the keys
+            of that block summed, averaged over the group's query heads (0 at -1 slots). It is
+            accumulated in the same pass over K/V (the indexer loss's target, no recompute).
 
     Returns:
         ``(out, lse)``: out [T, Hq, d] in q's dtype; lse fp32 [Hq, T], the natural log-sum-exp
         of the scaled scores (-inf and out = 0 for a query with no visible key).
-        ``(out, lse, unions)`` with ``return_unions``.
+        ``unions`` (with ``return_unions``) and then ``block_mass`` (with
+        ``return_block_mass``) follow in that order.
 
     Raises:
         ValueError: on a bad argument (the message names it, its value and the expectation).
@@ -680,8 +724,15 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     out = torch.empty_like(q)
     lse = torch.empty((hq, t), dtype=torch.float32, device=q.device)
+    mass = (torch.empty((hkv, t, top_k), dtype=torch.float32, device=q.device)
+            if return_block_mass else lse)
+    if return_block_mass and (CONFIG["trans"] or CONFIG["union_bits"]):
+        raise ValueError(f"return_block_mass=True needs CONFIG['trans'] and CONFIG['union_bits']"
+                         f" off (got {CONFIG['trans']!r}, {CONFIG['union_bits']!r}): those "
+                         f"variants do not keep the per-slot mass")
+    emit = {"mass": mass, "emit": return_block_mass}
     if t == 0:
-        return (out, lse, None) if return_unions else (out, lse)
+        return _forward_result(out, lse, None, emit, return_unions)
     blocks = doc_blocks(msa, bs)
     q_, k_, v_ = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     q2k_ = q2k.contiguous()
@@ -701,6 +752,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
             out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
             plan.union.stride(0), plan.union.stride(1), plan.bits.stride(0), scale * LOG2E,
+            mass, *_mass_strides(mass, return_block_mass), EMIT=return_block_mass,
             TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
             FP32_DOT=INTERPRET, SPLIT=bool(CONFIG["union_split"]), TMA=descs is not None,
             UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
@@ -717,13 +769,24 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
         scale * LOG2E, plan.count, plan.tok_tile, blocks.block_doc, blocks.block_local,
         msa.cu_seqlens, plan.num_tiles, plan.max_count,
+        mass, *_mass_strides(mass, return_block_mass), KP=next_pow2(top_k),
+        EMIT=return_block_mass,
         TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
         TRANS=bool(CONFIG["trans"]) and bn >= 64, HYBRID=plan.enabled, QT=max(plan.qt, 1),
         TILE_GRID=tile_grid, TPP=tpp,
         num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )
-    if not return_unions:
-        return out, lse
     unions = (TileUnions(plan.qt, plan.union, plan.count, q2k_identity(q2k)) if plan.enabled
               else None)
-    return out, lse, unions
+    return _forward_result(out, lse, unions, emit, return_unions)
+
+
+def _mass_strides(mass: torch.Tensor, emit: bool) -> tuple[int, int]:
+    """(KV-head, token) strides of the block-mass output, 0 when it is not written."""
+    return (mass.stride(0), mass.stride(1)) if emit else (0, 0)
+
+
+def _forward_result(out, lse, unions, emit: dict, return_unions: bool) -> tuple:
+    """``(out, lse[, unions][, block_mass])`` as :func:`triton_attention_forward` returns."""
+    result = (out, lse) + ((unions,) if return_unions else ())
+    return result + ((emit["mass"],) if emit["emit"] else ())

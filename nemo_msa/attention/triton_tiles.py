@@ -234,9 +234,10 @@ def online_softmax_rows(sc, v, sel, m_i, l_i, acc, scale_log2):
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     pr = tl.exp2(sc * scale_log2 - tl.where(sel, m_use, float("inf"))[:, None])
-    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    psum = tl.sum(pr, axis=1)
+    l_i = l_i * alpha + psum
     acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, alpha, psum
 
 
 @triton.jit
@@ -261,16 +262,33 @@ def online_softmax_step(sc, v, m_i, l_i, acc):
         m_i, l_i: fp32 [M] running max and sum; acc: fp32 [M, D] running output.
 
     Returns:
-        The updated ``(m_i, l_i, acc)``. A row that has seen no visible key keeps m = -inf and
-        is shifted by 0 instead, so it never produces NaN.
+        The updated ``(m_i, l_i, acc)``, then ``alpha`` [M] (the factor that rescaled the old
+        sums) and ``psum`` [M] (this tile's share of the new ``l_i``), for the per-block mass
+        (:func:`fold_block_mass`). A row that has seen no visible key keeps m = -inf and is
+        shifted by 0 instead, so it never produces NaN.
     """
     m_new = tl.maximum(m_i, tl.max(sc, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     pr = tl.exp2(sc - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    psum = tl.sum(pr, axis=1)
+    l_i = l_i * alpha + psum
     acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, alpha, psum
+
+
+@triton.jit
+def fold_block_mass(mass, alpha, psum, slot_hit):
+    """Running per-slot softmax mass [M, KP]: rescaled like ``l_i`` and credited with the
+    tile's ``psum`` in the slot ``slot_hit`` (bool [M, KP]) of the block the tile belongs to.
+    Divided by the final ``l_i`` it is each row's attention mass per selected slot."""
+    return mass * alpha[:, None] + tl.where(slot_hit, psum[:, None], 0.0)
+
+
+@triton.jit
+def finish_block_mass(mass, l_i):
+    """[M, KP] normalized per-slot mass (0 for a row that saw no visible key)."""
+    return mass / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
 
 
 @triton.jit

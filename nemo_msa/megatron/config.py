@@ -131,6 +131,12 @@ class MSATransformerConfig(TransformerConfig):
     """Whether the indexer loss also records the selection recall (share of the main attention's
     block mass that the selected blocks cover) for logging."""
 
+    msa_recall_sample_rows: int = 256
+    """Query tokens per microbatch on which the sparse loss measures the selection recall
+    exactly (evenly spaced over the microbatch's tokens; every token when it has fewer): the
+    sparse phase computes no dense target, so recall costs one small dense pass over these rows
+    (see nemo_msa.megatron.indexer_loss.sampled_selection_recall)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.experimental_attention_variant_loss_scale_func is None:
@@ -169,6 +175,7 @@ class MSATransformerConfig(TransformerConfig):
             "msa_block_size",
             "msa_topk",
             "msa_indexer_loss_query_chunk",
+            "msa_recall_sample_rows",
         ):
             positive_int(name)
         for name in ("msa_init_blocks", "msa_local_blocks", "msa_dense_warmup_steps"):

@@ -187,7 +187,8 @@ class MSACoreAttention(MegatronModule):
         value: torch.Tensor,
         msa,
         q2k: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        return_block_mass: bool = False,
+    ):
         """Attention over compact tokens.
 
         Args:
@@ -197,22 +198,36 @@ class MSACoreAttention(MegatronModule):
             msa: the microbatch layout (:class:`nemo_msa.MSAMicrobatch`).
             q2k: int32 [Hkv_local, T, top_k] selected document-local blocks, or None for dense
                 document-causal attention.
+            return_block_mass: with ``q2k``, also return the attention mass per selected slot,
+                fp32 [Hkv_local, T, top_k] (no gradient; the sparse indexer loss's target).
 
         Returns:
-            [T, Hq_local, d] in query's dtype.
+            [T, Hq_local, d] in query's dtype; with ``return_block_mass`` the pair
+            ``(output, block_mass)``.
         """
         if q2k is None:
+            if return_block_mass:
+                raise ValueError("return_block_mass=True needs q2k (the selected blocks)")
             return dense_document_attention(query, key, value, msa, self.softmax_scale)
         if query.dtype == torch.bfloat16:
             from nemo_msa import sparse_attention
 
             return sparse_attention(
-                query, key, value, q2k, msa, softmax_scale=self.softmax_scale, backend=self.backend
+                query, key, value, q2k, msa, softmax_scale=self.softmax_scale,
+                backend=self.backend, return_block_mass=return_block_mass,
             )
         # The kernels read bf16 only; other dtypes take the reference masked path, which is the
         # same function (keys restricted to the selected blocks), O(T^2) memory: tests only.
         from nemo_msa.attention import naive
 
-        return naive.dense_document_attention(
+        out = naive.dense_document_attention(
             query, key, value, msa, softmax_scale=self.softmax_scale, q2k=q2k
         )
+        if not return_block_mass:
+            return out
+        with torch.no_grad():
+            mass = naive.sparse_attention_forward_reference(
+                query.detach(), key.detach(), value.detach(), q2k, msa, self.softmax_scale,
+                return_block_mass=True,
+            )[2]
+        return out, mass.float()

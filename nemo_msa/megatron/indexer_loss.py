@@ -25,6 +25,13 @@ back-propagate it with the main loss. The schedules set the scale through
 ``config.experimental_attention_variant_loss_scale_func`` (``MSATransformerConfig`` points it at
 :meth:`MSAIndexerLossAutoScaler.set_loss_scale`), exactly as for DSA.
 
+The production path (sparse loss, score ``"max"``) needs no pass of its own:
+:func:`sparse_indexer_loss_from_byproducts` takes the target from the sparse forward (the mass
+per selected block, accumulated in its pass over K/V) and the prediction's scores and argmax keys
+from the selection kernel, so the KL and its gradients cost O(T x H x top_k x d).
+:func:`compute_indexer_loss` with ``sparse=True`` is its reference (query chunks that gather the
+selected keys again and recompute both sides).
+
 With tensor parallelism each rank computes the KL of its own KV/index heads divided by the
 *global* head count, so the per-rank losses sum to the full loss and the gradients are exact
 (see nemo_msa.megatron.indexer for the replicated parameters).
@@ -37,10 +44,14 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from nemo_msa.attention.naive import accumulation_dtype
+
 __all__ = [
     "MSAIndexerLossAutoScaler",
     "MSAIndexerMetrics",
     "compute_indexer_loss",
+    "sampled_selection_recall",
+    "sparse_indexer_loss_from_byproducts",
 ]
 
 _EPS = 1e-10
@@ -55,7 +66,8 @@ def _index_block_log_probs(
     score_type: str,
 ) -> torch.Tensor:
     """log Q [C, H, NB] for a query chunk; -inf on blocks that hold no visible key."""
-    scores = torch.einsum("chd,wd->chw", index_q.float(), index_k_ws.float()) * index_scale
+    work = accumulation_dtype(index_q)
+    scores = torch.einsum("chd,wd->chw", index_q.to(work), index_k_ws.to(work)) * index_scale
     scores = scores.masked_fill(~visible[:, None, :], -math.inf)
     chunk, heads, width = scores.shape
     blocks = scores.view(chunk, heads, width // block_size, block_size)
@@ -147,9 +159,10 @@ def compute_indexer_loss(
     nblocks = msa.num_workspace_blocks
     index_scale = 1.0 / math.sqrt(index_dim)
     device = index_q.device
+    work = accumulation_dtype(query)
 
     with torch.no_grad():
-        key_ws = msa.to_workspace(key.detach().float())  # [W, G, d]
+        key_ws = msa.to_workspace(key.detach().to(work))  # [W, G, d]
         key_documents = msa.workspace_documents  # [W], -1 past document ends
         key_positions = msa.workspace_positions_in_document  # [W]
         documents = msa.token_documents.long()
@@ -158,8 +171,8 @@ def compute_indexer_loss(
     # Differentiable placement of index_k into the workspace (index_copy has a gradient).
     index_k_ws = msa.to_workspace(index_k)
 
-    kl_total = torch.zeros((), dtype=torch.float32, device=device)
-    recall_mass = torch.zeros((), dtype=torch.float32, device=device)
+    kl_total = torch.zeros((), dtype=work, device=device)
+    recall_mass = torch.zeros((), dtype=work, device=device)
     for start in range(0, tokens, query_chunk):
         stop = min(tokens, start + query_chunk)
         count = stop - start
@@ -167,7 +180,7 @@ def compute_indexer_loss(
             visible = (key_documents[None, :] == documents[start:stop, None]) & (
                 key_positions[None, :] <= positions[start:stop, None]
             )  # [C, W]; every query sees at least itself
-            qc = query[start:stop].detach().float().view(count, heads, group, -1)
+            qc = query[start:stop].detach().to(work).view(count, heads, group, -1)
             scores = torch.einsum("cgqd,wgd->cgqw", qc, key_ws) * softmax_scale
             scores = scores.masked_fill(~visible[:, None, None, :], -math.inf)
             probs = torch.softmax(scores, dim=-1).sum(dim=2) / group  # [C, G, W]
@@ -190,9 +203,7 @@ def compute_indexer_loss(
     stats = {"kl": kl.detach()}
     if q2k is not None:
         stats["recall_mass"] = recall_mass
-        stats["recall_count"] = torch.tensor(
-            float(tokens * heads), dtype=torch.float32, device=device
-        )
+        stats["recall_count"] = torch.tensor(float(tokens * heads), dtype=work, device=device)
     return kl * loss_coeff, stats
 
 
@@ -211,8 +222,9 @@ def _sparse_chunk_kl(
 ) -> torch.Tensor:
     """KL over the selected blocks of a chunk: index_q [C, H, d], rows/visible [C, H, K, B]."""
     count, heads, top_k, block = rows.shape
-    keys = index_k_ws[rows.reshape(count, heads, top_k * block)].float()  # [C, H, K*B, d]
-    scores = torch.einsum("chd,chnd->chn", index_q.float(), keys) * index_scale
+    work = accumulation_dtype(index_q)
+    keys = index_k_ws[rows.reshape(count, heads, top_k * block)].to(work)  # [C, H, K*B, d]
+    scores = torch.einsum("chd,chnd->chn", index_q.to(work), keys) * index_scale
     scores = scores.view(count, heads, top_k, block).masked_fill(~visible, -math.inf)
     if score_type == "max":
         block_scores = scores.amax(dim=-1)
@@ -246,15 +258,16 @@ def _sparse_indexer_loss(
     head_dim = query.shape[-1]
     index_scale = 1.0 / math.sqrt(index_dim)
     device = index_q.device
+    work = accumulation_dtype(query)
     with torch.no_grad():
-        key_ws = msa.to_workspace(key.detach().float())  # [W, G, d]
+        key_ws = msa.to_workspace(key.detach().to(work))  # [W, G, d]
         positions = msa.document_positions.long()
         first_block = msa.token_workspace_block_starts
         offsets = torch.arange(block, device=device)
         head_index = torch.arange(heads, device=device)[None, :, None]
     index_k_ws = msa.to_workspace(index_k)
     chunk = max(1, _SPARSE_GATHER_ELEMENTS // (heads * top_k * block * max(head_dim, index_dim)))
-    kl_total = torch.zeros((), dtype=torch.float32, device=device)
+    kl_total = torch.zeros((), dtype=work, device=device)
     for start in range(0, tokens, chunk):
         stop = min(tokens, start + chunk)
         count = stop - start
@@ -268,7 +281,7 @@ def _sparse_indexer_loss(
             )  # [C, H, K, B]
             flat_rows = rows.reshape(count, heads, top_k * block)
             keys = key_ws[flat_rows, head_index]  # [C, H, K*B, d]
-            qc = query[start:stop].detach().float().view(count, heads, group, head_dim)
+            qc = query[start:stop].detach().to(work).view(count, heads, group, head_dim)
             scores = torch.einsum("chqd,chnd->chqn", qc, keys) * softmax_scale
             scores = scores.masked_fill(~visible.reshape(count, heads, 1, -1), -math.inf)
             probs = torch.softmax(scores, dim=-1).sum(dim=2) / group  # [C, H, K*B]
@@ -280,6 +293,207 @@ def _sparse_indexer_loss(
             kl_total = kl_total + _sparse_chunk_kl(*args)
     kl = kl_total / float(tokens * num_index_heads_total)
     return kl * loss_coeff, {"kl": kl.detach()}
+
+
+# Elements of one chunk's gathered [H, C, top_k, d] rows in the by-product loss's backward.
+_BYPRODUCT_GATHER_ELEMENTS = 1 << 25
+
+
+class _SparseKLFromByproducts(torch.autograd.Function):
+    """sum_{h,t} KL(P_h(t) || softmax(scale * s_h(t))) over the selected slots, divided by
+    ``denominator``; differentiable in index_q and index_k through the argmax keys."""
+
+    @staticmethod
+    def forward(ctx, index_q, index_k, scores, keys, target, index_scale, denominator):
+        work = accumulation_dtype(scores)
+        log_q = torch.log_softmax(scores.to(work) * index_scale, dim=-1)  # -inf at -1 slots
+        target = target.to(work)
+        has_mass = target > 0
+        terms = torch.where(
+            has_mass, target * (torch.log(target.clamp_min(_EPS)) - log_q), torch.zeros_like(log_q)
+        )
+        ctx.save_for_backward(index_q, index_k, keys, target, log_q)
+        ctx.index_scale = index_scale
+        ctx.denominator = denominator
+        return terms.sum() / denominator
+
+    @staticmethod
+    def backward(ctx, grad):
+        index_q, index_k, keys, target, log_q = ctx.saved_tensors
+        # d KL / d s_b = Q_b * sum(P) - P_b (sum(P) = 1 up to rounding; kept exact here).
+        dscore = torch.exp(log_q) * target.sum(-1, keepdim=True) - target
+        dscore = dscore * (grad.to(dscore.dtype) * ctx.index_scale / ctx.denominator)
+        dq, dk = _gather_scatter_grads(dscore, keys, index_q, index_k)
+        return dq, dk, None, None, None, None, None
+
+
+def _gather_scatter_grads(dscore, keys, index_q, index_k):
+    """d index_q by a gather of the argmax keys, d index_k by a scatter onto them.
+
+    Args:
+        dscore: fp32 [H, T, K] gradient of each slot's (scaled) block score.
+        keys: int32 [H, T, K] compact row of each slot's argmax key, -1 at unused slots.
+        index_q: [T, H, d]; index_k: [T, d].
+
+    Returns:
+        ``(d index_q [T, H, d], d index_k [T, d])`` in the inputs' dtypes. The scatter is
+        ``index_add_``: deterministic on the CPU and, under
+        ``torch.use_deterministic_algorithms(True)``, on CUDA (sort-based, no atomics).
+    """
+    heads, tokens, top_k = dscore.shape
+    dim = index_q.shape[-1]
+    work = accumulation_dtype(dscore)
+    dq = torch.empty(tokens, heads, dim, dtype=work, device=index_q.device)
+    dk = torch.zeros(tokens, dim, dtype=work, device=index_q.device)
+    key_rows = index_k.to(work)
+    chunk = max(1, _BYPRODUCT_GATHER_ELEMENTS // max(1, heads * top_k * dim))
+    for start in range(0, tokens, chunk):
+        stop = min(tokens, start + chunk)
+        used = keys[:, start:stop] >= 0  # [H, C, K]
+        rows = keys[:, start:stop].long().clamp(min=0)
+        g = torch.where(used, dscore[:, start:stop].to(work), 0.0)
+        gathered = key_rows[rows]  # [H, C, K, d]
+        dq[start:stop] = torch.einsum("hck,hckd->chd", g, gathered)
+        q_rows = index_q[start:stop].to(work).permute(1, 0, 2)  # [H, C, d]
+        contrib = g[..., None] * q_rows[:, :, None, :]  # [H, C, K, d]
+        dk.index_add_(0, rows.reshape(-1), contrib.reshape(-1, dim))
+    return dq.to(index_q.dtype), dk.to(index_k.dtype)
+
+
+def sparse_indexer_loss_from_byproducts(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    block_scores: torch.Tensor,
+    block_keys: torch.Tensor,
+    block_mass: torch.Tensor,
+    *,
+    num_index_heads_total: int,
+    loss_coeff: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The sparse indexer loss (score ``"max"``) from the selection's and the forward's by-products.
+
+    The same function as ``compute_indexer_loss(..., sparse=True, score_type="max")``, with no
+    pass over the keys: the target is the sparse forward's mass per selected slot and the
+    prediction the softmax of the selected blocks' real scores.
+
+    Args:
+        index_q: [T, H_local, d_idx] index queries (with gradient).
+        index_k: [T, d_idx] the shared index key (with gradient).
+        block_scores: fp32 [H_local, T, top_k] unscaled block max of index_q . index_k per slot,
+            -inf at -1 slots (``select_blocks(..., return_scores=True)``).
+        block_keys: int32 [H_local, T, top_k] compact row of the key attaining each slot's max,
+            -1 at -1 slots.
+        block_mass: fp32 [H_local, T, top_k] the main attention's mean mass per slot over the
+            group's query heads (``sparse_attention(..., return_block_mass=True)``).
+        num_index_heads_total: index heads of the whole layer (all TP ranks).
+        loss_coeff: msa_indexer_loss_coeff.
+
+    Returns:
+        ``(loss, stats)`` as :func:`compute_indexer_loss`: ``coeff * sum_local KL / (T * H)``
+        and ``{"kl": ...}``.
+
+    Raises:
+        ValueError: by-products whose shapes disagree with ``index_q`` (named).
+    """
+    tokens, heads, index_dim = index_q.shape
+    expected = (heads, tokens)
+    for name, x in (("block_scores", block_scores), ("block_keys", block_keys),
+                    ("block_mass", block_mass)):
+        if x.dim() != 3 or tuple(x.shape[:2]) != expected:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)}; expected [index_heads={heads}, "
+                f"tokens={tokens}, top_k] like index_q {tuple(index_q.shape)}"
+            )
+    if block_keys.shape != block_scores.shape or block_mass.shape != block_scores.shape:
+        raise ValueError(
+            f"block_scores {tuple(block_scores.shape)}, block_keys {tuple(block_keys.shape)} and "
+            f"block_mass {tuple(block_mass.shape)} must have one shape"
+        )
+    denominator = float(tokens * num_index_heads_total)
+    kl = _SparseKLFromByproducts.apply(
+        index_q, index_k, block_scores, block_keys, block_mass.detach(),
+        1.0 / math.sqrt(index_dim), denominator,
+    )
+    return kl * loss_coeff, {"kl": kl.detach()}
+
+
+# Elements of one chunk's [C, Hq, W] score tensor in the sampled recall.
+_RECALL_SCORE_ELEMENTS = 1 << 26
+
+
+@torch.no_grad()
+def sampled_selection_recall(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    q2k: torch.Tensor,
+    msa,
+    *,
+    softmax_scale: float,
+    num_rows: int,
+) -> dict[str, torch.Tensor]:
+    """Selection recall measured exactly on a fixed-size sample of query tokens.
+
+    Estimator: the tokens ``floor((i + 1/2) * T / n)``, ``i < n = min(num_rows, T)``, evenly
+    spaced over the microbatch's compact tokens (a systematic sample: every part of every
+    document is represented, and ``n = T`` gives the exact recall). For each sampled token and
+    local KV head the dense attention's block mass (mean over the group's query heads, within
+    the document, causal) is computed exactly, and the mass inside the selected blocks is
+    summed. The mean over sampled (token, head) pairs estimates the full mean; its cost is one
+    dense pass over ``n`` query rows, O(n x Hq x T) in chunks.
+
+    Args:
+        query: [T, Hq_local, d] main-attention queries after RoPE.
+        key: [T, Hkv_local, d] main-attention keys after RoPE.
+        q2k: int32 [Hkv_local, T, top_k] the selected blocks.
+        msa: the microbatch layout.
+        softmax_scale: the main attention's scale.
+        num_rows: sample size (>= 1).
+
+    Returns:
+        ``{"recall_mass": sum of covered mass, "recall_count": sampled (token, head) pairs}``,
+        scalars (fp32; fp64 for fp64 inputs), as :func:`compute_indexer_loss` reports them.
+
+    Raises:
+        ValueError: ``num_rows`` < 1.
+    """
+    if num_rows < 1:
+        raise ValueError(f"num_rows={num_rows}; expected >= 1")
+    tokens, q_heads, dim = query.shape
+    heads = key.shape[1]
+    group = q_heads // heads
+    block = msa.block_size
+    nblocks = msa.num_workspace_blocks
+    device = query.device
+    n = min(num_rows, tokens)
+    rows = ((torch.arange(n, device=device, dtype=torch.float64) + 0.5) * tokens / n).long()
+    work = accumulation_dtype(query)
+    key_ws = msa.to_workspace(key.detach().to(work))  # [W, G, d]
+    key_documents = msa.workspace_documents
+    key_positions = msa.workspace_positions_in_document
+    documents = msa.token_documents.long()[rows]
+    positions = msa.document_positions.long()[rows]
+    first_block = msa.token_workspace_block_starts[rows]
+    covered = torch.zeros((), dtype=work, device=device)
+    chunk = max(1, _RECALL_SCORE_ELEMENTS // max(1, q_heads * msa.workspace_size))
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        count = stop - start
+        visible = (key_documents[None, :] == documents[start:stop, None]) & (
+            key_positions[None, :] <= positions[start:stop, None]
+        )
+        qc = query[rows[start:stop]].detach().to(work).view(count, heads, group, dim)
+        scores = torch.einsum("cgqd,wgd->cgqw", qc, key_ws) * softmax_scale
+        scores = scores.masked_fill(~visible[:, None, None, :], -math.inf)
+        probs = torch.softmax(scores, dim=-1).sum(dim=2) / group  # [C, G, W]
+        target = probs.view(count, heads, nblocks, block).sum(dim=-1)  # [C, G, NB]
+        selected = q2k[:, rows[start:stop]].long()  # [G, C, K]
+        block_ids = first_block[start:stop][None, :, None] + selected.clamp(min=0)
+        mass = target.permute(1, 0, 2).gather(-1, block_ids)
+        covered += torch.where(selected >= 0, mass, 0.0).sum()
+    return {
+        "recall_mass": covered,
+        "recall_count": torch.tensor(float(n * heads), dtype=work, device=device),
+    }
 
 
 class MSAIndexerLossAutoScaler(torch.autograd.Function):

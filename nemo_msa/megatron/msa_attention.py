@@ -39,6 +39,8 @@ from nemo_msa.megatron.indexer_loss import (
     MSAIndexerLossAutoScaler,
     MSAIndexerMetrics,
     compute_indexer_loss,
+    sampled_selection_recall,
+    sparse_indexer_loss_from_byproducts,
 )
 from nemo_msa.megatron.microbatch import layout_for_layer, pack_sbhd, unpack_sbhd
 from nemo_msa.megatron.phase import dense_warmup_active
@@ -193,6 +195,12 @@ class MSASelfAttention(SelfAttention):
         # [s, b, heads, dim] -> compact [T, heads, dim]
         return tuple(pack_sbhd(msa, x) for x in (query, key, value))
 
+    def loss_from_byproducts(self) -> bool:
+        """Whether the sparse phase's indexer loss comes from by-products of the selection and
+        the sparse forward (sparse loss, score "max": the production case), with no pass over
+        the keys of its own; otherwise :func:`compute_indexer_loss` recomputes its target."""
+        return self.config.msa_indexer_loss_type == "sparse" and self.config.msa_score_type == "max"
+
     # ------------------------------------------------------------------ forward
     def forward(
         self,
@@ -257,7 +265,8 @@ class MSASelfAttention(SelfAttention):
         )
         sparse = self.is_msa_layer and not dense_warmup_active(self.config)
         log_recall = need_loss and self.config.msa_log_selection_recall
-        selected = index_q = index_k = None
+        byproducts = need_loss and sparse and self.loss_from_byproducts()
+        selected = index_q = index_k = block_scores = block_keys = None
         if sparse or need_loss:
             index_q, index_k = self.indexer(hidden_states, msa, freqs)
             # During the dense warm-up the selection feeds only the recall metric (how much dense
@@ -269,19 +278,49 @@ class MSASelfAttention(SelfAttention):
                     top_k=self.config.msa_topk,
                     score=self.config.msa_score_type,
                     backend=self.config.msa_backend,
+                    return_scores=byproducts,
                 )
+                if byproducts:
+                    selected, block_scores, block_keys = selected
         q2k = selected if sparse else None
+        found = {}
+
+        def run_core(q, k, v):
+            out = self.core_attention(q, k, v, msa, q2k=q2k, return_block_mass=byproducts)
+            if byproducts:
+                # A recompute in the backward finds the same mass; the loss keeps the first.
+                out, mass = out
+                found.setdefault("block_mass", mass)
+            return out
+
         if self.checkpoint_core_attention and self.training:
             # Selective recompute ("core_attn" in recompute_modules): keep only q/k/v and redo the
             # attention in the backward; the layout and the selection are reused, not redone.
-            def run_core(q, k, v):
-                return self.core_attention(q, k, v, msa, q2k=q2k)
-
             core = tensor_parallel.checkpoint(run_core, False, query, key, value)
         else:
-            core = self.core_attention(query, key, value, msa, q2k=q2k)
+            core = run_core(query, key, value)
 
-        if need_loss:
+        if byproducts:
+            loss, stats = sparse_indexer_loss_from_byproducts(
+                index_q,
+                index_k,
+                block_scores,
+                block_keys,
+                found["block_mass"],
+                num_index_heads_total=self.config.msa_num_index_heads,
+                loss_coeff=self.config.msa_indexer_loss_coeff,
+            )
+            if log_recall:
+                stats.update(
+                    sampled_selection_recall(
+                        query, key, selected, msa,
+                        softmax_scale=self.core_attention.softmax_scale,
+                        num_rows=self.config.msa_recall_sample_rows,
+                    )
+                )
+            MSAIndexerMetrics.record(self.layer_number, stats)
+            core = MSAIndexerLossAutoScaler.apply(core, loss)
+        elif need_loss:
             # The dense warm-up has no selection, so its loss is always the dense one.
             sparse_loss = self.config.msa_indexer_loss_type == "sparse" and q2k is not None
             loss, stats = compute_indexer_loss(

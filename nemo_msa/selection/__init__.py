@@ -68,7 +68,8 @@ def select_blocks(
     top_k: int = 16,
     score: str = "max",
     backend: str | None = None,
-) -> torch.Tensor:
+    return_scores: bool = False,
+):
     """Chooses top_k key blocks per index head and query token, inside the query's document.
 
     Forced blocks (``msa.forced_blocks`` = (init_blocks, local_blocks)) are always chosen and
@@ -82,13 +83,25 @@ def select_blocks(
         top_k: blocks per query, 1..32.
         score: ``"max"`` or ``"lse"``.
         backend: backend name or "auto"/None.
+        return_scores: also return the indexer loss's by-products of the same pass, per slot:
+            the block's real score (fp32 [H, T, top_k], the unscaled max of q.k over its visible
+            keys, forced blocks included, -inf at -1 slots) and the compact row of the key that
+            attains it (int32 [H, T, top_k], -1 at -1 slots). ``score="max"`` only.
 
     Returns:
         int32 [H, T, top_k]: ascending document-local block ids, padded with -1 at the tail when
         fewer than top_k blocks exist. Canonical: equal across correct implementations on inputs
-        without ties.
+        without ties. With ``return_scores``: ``(ids, scores, keys)``.
+
+    Raises:
+        ValueError: a bad argument (named), or ``return_scores`` with ``score="lse"``.
     """
     validate_selection_inputs(index_q, index_k, msa, top_k, score)
+    if return_scores and score != "max":
+        raise ValueError(
+            f"return_scores=True needs score='max' (the block max and the key attaining it); "
+            f"got score={score!r}"
+        )
     reject_cuda_graph_capture("select_blocks")
     chosen = resolve_backend(backend, index_q.device)
     init_blocks, local_blocks = msa.forced_blocks
@@ -100,4 +113,5 @@ def select_blocks(
         init_blocks=init_blocks,
         local_blocks=local_blocks,
         score=score,
+        **({"return_scores": True} if return_scores else {}),
     )

@@ -100,35 +100,53 @@ def _insert(cur, thr, cols, new_key, KP: tl.constexpr, BRANCH: tl.constexpr):
     ``(cur, thr)``. With BRANCH, blocks that no row takes cost one [R] comparison and a
     program-wide reduction: a trained indexer's neighbouring queries agree, so past the first
     blocks most blocks enter no row's top-k. Without it every block runs the update (no
-    program-wide reduction; rows that do not take the block keep their slots)."""
+    program-wide reduction; rows that do not take the block keep their slots). The third value
+    is the bool [R, KP] slot each row replaced (none for rows that did not take the key)."""
     take = new_key > thr
+    hit = cur < -1  # no slot replaced (cur holds -1 or more)
     if BRANCH:
         if tl.max(take.to(tl.int32), axis=0) > 0:
-            cur, thr = _replace_smallest(cur, thr, cols, new_key, take, KP)
+            cur, thr, hit = _replace_smallest(cur, thr, cols, new_key, take, KP)
     else:
-        cur, thr = _replace_smallest(cur, thr, cols, new_key, take, KP)
-    return cur, thr
+        cur, thr, hit = _replace_smallest(cur, thr, cols, new_key, take, KP)
+    return cur, thr, hit
 
 
 @triton.jit
 def _replace_smallest(cur, thr, cols, new_key, take, KP: tl.constexpr):
-    """In the rows ``take``, new_key replaces the smallest key held (the threshold)."""
+    """In the rows ``take``, new_key replaces the smallest key held (the threshold); returns
+    ``(cur, thr, hit)`` with ``hit`` the bool [R, KP] slot replaced."""
     first = tl.min(tl.where(cur == thr[:, None], cols[None, :], KP), axis=1)
     hit = (cols[None, :] == first[:, None]) & take[:, None]
     cur = tl.where(hit, new_key[:, None], cur)
-    return cur, tl.min(cur, axis=1)
+    return cur, tl.min(cur, axis=1), hit
+
+
+@triton.jit
+def _tile_max_and_arg(s, best, arg, j0, N: tl.constexpr):
+    """Folds a score tile s [R, N] (keys j0 .. j0 + N - 1, -inf where not visible) into the
+    running block max ``best`` [R] and its key ``arg`` [R]: the first key of the tile that
+    attains the tile's max replaces ``arg`` when that max beats ``best`` (ties stay with the
+    earlier key). The max keeps NaN (see :func:`_row_max_keep_nan`)."""
+    tmax = _row_max_keep_nan(s)
+    tj = tl.min(tl.where(s == tmax[:, None], tl.arange(0, N)[None, :], N - 1), axis=1)
+    arg = tl.where(tmax > best, j0 + tj, arg)
+    return _max_keep_nan(best, tmax), arg
 
 
 @triton.jit
 def _select_kernel(
-    q_ptr, k_ptr, k_desc, qbad_ptr, kbad_ptr, out_ptr,
+    q_ptr, k_ptr, k_desc, qbad_ptr, kbad_ptr, out_ptr, score_ptr, arg_ptr,
     cu_ptr, block_doc_ptr, block_local_ptr,
     stride_qt, stride_qh, stride_kt, stride_oh, stride_ot,
     num_blocks_bound, top_k, init_blocks, local_blocks,
     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     KP: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr, FLAGS: tl.constexpr,
-    BRANCH: tl.constexpr,
+    BRANCH: tl.constexpr, EMIT: tl.constexpr,
 ):
+    """With EMIT each row also keeps, per slot, the selected block's real score (the max of
+    q.k over its visible keys, forced blocks included) and the compact row of the key that
+    attains it, written to ``score`` / ``arg`` in the slots' (ascending block id) order."""
     SPLIT: tl.constexpr = BS // BM
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -157,6 +175,9 @@ def _select_kernel(
     unused = tl.full((BM, KP), 0x7FFFFFFFFFFFFFFF, tl.int64)
     cur = tl.where(cols[None, :] < top_k, empty, unused)
     thr = tl.min(cur, axis=1)
+    cur_sc = tl.full((BM, KP), float("-inf"), tl.float32)
+    cur_arg = tl.full((BM, KP), -1, tl.int32)
+    zero_arg = tl.zeros((BM,), tl.int32)
     kn = tl.arange(0, BN)
     nan_code = tl.full((BM,), _NAN_CODE, tl.int64)
     forced_code = tl.full((BM,), _FORCED_CODE, tl.int64)
@@ -165,6 +186,7 @@ def _select_kernel(
     # Full blocks 0..o-1: every key visible to every row of the tile, no mask.
     for b in range(0, o):
         best = tl.full((BM,), float("-inf"), tl.float32)
+        arg = zero_arg
         if FLAGS:
             kbad = 0
         for c in tl.static_range(0, BS, BN):
@@ -179,6 +201,8 @@ def _select_kernel(
             if FLAGS:
                 best = tl.maximum(best, tl.max(s, axis=1))
                 kbad = tl.maximum(kbad, tl.max(tl.load(kbad_ptr + krow).to(tl.int32), axis=0))
+            elif EMIT:
+                best, arg = _tile_max_and_arg(s, best, arg, c, BN)
             else:
                 best = _max_keep_nan(best, _row_max_keep_nan(s))
         code = _order_code(best)
@@ -189,10 +213,14 @@ def _select_kernel(
         forced = (b < init_blocks) | (b > o - local_blocks)
         code = tl.where(forced, forced_code, code)
         new_key = (code << 31) | (zero_row + (_LOW_MASK - b))
-        cur, thr = _insert(cur, thr, cols, new_key, KP, BRANCH)
+        cur, thr, hit = _insert(cur, thr, cols, new_key, KP, BRANCH)
+        if EMIT:
+            cur_sc = tl.where(hit, best[:, None], cur_sc)
+            cur_arg = tl.where(hit, (start + b * BS + arg)[:, None], cur_arg)
 
     # Own block o: keys j <= pos only.
     best = tl.full((BM,), float("-inf"), tl.float32)
+    arg = zero_arg
     if FLAGS:
         anybad = tl.zeros((BM,), tl.int32)
     for c in tl.static_range(0, BS, BN):
@@ -208,6 +236,8 @@ def _select_kernel(
             best = tl.maximum(best, tl.max(tl.where(vis, s, float("-inf")), axis=1))
             kb = tl.load(kbad_ptr + start + j, mask=kmask, other=0).to(tl.int32)
             anybad = tl.maximum(anybad, tl.max(tl.where(vis, kb[None, :], 0), axis=1))
+        elif EMIT:
+            best, arg = _tile_max_and_arg(tl.where(vis, s, float("-inf")), best, arg, c, BN)
         else:
             best = _max_keep_nan(best, _row_max_keep_nan(tl.where(vis, s, float("-inf"))))
     code = _order_code(best)
@@ -218,23 +248,38 @@ def _select_kernel(
     forced = (o < init_blocks) | (local_blocks > 0)
     code = tl.where(forced, forced_code, code)
     new_key = (code << 31) | (zero_row + (_LOW_MASK - o))
-    cur, thr = _insert(cur, thr, cols, new_key, KP, True)
+    cur, thr, hit = _insert(cur, thr, cols, new_key, KP, True)
+    if EMIT:
+        cur_sc = tl.where(hit, best[:, None], cur_sc)
+        cur_arg = tl.where(hit, (start + o * BS + arg)[:, None], cur_arg)
 
     # Canonical output: ascending block ids, -1 tail.
     big = 0x7FFFFFFF
     valid = (cur >= 0) & (cur != unused)
     low = tl.full((BM, KP), _LOW_MASK, tl.int64)
-    ids = tl.where(valid, (low - (cur & low)).to(tl.int32), big)
-    ids = tl.sort(ids, dim=1)
-    ids = tl.where(ids == big, -1, ids)
-    optr = (out_ptr + h * stride_oh + (start + pos)[:, None].to(tl.int64) * stride_ot
-            + cols[None, :])
-    tl.store(optr, ids, mask=row_ok[:, None] & (cols[None, :] < top_k))
+    row_off = h * stride_oh + (start + pos)[:, None].to(tl.int64) * stride_ot + cols[None, :]
+    store_mask = row_ok[:, None] & (cols[None, :] < top_k)
+    if EMIT:
+        # Sort (block id, slot) pairs so that each slot's score and key follow its id.
+        pair = tl.where(valid, (low - (cur & low)).to(tl.int32) * KP + cols[None, :], big)
+        pair = tl.sort(pair, dim=1)
+        used = pair != big
+        slot = pair % KP
+        tl.store(out_ptr + row_off, tl.where(used, pair // KP, -1), mask=store_mask)
+        tl.store(score_ptr + row_off,
+                 tl.where(used, tl.gather(cur_sc, slot, axis=1), float("-inf")), mask=store_mask)
+        tl.store(arg_ptr + row_off, tl.where(used, tl.gather(cur_arg, slot, axis=1), -1),
+                 mask=store_mask)
+    else:
+        ids = tl.where(valid, (low - (cur & low)).to(tl.int32), big)
+        ids = tl.sort(ids, dim=1)
+        ids = tl.where(ids == big, -1, ids)
+        tl.store(out_ptr + row_off, ids, mask=store_mask)
 
 
 def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, top_k: int,
                          init_blocks: int, local_blocks: int, score: str = "max",
-                         block_size: int | None = None) -> torch.Tensor:
+                         block_size: int | None = None, return_scores: bool = False):
     """Selects ``top_k`` key blocks per (index head, query token) with one fused kernel.
 
     Args:
@@ -248,9 +293,14 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
         score: block score; only ``"max"`` is implemented.
         block_size: key block size in tokens (16, 32, 64 or 128); defaults to
             ``msa.block_size``.
+        return_scores: also return, per slot, the block's real score (fp32 [H, T, top_k], the
+            unscaled max of q.k over its visible keys, forced blocks included; -inf at -1
+            slots) and the compact row of the key attaining it (int32 [H, T, top_k], -1 at -1
+            slots), found in the same pass (the indexer loss's by-products).
 
     Returns:
-        int32 [H, T, top_k]: document-local block ids ascending, -1 at the tail.
+        int32 [H, T, top_k]: document-local block ids ascending, -1 at the tail; with
+        ``return_scores`` the tuple ``(ids, scores, keys)``.
 
     Raises:
         ValueError: on a bad argument; the message names it, its value and the expectation.
@@ -280,8 +330,12 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
         raise ValueError(f"index_q has T={t} tokens but msa.num_tokens={msa.num_tokens}")
     check_kernel_devices(msa, index_q=index_q, index_k=index_k)
     out = torch.empty((h, t, top_k), dtype=torch.int32, device=index_q.device)
+    scores = (torch.empty((h, t, top_k), dtype=torch.float32, device=index_q.device)
+              if return_scores else out)
+    keys = torch.empty_like(out) if return_scores else out
+    result = (out, scores, keys) if return_scores else out
     if t == 0:
-        return out
+        return result
     q = index_q.contiguous()
     k = index_k.contiguous()
     blocks = doc_blocks(msa, bs)
@@ -289,6 +343,9 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     if nan_mode not in ("max", "flags"):
         raise ValueError(f"CONFIG['nan']={nan_mode!r}: expected 'max' or 'flags'")
     flags = nan_mode == "flags"
+    if flags and return_scores:
+        raise ValueError("return_scores=True needs CONFIG['nan']='max' (the flags path does not "
+                         "track the keys attaining the block max)")
     if CONFIG["insert"] not in ("branch", "always"):
         raise ValueError(f"CONFIG['insert']={CONFIG['insert']!r}: expected 'branch' or 'always'")
     if flags:
@@ -302,13 +359,13 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     grid = (blocks.num_blocks_bound * (bs // bm), h)
     k_desc = row_descriptor(k, bn, d, INTERPRET) if CONFIG["tma"] else None
     _select_kernel[grid](
-        q, k, k if k_desc is None else k_desc, qbad, kbad, out, msa.cu_seqlens,
+        q, k, k if k_desc is None else k_desc, qbad, kbad, out, scores, keys, msa.cu_seqlens,
         blocks.block_doc, blocks.block_local,
         q.stride(0), q.stride(1), k.stride(0), out.stride(0), out.stride(1),
         blocks.num_blocks_bound, top_k, init_blocks, local_blocks,
         BS=bs, BM=bm, BN=bn, D=d, KP=kp, FP32_DOT=INTERPRET, TMA=k_desc is not None,
-        FLAGS=flags, BRANCH=CONFIG["insert"] == "branch",
+        FLAGS=flags, BRANCH=CONFIG["insert"] == "branch", EMIT=return_scores,
         num_warps=CONFIG["num_warps"] if bm * bn >= 64 * 64 else 4,
         num_stages=CONFIG["num_stages"],
     )
-    return out
+    return result

@@ -70,7 +70,7 @@ def make_inputs(msa, q_heads, kv_heads, dim, dtype, generator, top_k):
 
 def reference_op(q, k, v, q2k, msa, scale):
     """The reference backend through the autograd function, without the bf16-only check."""
-    return _SparseAttention.apply(q, k, v, q2k, msa, scale, get_backend("reference"))[0]
+    return _SparseAttention.apply(q, k, v, q2k, msa, scale, get_backend("reference"), False)[0]
 
 
 @settings(max_examples=20, deadline=None)

@@ -329,6 +329,36 @@ def test_sparse_indexer_loss_in_the_model():
     assert math.isfinite(loss) and len(index) == 12 and min(index.values()) > 0, index
 
 
+@pytest.mark.parametrize(
+    "recompute",
+    [{}, dict(recompute_granularity="selective", recompute_modules=["core_attn"])],
+    ids=["plain", "selective-core-attn"],
+)
+def test_sparse_loss_from_byproducts_matches_the_recomputing_reference(monkeypatch, recompute):
+    """The layer's production loss (selection scores/keys + forward block mass) trains the
+    indexer exactly as the reference that gathers the keys again: same logged KL, same
+    gradients (fp32 on the CPU), with and without selective recompute of the core."""
+    from nemo_msa.megatron import msa_attention
+
+    calls = []
+    fused = msa_attention.sparse_indexer_loss_from_byproducts
+    monkeypatch.setattr(msa_attention, "sparse_indexer_loss_from_byproducts",
+                        lambda *a, **k: calls.append(1) or fused(*a, **k))
+    MSAIndexerMetrics.reset()
+    loss, grads = _loss_and_grads(msa_indexer_loss_type="sparse", **recompute)
+    kl = MSAIndexerMetrics.pop(reduce=False)["indexer_loss"]
+    assert calls, "the sparse loss did not take the by-product path"
+    monkeypatch.setattr(msa_attention.MSASelfAttention, "loss_from_byproducts", lambda self: False)
+    ref_loss, ref_grads = _loss_and_grads(msa_indexer_loss_type="sparse", **recompute)
+    ref_kl = MSAIndexerMetrics.pop(reduce=False)["indexer_loss"]
+    assert len(calls) == 3, calls  # one per MSA layer; the reference run made none
+    assert loss == pytest.approx(ref_loss, rel=1e-6) and kl == pytest.approx(ref_kl, rel=1e-5)
+    for name, g in ref_grads.items():
+        assert _rel(grads[name], g) < 1e-5 or float(g.norm()) < 1e-12, name
+    index = [k for k in grads if ".indexer." in k]
+    assert index and min(float(grads[k].norm()) for k in index) > 0
+
+
 def test_indexer_matches_a_hand_written_reference():
     """index_q/index_k = Gemma RMSNorm (1 + w) per head, then rotate-half RoPE on the first
     rot_dim channels at document positions (theta 5e6), written out by hand here."""
