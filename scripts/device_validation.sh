@@ -8,6 +8,9 @@
 # STAGES picks the parts to run (default: all three, "tests pretrain pp1"); "bench" adds
 # scripts/bench_msa.py runs, one per ';'-separated argument list in BENCH_RUNS, all logged to
 # $OUT/bench.log under "== bench <n>" headers (one file: the device tool returns only a few).
+# "layer" adds scripts/bench_layer.py (one-layer MiniMax-M3 GPTModel training step, dense vs MSA,
+# plus the dense_attention / cudnn_attention rows) with the arguments in LAYER_ARGS, writing
+# $OUT/layer.json and $OUT/layer.log and printing its table; LAYER_S bounds it (default 540 s).
 set -uo pipefail
 OUT="${OUT:-runs/device}"
 mkdir -p "$OUT"
@@ -70,4 +73,19 @@ for args in "${runs[@]}"; do
   cat "$log" >> "$OUT/bench.log"
   rm -f "$log"
 done
+fi
+
+if [[ " $STAGES " == *" layer "* ]]; then
+echo "== layer: scripts/bench_layer.py ${LAYER_ARGS:-}" | tee "$OUT/layer.log"
+# shellcheck disable=SC2086  # the argument list is split on purpose
+timeout "${LAYER_S:-540}" python3 scripts/bench_layer.py ${LAYER_ARGS:-} --json "$OUT/layer.json" \
+  >> "$OUT/layer.log" 2>&1
+echo "rc $?" >> "$OUT/layer.log"
+# The table (every case row and the two attention rows), or the end of the log on a failure.
+if grep -q "^|  tokens |" "$OUT/layer.log"; then
+  sed -n '/^|  tokens |/,$p' "$OUT/layer.log"
+else
+  grep -E '^\{"tokens"' "$OUT/layer.log" | cut -c1-200
+  tail -n 15 "$OUT/layer.log"
+fi
 fi
