@@ -258,7 +258,7 @@ def free_memory(on_gpu: bool) -> None:
 
 
 def is_oom(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
 def profile_top(fn, on_gpu: bool, top: int) -> list[dict]:

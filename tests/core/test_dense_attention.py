@@ -23,7 +23,7 @@ from nemo_msa.attention import (
     dense_document_attention_rows,
 )
 from nemo_msa.attention import naive as oracle
-from nemo_msa.attention.dense import DocumentRun, document_runs
+from nemo_msa.attention.dense import GPU_SDPA_BACKENDS, DocumentRun, document_runs
 
 
 def _inputs(msa, heads_q, heads_kv, dim, dtype, generator, device="cpu"):
@@ -168,34 +168,51 @@ def test_bad_inputs_name_the_shapes():
 # ----------------------------------------------------------------------------------------- GPU
 
 
-@pytest.mark.gpu
-def test_cudnn_takes_the_production_shape_and_matches_float64_on_a_packed_batch():
-    """64/4 heads d128 bf16, documents of 1..3000 tokens with padding: cuDNN alone must accept
-    every call (no fallback), and out/dq/dk/dv stay within 1e-2 of float64."""
-    ids = random_document_map(torch.Generator().manual_seed(5), batch=2, seq=4096, max_doc=3000)
-    ids[0, :1] = 99  # a length-1 document at the start
-    msa = MSAMicrobatch.build(packed_seq_ids=ids.cuda(), block_size=128)
-    generator = torch.Generator().manual_seed(6)
-    q, k, v, dout = _inputs(msa, 64, 4, 128, torch.bfloat16, generator, device="cuda")
-    scale = 1 / math.sqrt(128)
+def _check_against_float64(msa, backends, heads_q=64, heads_kv=4, dim=128, seed=6):
+    """bf16 on CUDA through ``backends`` vs the same plan in float64 through the math kernel
+    (the CPU tests pin the plan to the masked rows; a [b, 64, s, s] float64 score tensor would
+    need tens of GB): out, dq, dk, dv within 1e-2 relative error."""
+    q, k, v, dout = _inputs(msa, heads_q, heads_kv, dim, torch.bfloat16,
+                            torch.Generator().manual_seed(seed), device="cuda")
+    scale = 1 / math.sqrt(dim)
     got = _forward_and_grads(
-        lambda *a: dense_document_attention_per_document(
-            *a, backends=(SDPBackend.CUDNN_ATTENTION,)
-        ),
+        lambda *a: dense_document_attention_per_document(*a, backends=backends),
         q, k, v, dout, msa, scale,
     )
-    via_dispatch = dense_document_attention(q, k, v, msa, scale)
-    assert torch.equal(via_dispatch, got[0])
-    # float64 reference: the same per-document plan through the math kernel (the CPU tests pin
-    # the plan to the masked rows; a [b, 64, s, s] float64 score tensor would need ~50 GB).
     xs = [x.detach().double().requires_grad_() for x in (q, k, v)]
     reference = _forward_and_grads(
         lambda *a: dense_document_attention_per_document(*a, backends=(SDPBackend.MATH,)),
         *xs, dout.double(), msa, scale,
     )
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, reference, strict=True):
-        error = float((a.double() - b).norm() / b.norm())
+        assert a.dtype == torch.bfloat16 and a.shape == b.shape, (name, a.dtype, a.shape)
+        error = float((a.double() - b).detach().norm() / b.detach().norm())
         assert error < 1e-2, f"{name}: relative error {error:.2e} vs float64"
+    return q, k, v, got
+
+
+@pytest.mark.gpu
+def test_cudnn_alone_takes_the_production_shape():
+    """64/4 heads d128 bf16, one 4096-token document in one row and two (1000 + 3096) in the
+    other: only cuDNN is allowed, so a refusal fails here instead of falling back silently."""
+    ids = torch.tensor([[1] * 4096, [1] * 1000 + [2] * 3096])
+    msa = MSAMicrobatch.build(packed_seq_ids=ids.cuda(), block_size=128)
+    assert document_runs(msa) == (DocumentRun(0, 1, 4096), DocumentRun(4096, 1, 1000),
+                                  DocumentRun(5096, 1, 3096))
+    q, k, v, got = _check_against_float64(msa, (SDPBackend.CUDNN_ATTENTION,))
+    # The dispatcher takes this path (cuDNN first) on CUDA bf16.
+    assert torch.equal(dense_document_attention(q, k, v, msa, 1 / math.sqrt(128)), got[0])
+
+
+@pytest.mark.gpu
+def test_gpu_path_matches_float64_on_a_packed_batch_with_short_documents():
+    """Random documents of 1..3000 tokens with padding, a length-1 document first; the default
+    backends (cuDNN, then flash, then memory-efficient, whichever takes each run)."""
+    ids = random_document_map(torch.Generator().manual_seed(5), batch=2, seq=4096, max_doc=3000)
+    ids[0, :1] = 99
+    msa = MSAMicrobatch.build(packed_seq_ids=ids.cuda(), block_size=128)
+    assert msa.document_lengths[0] == 1
+    _check_against_float64(msa, GPU_SDPA_BACKENDS)
 
 
 @pytest.mark.gpu
