@@ -288,18 +288,22 @@ def profile_top(fn, on_gpu: bool, top: int) -> list[dict]:
     return rows[:top]
 
 
-def run_timed(step, args, on_gpu: bool, row: dict, key: str) -> None:
+def run_timed(bench, args, on_gpu: bool, row: dict, key: str) -> None:
     """Warm-up, the too-slow check, timed steps (median), peak memory and the optional profile.
 
     Fills ``row`` in place: ``status`` and ``key`` (ms), ``peak_gib``, ``warmup_ms``,
-    ``kernels``. ``step`` makes its own fresh inputs and returns nothing.
+    ``kernels``. ``bench`` is ``(prepare, run)``: ``prepare()`` makes fresh random inputs
+    (untimed), ``run(inputs)`` is the timed work.
     """
+    prepare, run = bench
     timer = Timer(on_gpu)
     reset_peak(on_gpu)
     warm: list[float] = []
     for _ in range(max(1, args.warmup)):
+        inputs = prepare()
         with timer.region(warm):
-            step()
+            run(inputs)
+        del inputs
         row["warmup_ms"] = [round(t, 3) for t in warm]
         if warm[-1] > args.max_step_s * 1e3:
             # Checked after every warm-up step: one slow step is all a too-slow row costs.
@@ -308,58 +312,79 @@ def run_timed(step, args, on_gpu: bool, row: dict, key: str) -> None:
             return
     times: list[float] = []
     for _ in range(args.steps):
+        inputs = prepare()
         with timer.region(times):
-            step()
+            run(inputs)
+        del inputs
     row[key] = statistics.median(times)
     row["peak_gib"] = peak_gib(on_gpu)
     row["status"] = "ok"
     if args.profile:
-        row["kernels"] = profile_top(step, on_gpu, args.profile_top)
+        inputs = prepare()
+        row["kernels"] = profile_top(lambda: run(inputs), on_gpu, args.profile_top)
 
 
 # ----------------------------------------------------------------------------- rows
 
 
 def layer_step(model, shape: Shape, tokens: int, device: torch.device):
-    """One training step's forward+backward with fresh random tokens and document map."""
+    """``(prepare, run)`` of one training step: fresh random tokens and document map, then the
+    forward and backward of the mean LM loss (the layout is built inside, as in training)."""
 
-    def step() -> None:
-        ids = torch.ones(1, tokens, dtype=torch.int64, device=device)  # one document per row
+    def prepare() -> dict:
         text = torch.randint(1, shape.vocab, (1, tokens), device=device)
-        positions = torch.arange(tokens, device=device).unsqueeze(0)
+        return {
+            "ids": torch.ones(1, tokens, dtype=torch.int64, device=device),  # one document
+            "text": text,
+            "labels": text.roll(-1, dims=1),
+            "positions": torch.arange(tokens, device=device).unsqueeze(0),
+        }
+
+    def run(x: dict) -> None:
         model.zero_grad(set_to_none=True)
-        loss = model(text, positions, ids, labels=text.roll(-1, dims=1))
+        loss = model(x["text"], x["positions"], x["ids"], labels=x["labels"])
         loss.float().mean().backward()
         MSAIndexerMetrics.reset()
 
-    return step
+    return prepare, run
 
 
 def attention_step(name: str, shape: Shape, tokens: int, device: torch.device, dtype):
-    """Forward+backward of the attention alone on fresh random bf16 inputs."""
+    """``(prepare, run)`` of the attention alone: fresh random q, k, v, dout; forward+backward.
+
+    ``dense_attention`` is :func:`nemo_msa.attention.dense_document_attention` on compact
+    [T, H, d] tensors and the one-document layout; ``cudnn_attention`` is SDPA causal GQA on
+    [1, H, T, d] restricted to cuDNN (the math kernel on the CPU).
+    """
     scale = shape.head_dim**-0.5
-    ids = torch.ones(1, tokens, dtype=torch.int64, device=device)
-    msa = MSAMicrobatch.build(packed_seq_ids=ids, block_size=shape.block)
+    msa = MSAMicrobatch.build(
+        packed_seq_ids=torch.ones(1, tokens, dtype=torch.int64, device=device),
+        block_size=shape.block,
+    )
+    heads = (shape.heads, shape.groups, shape.groups)
 
-    def rand(*size):
-        return torch.randn(*size, device=device, dtype=dtype).requires_grad_()
+    def rand(*size) -> torch.Tensor:
+        return torch.randn(*size, device=device, dtype=dtype)
 
-    def dense() -> None:
-        q, k, v = (rand(tokens, h, shape.head_dim) for h in (shape.heads, shape.groups,
-                                                           shape.groups))
-        out = dense_document_attention(q, k, v, msa, scale)
-        out.backward(torch.randn_like(out))
+    def prepare() -> dict:
+        if name == "dense_attention":
+            q, k, v = (rand(tokens, h, shape.head_dim).requires_grad_() for h in heads)
+        else:
+            q, k, v = (rand(1, h, tokens, shape.head_dim).requires_grad_() for h in heads)
+        return {"q": q, "k": k, "v": v, "dout": torch.randn_like(q)}
 
-    def cudnn() -> None:
-        q, k, v = (rand(1, h, tokens, shape.head_dim) for h in (shape.heads, shape.groups,
-                                                              shape.groups))
-        backends = [SDPBackend.CUDNN_ATTENTION] if device.type == "cuda" else [SDPBackend.MATH]
-        with sdpa_kernel(backends):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                 enable_gqa=True)
-        out.backward(torch.randn_like(out))
+    def run(x: dict) -> None:
+        if name == "dense_attention":
+            out = dense_document_attention(x["q"], x["k"], x["v"], msa, scale)
+        else:
+            backends = [SDPBackend.CUDNN_ATTENTION] if device.type == "cuda" else [SDPBackend.MATH]
+            with sdpa_kernel(backends):
+                out = F.scaled_dot_product_attention(
+                    x["q"], x["k"], x["v"], is_causal=True, scale=scale, enable_gqa=True
+                )
+        out.backward(x["dout"])
 
-    return {"dense_attention": dense, "cudnn_attention": cudnn}[name]
+    return prepare, run
 
 
 # ----------------------------------------------------------------------------- report
