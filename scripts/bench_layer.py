@@ -27,7 +27,10 @@ Cases (``--cases``):
 Two attention-only rows per size time the forward+backward of the attention alone on the same
 tokens (bf16 q [T, 64, 128], k/v [T, 4, 128]): ``dense_attention`` (this project's
 ``dense_document_attention`` on the one-document layout) and ``cudnn_attention`` (cuDNN SDPA,
-causal, ``enable_gqa=True``, on [1, H, T, 128]).
+causal, ``enable_gqa=True``, on [1, H, T, 128]). ``--packed-docs MIN:MAX`` adds
+``dense_attention_packed``: the same function on one row packed with documents of random
+lengths MIN..MAX, fresh per step (one SDPA call per document and a cuDNN plan per new length;
+fewer FLOPs than one document, so compare it with care).
 
 Per row: ``step_ms`` (median of ``--steps`` steps after ``--warmup``, CUDA events), tokens/s,
 ``peak_gib`` (``torch.cuda.max_memory_allocated`` since the row started, model, gradients and
@@ -387,6 +390,43 @@ def attention_step(name: str, shape: Shape, tokens: int, device: torch.device, d
     return prepare, run
 
 
+def packed_attention_step(shape: Shape, tokens: int, lengths: tuple[int, int],
+                          device: torch.device, dtype, stats: dict):
+    """``(prepare, run)`` of :func:`dense_document_attention` on one row packed with documents
+    of random lengths in ``lengths`` (fresh lengths and inputs per step, the last document cut
+    to fill the row): one SDPA call per document, and a new cuDNN plan per new length.
+
+    The layout is built in ``prepare`` (untimed: training builds it once per microbatch for all
+    layers). ``stats`` collects the documents per step and the causal (query, key) pairs
+    relative to one document of ``tokens``.
+    """
+    scale = shape.head_dim**-0.5
+    generator = torch.Generator().manual_seed(tokens)
+    heads = (shape.heads, shape.groups, shape.groups)
+
+    def prepare() -> dict:
+        sizes, left = [], tokens
+        while left > 0:
+            n = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=generator))
+            sizes.append(min(n, left))
+            left -= sizes[-1]
+        ids = torch.repeat_interleave(torch.arange(1, len(sizes) + 1), torch.tensor(sizes))
+        msa = MSAMicrobatch.build(packed_seq_ids=ids.view(1, tokens).to(device),
+                                  block_size=shape.block)
+        stats.setdefault("documents", []).append(len(sizes))
+        stats.setdefault("pairs", []).append(
+            sum(n * (n + 1) for n in sizes) / (tokens * (tokens + 1)))
+        q, k, v = (torch.randn(tokens, h, shape.head_dim, device=device, dtype=dtype)
+                   .requires_grad_() for h in heads)
+        return {"msa": msa, "q": q, "k": k, "v": v, "dout": torch.randn_like(q)}
+
+    def run(x: dict) -> None:
+        out = dense_document_attention(x["q"], x["k"], x["v"], x["msa"], scale)
+        out.backward(x["dout"])
+
+    return prepare, run
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -395,7 +435,7 @@ def fmt_table(rows: list[dict]) -> str:
                 if r["case"] == "dense" and r.get("status") == "ok"}
     cudnn_ms = {r["tokens"]: r["fwdbwd_ms"] for r in rows
                 if r["case"] == "cudnn_attention" and r.get("status") == "ok"}
-    head = (f"| {'tokens':>7} | {'case':<16} | {'status':<8} | {'step_ms':>9} | {'tok/s':>10} "
+    head = (f"| {'tokens':>7} | {'case':<22} | {'status':<8} | {'step_ms':>9} | {'tok/s':>10} "
             f"| {'x dense':>7} | {'fwdbwd_ms':>9} | {'x cudnn':>7} | {'peak_gib':>8} |")
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
 
@@ -407,7 +447,7 @@ def fmt_table(rows: list[dict]) -> str:
         x_dense = dense_ms[r["tokens"]] / step if step and r["tokens"] in dense_ms else None
         x_cudnn = fb / cudnn_ms[r["tokens"]] if fb and r["tokens"] in cudnn_ms else None
         lines.append(
-            f"| {r['tokens']:>7} | {r['case']:<16} | {r['status']:<8} | {num(step, 9)} "
+            f"| {r['tokens']:>7} | {r['case']:<22} | {r['status']:<8} | {num(step, 9)} "
             f"| {num(r.get('tokens_per_s'), 10, 0)} | {num(x_dense, 7, 2)} | {num(fb, 9)} "
             f"| {num(x_cudnn, 7, 2)} | {num(r.get('peak_gib'), 8, 2)} |"
         )
@@ -455,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default 8192; tiny 256)")
     ap.add_argument("--no-attention-rows", action="store_true",
                     help="skip the dense_attention / cudnn_attention rows")
+    ap.add_argument("--packed-docs", default=None, metavar="MIN:MAX",
+                    help="also time dense_document_attention on one row packed with documents "
+                    "of random lengths MIN..MAX (row dense_attention_packed; fresh per step)")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel table (torch.profiler) of one more step per row")
     ap.add_argument("--profile-top", type=int, default=12)
@@ -467,6 +510,15 @@ def main(argv: list[str] | None = None) -> int:
     cases = parse_list(args.cases, CASES, "--cases")
     sizes = parse_list(args.tokens or ("128,256" if args.tiny else "8192,32768,131072"), None,
                        "--tokens")
+    packed = None
+    if args.packed_docs is not None:
+        try:
+            low, high = (int(x) for x in args.packed_docs.split(":"))
+        except ValueError:
+            raise SystemExit(f"--packed-docs={args.packed_docs!r}: expected MIN:MAX") from None
+        if not 1 <= low <= high:
+            raise SystemExit(f"--packed-docs={args.packed_docs!r}: expected 1 <= MIN <= MAX")
+        packed = (low, high)
     shape = TINY if args.tiny else M3
     if args.vocab is not None:
         shape = Shape(**{**shape.__dict__, "vocab": args.vocab})
@@ -560,6 +612,26 @@ def main(argv: list[str] | None = None) -> int:
                     row.update(status=failure[0], note=failure[1])
                     free_memory(on_gpu)
                 report(row)
+            if packed is None:
+                continue
+            row = {"tokens": tokens, "case": "dense_attention_packed", "fwdbwd_ms": None,
+                   "peak_gib": None, "kernel": "nemo_msa dense_document_attention",
+                   "document_lengths": list(packed)}
+            stats: dict = {}
+            failure = None
+            try:
+                run_timed(packed_attention_step(shape, tokens, packed, device, dtype, stats),
+                          args, on_gpu, row, "fwdbwd_ms")
+            except Exception as error:
+                failure = ("oom" if is_oom(error) else "error",
+                           f"{type(error).__name__}: {str(error)[:300]}")
+            if failure is not None:
+                row.update(status=failure[0], note=failure[1])
+                free_memory(on_gpu)
+            if stats:
+                row["documents_mean"] = statistics.mean(stats["documents"])
+                row["causal_pairs_vs_one_document"] = statistics.mean(stats["pairs"])
+            report(row)
 
     for row in rows:
         if row.get("kernels"):
