@@ -277,14 +277,16 @@ def profile_top(fn, on_gpu: bool, top: int) -> list[dict]:
         fn()
         if on_gpu:
             torch.cuda.synchronize()
+    events = list(prof.key_averages())
+    if on_gpu:
+        kernels = [e for e in events
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+        # Where the averages do not keep the device type, the ops' self device time is the
+        # time of the kernels they launched.
+        events = kernels or events
     rows = []
-    for event in prof.key_averages():
-        if on_gpu:
-            if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
-                continue
-            us = event.self_device_time_total
-        else:
-            us = event.self_cpu_time_total
+    for event in events:
+        us = event.self_device_time_total if on_gpu else event.self_cpu_time_total
         if us > 0:
             rows.append({"name": event.key[:90], "ms": us / 1e3, "calls": event.count})
     rows.sort(key=lambda row: -row["ms"])
