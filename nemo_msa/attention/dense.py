@@ -106,23 +106,30 @@ def document_runs(msa: MSAMicrobatch) -> tuple[DocumentRun, ...]:
     return msa.cached("nemo_msa.attention.dense.document_runs", make)
 
 
+def _backend_preference(backends: Sequence[SDPBackend]):
+    """The ``sdpa_kernel`` context that tries ``backends`` in the order given."""
+    if _HAS_SET_PRIORITY:
+        return sdpa_kernel(list(backends), set_priority=True)
+    return sdpa_kernel(list(backends))
+
+
 def _causal_gqa_sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: float,
-    backends: Sequence[SDPBackend],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float
 ) -> torch.Tensor:
-    """Causal SDPA with GQA on [n, H, L, d] views, the first of ``backends`` that takes it."""
-    context = (
-        sdpa_kernel(list(backends), set_priority=True)
-        if _HAS_SET_PRIORITY
-        else sdpa_kernel(list(backends))
+    """Causal SDPA with GQA (query head h reads KV head h // (Hq / Hkv)).
+
+    Args:
+        q: [n, Hq, L, d] queries (any strides with the last dim contiguous).
+        k: [n, Hkv, L, d] keys in q's dtype.
+        v: [n, Hkv, L, d] values in q's dtype.
+        softmax_scale: multiplies q.k.
+
+    Returns:
+        [n, Hq, L, d] in q's dtype.
+    """
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
     )
-    with context:
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
 
 
 def dense_document_attention_per_document(
@@ -157,19 +164,21 @@ def dense_document_attention_per_document(
     _check_inputs(q, k, v, msa)
     heads_q, heads_kv, dim = q.shape[1], k.shape[1], q.shape[2]
     outputs = []
-    for run in document_runs(msa):
-        stop = run.start + run.count * run.length
+    with _backend_preference(backends):
+        for run in document_runs(msa):
+            stop = run.start + run.count * run.length
 
-        def view(x: torch.Tensor, heads: int, run=run, stop=stop) -> torch.Tensor:
-            # [n * L, H, d] -> [n, H, L, d]: a strided view of contiguous compact tensors (SDPA
-            # takes any strides with the last dim contiguous); reshape copies only otherwise.
-            part = x[run.start : stop].reshape(run.count, run.length, heads, dim)
-            return part.transpose(1, 2)
+            def view(x: torch.Tensor, heads: int, run=run, stop=stop) -> torch.Tensor:
+                # [n * L, H, d] -> [n, H, L, d]: a strided view of contiguous compact tensors
+                # (SDPA takes any strides with the last dim contiguous); reshape copies only
+                # where the input is not contiguous.
+                part = x[run.start : stop].reshape(run.count, run.length, heads, dim)
+                return part.transpose(1, 2)
 
-        out = _causal_gqa_sdpa(
-            view(q, heads_q), view(k, heads_kv), view(v, heads_kv), softmax_scale, backends
-        )
-        outputs.append(out.transpose(1, 2).reshape(run.count * run.length, heads_q, dim))
+            out = _causal_gqa_sdpa(
+                view(q, heads_q), view(k, heads_kv), view(v, heads_kv), softmax_scale
+            )
+            outputs.append(out.transpose(1, 2).reshape(run.count * run.length, heads_q, dim))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
