@@ -6,11 +6,13 @@ Public API (CPU reference everywhere, kernels where the device has them):
   memoized per batch tensor.
 - :func:`select_blocks`: index scorer + top-k block selection.
 - :func:`sparse_attention`: differentiable block-sparse attention.
+- :func:`dense_document_attention`: dense causal attention within documents (dense layers, the
+  dense warm-up; cuDNN per document on the GPU).
 - :func:`require_msa_support`, :func:`check_runtime_arguments`: the support gate.
 - :func:`resolve_backend`, :func:`register_backend`: the backend registry.
 """
 
-from nemo_msa.attention import sparse_attention
+from nemo_msa.attention import dense_document_attention, sparse_attention
 from nemo_msa.backends import MSABackend, register_backend, resolve_backend
 from nemo_msa.layout import MSAMicrobatch
 from nemo_msa.selection import select_blocks
@@ -21,6 +23,7 @@ __all__ = [
     "MSAMicrobatch",
     "MSATopology",
     "check_runtime_arguments",
+    "dense_document_attention",
     "register_backend",
     "require_msa_support",
     "resolve_backend",

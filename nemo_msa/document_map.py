@@ -180,12 +180,22 @@ def _document_map_from_block_causal(mask: torch.Tensor) -> tuple[torch.Tensor, t
 
 @dataclass(frozen=True)
 class DocumentMapSummary:
-    """Host-side sizes of a validated document map (the one host synchronization)."""
+    """Host-side sizes of a validated document map (the one host synchronization).
+
+    Attributes:
+        num_tokens: real tokens T.
+        num_documents: documents D.
+        max_seqlen: the longest document's length.
+        num_workspace_blocks: blocks of the aligned workspace.
+        document_lengths: the D document lengths in row-major document order (host ints), for
+            host-side plans such as per-document dense attention calls.
+    """
 
     num_tokens: int
     num_documents: int
     max_seqlen: int
     num_workspace_blocks: int
+    document_lengths: tuple[int, ...] = ()
 
 
 def summarize_document_map(
@@ -246,8 +256,17 @@ def summarize_document_map(
             bad_mask_row,
         ]
     )
-    # The one device-to-host synchronization of the layout.
-    (tokens, documents, max_seqlen, blocks, negative, interrupted, bad_mask) = report.tolist()
+    # A document's length sits at its last token (the next flat token starts a new run, is
+    # padding, or begins the next row); 0 elsewhere. It travels with the report in one copy.
+    following = torch.roll(flat, -1)
+    ends = real & ((column == s - 1) | (following != flat))
+    lengths_at_ends = torch.where(ends, local_positions + 1, 0)
+    # The one device-to-host synchronization of the layout: the report and the lengths, int32
+    # (every value is below 2**31: sizes are checked against int32, the sentinel is INT32_MAX).
+    host = torch.cat([report, lengths_at_ends]).to(torch.int32).cpu().numpy()
+    (tokens, documents, max_seqlen, blocks, negative, interrupted, bad_mask) = (
+        int(x) for x in host[: report.numel()]
+    )
 
     if bad_mask != _NO_BAD_ROW:
         row, query = divmod(bad_mask, s)
@@ -272,5 +291,7 @@ def summarize_document_map(
         raise ValueError(
             f"the aligned workspace needs {blocks * block_size} rows, past int32 ({INT32_MAX})"
         )
-    summary = DocumentMapSummary(tokens, documents, max_seqlen, blocks)
+    ended = host[report.numel() :]
+    document_lengths = tuple(int(x) for x in ended[ended > 0])
+    summary = DocumentMapSummary(tokens, documents, max_seqlen, blocks, document_lengths)
     return summary, {"real": real, "starts": starts, "local_positions": local_positions}

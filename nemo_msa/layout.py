@@ -112,6 +112,9 @@ class MSAMicrobatch:
         num_documents: D, host int.
         workspace_size: rows of the aligned workspace, host int (a multiple of block_size).
         max_seqlen: longest document, host int.
+        document_lengths: the D document lengths in compact order, host ints (read in the
+            build's one synchronization; host-side plans such as per-document dense attention
+            use them without touching the device).
     """
 
     batch_size: int
@@ -129,6 +132,7 @@ class MSAMicrobatch:
     num_documents: int
     workspace_size: int
     max_seqlen: int
+    document_lengths: tuple[int, ...] = ()
     _source_version: int = field(default=-1, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -273,6 +277,7 @@ class MSAMicrobatch:
             num_documents=documents,
             workspace_size=summary.num_workspace_blocks * block_size,
             max_seqlen=summary.max_seqlen,
+            document_lengths=summary.document_lengths,
         )
 
     @staticmethod

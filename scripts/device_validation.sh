@@ -5,9 +5,13 @@
 #   3. the pipeline integration recipe collapsed to TP=1/PP=1 on one GPU (issue 6, what one GPU
 #      allows).
 # Needs the megatron-core and omegaconf wheels in .whl/ (see README "GPU"); writes to $OUT.
-# STAGES picks the parts to run (default: all three, "tests pretrain pp1"); "bench" adds
+# STAGES picks the parts to run (default: all three, "tests pretrain pp1"; GPU_TEST_PATHS narrows
+# the first pytest call of "tests", e.g. to tests/core/test_dense_attention.py); "bench" adds
 # scripts/bench_msa.py runs, one per ';'-separated argument list in BENCH_RUNS, all logged to
 # $OUT/bench.log under "== bench <n>" headers (one file: the device tool returns only a few).
+# "layer" adds scripts/bench_layer.py (one-layer MiniMax-M3 GPTModel training step, dense vs MSA,
+# plus the dense_attention / cudnn_attention rows) with the arguments in LAYER_ARGS, writing
+# $OUT/layer.json and $OUT/layer.log and printing its table; LAYER_S bounds it (default 540 s).
 set -uo pipefail
 OUT="${OUT:-runs/device}"
 mkdir -p "$OUT"
@@ -27,8 +31,10 @@ export PYTHONUNBUFFERED=1
 # also run compiled on the GPU. The whole log is kept (a failure's traceback included).
 STAGES="${STAGES:-tests pretrain pp1}"
 if [[ " $STAGES " == *" tests "* ]]; then
-timeout "${GPU_TESTS_S:-200}" python3 -m pytest -q -m "gpu or not slow" tests/core \
-  tests/msa_kernels -rs -p no:cacheprovider -W ignore::UserWarning > "$OUT/gpu_tests.log" 2>&1
+# shellcheck disable=SC2086  # GPU_TEST_PATHS (default: tests/core tests/msa_kernels) is a list
+timeout "${GPU_TESTS_S:-200}" python3 -m pytest -q -m "gpu or not slow" \
+  ${GPU_TEST_PATHS:-tests/core tests/msa_kernels} -rs -p no:cacheprovider -W ignore::UserWarning \
+  > "$OUT/gpu_tests.log" 2>&1
 timeout "${GPU_TESTS_S:-200}" python3 -m pytest -q -m gpu tests/megatron tests/training -rs \
   -p no:cacheprovider -W ignore::UserWarning >> "$OUT/gpu_tests.log" 2>&1
 grep -E "passed|failed|error" "$OUT/gpu_tests.log"
@@ -70,4 +76,19 @@ for args in "${runs[@]}"; do
   cat "$log" >> "$OUT/bench.log"
   rm -f "$log"
 done
+fi
+
+if [[ " $STAGES " == *" layer "* ]]; then
+echo "== layer: scripts/bench_layer.py ${LAYER_ARGS:-}" | tee "$OUT/layer.log"
+# shellcheck disable=SC2086  # the argument list is split on purpose
+timeout "${LAYER_S:-540}" python3 scripts/bench_layer.py ${LAYER_ARGS:-} --json "$OUT/layer.json" \
+  >> "$OUT/layer.log" 2>&1
+echo "rc $?" >> "$OUT/layer.log"
+# The table (every case row and the two attention rows), or the end of the log on a failure.
+if grep -q "^|  tokens |" "$OUT/layer.log"; then
+  sed -n '/^|  tokens |/,$p' "$OUT/layer.log"
+else
+  grep -E '^\{"tokens"' "$OUT/layer.log" | cut -c1-200
+  tail -n 15 "$OUT/layer.log"
+fi
 fi

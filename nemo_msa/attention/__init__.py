@@ -1,4 +1,9 @@
-"""Sparse attention over selected key blocks: validation, autograd, backend dispatch."""
+"""Attention on compact tokens: block-sparse (validation, autograd, backend dispatch) and dense.
+
+- :func:`sparse_attention`: attention over the selected key blocks (the MSA op).
+- :func:`dense_document_attention` (from :mod:`nemo_msa.attention.dense`): dense causal
+  attention within documents, for dense layers and the dense warm-up.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,22 @@ import math
 
 import torch
 
+from nemo_msa.attention.dense import (
+    dense_document_attention,
+    dense_document_attention_per_document,
+    dense_document_attention_rows,
+)
 from nemo_msa.backends import MSABackend, resolve_backend
 from nemo_msa.layout import MSAMicrobatch
 from nemo_msa.support import reject_cuda_graph_capture
 
-__all__ = ["sparse_attention", "validate_attention_inputs"]
+__all__ = [
+    "dense_document_attention",
+    "dense_document_attention_per_document",
+    "dense_document_attention_rows",
+    "sparse_attention",
+    "validate_attention_inputs",
+]
 
 
 def validate_attention_inputs(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from nemo_msa import MSAMicrobatch
+from nemo_msa.attention import dense_document_attention
 from nemo_msa.attention.naive import dense_document_attention as oracle
-from nemo_msa.megatron.core_attention import dense_document_attention
 
 
 def test_dense_document_attention_matches_the_oracle_with_gqa_and_padding():

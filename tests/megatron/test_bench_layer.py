@@ -1,0 +1,60 @@
+"""scripts/bench_layer.py end to end on the CPU (--tiny, gloo, the CPU shim): every case and
+attention row is measured and lands in the JSON with positive finite numbers, in a subprocess
+(the script owns its process group)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = ("dense", "msa_loss_off", "msa_sparse_loss", "msa_dense_loss", "msa_warmup")
+
+
+def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_layer.py"), "--tiny", "--cpu",
+           "--steps", "1", "--warmup", "1", "--json", str(tmp_path / "layer.json"), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=tmp_path,
+                          env={**os.environ, "NEMO_MSA_COMMIT": "test-commit"})
+
+
+def test_tiny_run_reports_every_case_and_attention_row(tmp_path):
+    proc = _run(tmp_path, "--tokens", "64,128", "--profile", "--profile-top", "3",
+                "--packed-docs", "10:40")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "layer.json").read_text())
+    assert result["commit"] == "test-commit" and result["gpu"] == "cpu"
+    assert result["torch"] and "--tiny" in result["command"]
+    rows = {(row["tokens"], row["case"]): row for row in result["rows"]}
+    attention = ("dense_attention", "cudnn_attention", "dense_attention_packed")
+    expected = {(t, c) for t in (64, 128) for c in (*CASES, *attention)}
+    assert set(rows) == expected and len(result["rows"]) == len(expected)
+    for (tokens, case), row in rows.items():
+        assert row["status"] == "ok", row
+        key = "step_ms" if case in CASES else "fwdbwd_ms"
+        value = row[key]
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, row
+        assert row["kernels"] and all(k["ms"] > 0 for k in row["kernels"]), row
+        if key == "step_ms":
+            assert math.isclose(row["tokens_per_s"], tokens / (value / 1e3)), row
+        if case == "dense_attention_packed":  # 2..13 documents of 10..40 tokens per row
+            assert tokens / 40 <= row["documents_mean"] <= tokens / 10 + 1, row
+            assert 0 < row["causal_pairs_vs_one_document"] < 1, row
+    # The printed table ends the output, one line per row.
+    table = proc.stdout[proc.stdout.index("|  tokens |"):]
+    assert sum(line.startswith("|     ") for line in table.splitlines()) == len(expected)
+
+
+def test_bad_arguments_fail_before_anything_is_built(tmp_path):
+    proc = _run(tmp_path, "--cases", "dense,sparse")
+    assert proc.returncode != 0
+    assert "--cases='dense,sparse': unknown ['sparse']" in proc.stderr
+    proc = _run(tmp_path, "--packed-docs", "40:10")
+    assert proc.returncode != 0 and "expected 1 <= MIN <= MAX" in proc.stderr
+    proc = _run(tmp_path, "--tokens", "100")
+    assert proc.returncode != 0 and "multiples of the block size 16" in proc.stderr
+    assert not (tmp_path / "layer.json").exists()
