@@ -305,8 +305,8 @@ def test_real_flashinfer_on_rows_that_select_nothing_and_non_canonical_q2k():
     q2k[0, 100:140] = -1
     out, lse = fa.flashinfer_attention_forward(q, k, v, q2k, msa, 0.1)
     assert bool((out[100:140] == 0).all()) and bool(torch.isneginf(lse[:, 100:140]).all())
+    # The same sets as q2k's rows, reversed, repeated and with -1 in front.
     scrambled = torch.cat([q2k.flip(-1)[..., :8], q2k[..., :8]], dim=-1).contiguous()
-    out2, _ = fa.flashinfer_attention_forward(q, k, v, scrambled, msa, 0.1)
-    ref, _ = fa.flashinfer_attention_forward(q, k, v, fa.to_flashinfer_q2k(scrambled, msa), msa,
-                                             0.1)
-    assert torch.equal(out2, ref)
+    out2, lse2 = fa.flashinfer_attention_forward(q, k, v, scrambled, msa, 0.1)
+    torch.testing.assert_close(out2, out)
+    torch.testing.assert_close(lse2, lse, rtol=1e-6, atol=1e-6)
