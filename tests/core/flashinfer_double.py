@@ -23,8 +23,8 @@ Semantics (docstring, and flashinfer's trace reference of the op): query i of se
 (position ``i - cu_seqlens_q[b]``) and query head h attend, in KV head ``h // group``, the keys
 of the blocks its row selects (block j = keys ``128 j .. 128 j + 127`` of the sequence); causal
 masking keeps keys at positions <= the query's (q_offset None and equal query/key lengths). A
-query with no visible key gets zeros and lse -inf. Only causal, flat, unscaled bf16/fp16 calls
-with ``q_offset=None`` are modelled; anything else raises NotImplementedError.
+query with no visible key gets zeros and lse -inf. Only causal, flat bf16/fp16 calls without
+K/V scales and with ``q_offset=None`` are modelled; anything else raises NotImplementedError.
 """
 
 from __future__ import annotations
