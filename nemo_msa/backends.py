@@ -6,8 +6,8 @@ A backend is three functions with the signatures of ADR 0001 plus an availabilit
 1. the environment variable ``NEMO_MSA_BACKEND``, when set, wins (an operator's override that
    needs no recipe edit);
 2. otherwise the requested name (the ``msa_backend`` config field), unless it is ``"auto"``;
-3. ``"auto"`` takes the first available backend in preference order (triton on SM90+, then the
-   reference, which runs anywhere).
+3. ``"auto"`` takes the first available backend in preference order (flashinfer on SM100/SM103
+   where it imports, triton on SM90+, then the reference, which runs anywhere).
 
 A named backend that cannot run on the device is an error, never a silent fallback.
 """
@@ -59,8 +59,11 @@ class MSABackend:
 _REGISTRY: dict[str, MSABackend] = {}
 # Backends that register themselves on import; imported lazily so that importing nemo_msa does
 # not pull in Triton or flashinfer.
-_LAZY_MODULES: dict[str, str] = {"triton": "nemo_msa.backends_triton"}
-_PREFERENCE = ("triton", "reference")
+_LAZY_MODULES: dict[str, str] = {
+    "flashinfer": "nemo_msa.backends_flashinfer",
+    "triton": "nemo_msa.backends_triton",
+}
+_PREFERENCE = ("flashinfer", "triton", "reference")
 
 
 def register_backend(backend: MSABackend) -> None:
