@@ -51,15 +51,22 @@ def _unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def _select(index_q, index_k, msa, *, top_k, init_blocks, local_blocks, score="max"):
+def _select(index_q, index_k, msa, *, top_k, init_blocks, local_blocks, score="max",
+            return_scores=False):
     return triton_select_blocks(index_q, index_k, msa, top_k=top_k, init_blocks=init_blocks,
-                                local_blocks=local_blocks, score=score)
+                                local_blocks=local_blocks, score=score,
+                                return_scores=return_scores)
 
 
-def _forward(q, k, v, q2k, msa, softmax_scale):
+def _forward(q, k, v, q2k, msa, softmax_scale, return_block_mass=False):
     """``(out, lse, residuals)``: flashinfer's forward (residuals None), or for shapes it does
-    not take the Triton forward (residuals: its union lists)."""
+    not take the Triton forward (residuals: its union lists). The per-slot block mass of the
+    sparse indexer loss (``return_block_mass``) is a by-product of the Triton forward only, so
+    the training step with that loss runs the Triton forward (the same function)."""
     reason = flashinfer_adapter.unsupported_shape_reason(q, k, q2k, msa)
+    if return_block_mass:
+        return triton_attention_forward(q, k, v, q2k, msa, softmax_scale, return_unions=True,
+                                        return_block_mass=True)
     if reason is None:
         out, lse = flashinfer_adapter.flashinfer_attention_forward(q, k, v, q2k, msa,
                                                                    softmax_scale)
