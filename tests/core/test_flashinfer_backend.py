@@ -310,3 +310,18 @@ def test_real_flashinfer_on_rows_that_select_nothing_and_non_canonical_q2k():
     out2, lse2 = fa.flashinfer_attention_forward(q, k, v, scrambled, msa, 0.1)
     torch.testing.assert_close(out2, out)
     torch.testing.assert_close(lse2, lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_without_sm100_flashinfer_is_unavailable_and_auto_picks_triton():
+    """The device check (H200: compute capability 9.0): the registry names the reason, and
+    ``auto`` resolves to the Triton backend."""
+    device = torch.device("cuda")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) in ((10, 0), (10, 3)):
+        pytest.skip(f"this GPU is SM{major}{minor}: flashinfer is the expected choice here")
+    reason = get_backend("flashinfer").unavailable_reason(device)
+    assert reason is not None and f"{major}.{minor}" in reason, reason
+    assert resolve_backend("auto", device).name == "triton"
+    with pytest.raises(ValueError, match="flashinfer backend cannot run"):
+        resolve_backend("flashinfer", device)
