@@ -29,8 +29,9 @@ tokens (bf16 q [T, 64, 128], k/v [T, 4, 128]): ``dense_attention`` (this project
 ``dense_document_attention`` on the one-document layout) and ``cudnn_attention`` (cuDNN SDPA,
 causal, ``enable_gqa=True``, on [1, H, T, 128]). ``--packed-docs MIN:MAX`` adds
 ``dense_attention_packed``: the same function on one row packed with documents of random
-lengths MIN..MAX, fresh per step (one SDPA call per document and a cuDNN plan per new length;
-fewer FLOPs than one document, so compare it with care).
+lengths MIN..MAX (drawn once per size), and ``cudnn_attention_packed``: cuDNN SDPA called per
+document at its exact length on the same row (plans cached after the warm-up: cuDNN's best
+case), the baseline of the packed row.
 
 Per row: ``step_ms`` (median of ``--steps`` steps after ``--warmup``, CUDA events), tokens/s,
 ``peak_gib`` (``torch.cuda.max_memory_allocated`` since the row started, model, gradients and
@@ -393,25 +394,30 @@ def attention_step(name: str, shape: Shape, tokens: int, device: torch.device, d
 
 
 def packed_attention_step(shape: Shape, tokens: int, lengths: tuple[int, int],
-                          device: torch.device, dtype, stats: dict):
-    """``(prepare, run)`` of :func:`dense_document_attention` on one row packed with documents
-    of random lengths in ``lengths`` (fresh lengths and inputs per step, the last document cut
-    to fill the row): one SDPA call per document, and a new cuDNN plan per new length.
+                          device: torch.device, dtype, stats: dict, kernel: str):
+    """``(prepare, run)`` of dense attention on one row packed with documents of random lengths
+    in ``lengths`` (drawn once per size, the last document cut to fill the row; fresh inputs per
+    step).
 
-    The layout is built in ``prepare`` (untimed: training builds it once per microbatch for all
-    layers). ``stats`` collects the documents per step and the causal (query, key) pairs
-    relative to one document of ``tokens``.
+    ``kernel`` ``"nemo"``: :func:`dense_document_attention` (row ``dense_attention_packed``);
+    ``"cudnn"``: cuDNN SDPA causal GQA called per document at its exact length (row
+    ``cudnn_attention_packed``, the issue's baseline; its plans are cached after the warm-up
+    because the lengths repeat, the best case for cuDNN). The layout is built in ``prepare``
+    (untimed: training builds it once per microbatch for all layers). ``stats`` collects the
+    documents per step and the causal (query, key) pairs relative to one document of
+    ``tokens``.
     """
     scale = shape.head_dim**-0.5
     generator = torch.Generator().manual_seed(tokens)
     heads = (shape.heads, shape.groups, shape.groups)
+    sizes, left = [], tokens
+    while left > 0:
+        n = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=generator))
+        sizes.append(min(n, left))
+        left -= sizes[-1]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
 
     def prepare() -> dict:
-        sizes, left = [], tokens
-        while left > 0:
-            n = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=generator))
-            sizes.append(min(n, left))
-            left -= sizes[-1]
         ids = torch.repeat_interleave(torch.arange(1, len(sizes) + 1), torch.tensor(sizes))
         msa = MSAMicrobatch.build(packed_seq_ids=ids.view(1, tokens).to(device),
                                   block_size=shape.block)
@@ -423,7 +429,18 @@ def packed_attention_step(shape: Shape, tokens: int, lengths: tuple[int, int],
         return {"msa": msa, "q": q, "k": k, "v": v, "dout": torch.randn_like(q)}
 
     def run(x: dict) -> None:
-        out = dense_document_attention(x["q"], x["k"], x["v"], x["msa"], scale)
+        if kernel == "nemo":
+            out = dense_document_attention(x["q"], x["k"], x["v"], x["msa"], scale)
+        else:
+            backends = [SDPBackend.CUDNN_ATTENTION] if device.type == "cuda" else [SDPBackend.MATH]
+            parts = []
+            with sdpa_kernel(backends):
+                for start, n in zip(starts, sizes, strict=True):
+                    q, k, v = (x[name][start:start + n].transpose(0, 1).unsqueeze(0)
+                               for name in ("q", "k", "v"))
+                    parts.append(F.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1))
+            out = torch.cat(parts)
         out.backward(x["dout"])
 
     return prepare, run
@@ -435,8 +452,10 @@ def packed_attention_step(shape: Shape, tokens: int, lengths: tuple[int, int],
 def fmt_table(rows: list[dict]) -> str:
     dense_ms = {r["tokens"]: r["step_ms"] for r in rows
                 if r["case"] == "dense" and r.get("status") == "ok"}
-    cudnn_ms = {r["tokens"]: r["fwdbwd_ms"] for r in rows
-                if r["case"] == "cudnn_attention" and r.get("status") == "ok"}
+    # Each attention row against cuDNN on the same tokens: single documents against
+    # cudnn_attention, packed rows against cudnn_attention_packed.
+    cudnn_ms = {(r["tokens"], r["case"].endswith("_packed")): r["fwdbwd_ms"] for r in rows
+                if r["case"].startswith("cudnn_attention") and r.get("status") == "ok"}
     head = (f"| {'tokens':>7} | {'case':<22} | {'status':<8} | {'step_ms':>9} | {'tok/s':>10} "
             f"| {'x dense':>7} | {'fwdbwd_ms':>9} | {'x cudnn':>7} | {'peak_gib':>8} |")
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
@@ -447,7 +466,8 @@ def fmt_table(rows: list[dict]) -> str:
     for r in rows:
         step, fb = r.get("step_ms"), r.get("fwdbwd_ms")
         x_dense = dense_ms[r["tokens"]] / step if step and r["tokens"] in dense_ms else None
-        x_cudnn = fb / cudnn_ms[r["tokens"]] if fb and r["tokens"] in cudnn_ms else None
+        base = cudnn_ms.get((r["tokens"], r["case"].endswith("_packed")))
+        x_cudnn = fb / base if fb and base else None
         lines.append(
             f"| {r['tokens']:>7} | {r['case']:<22} | {r['status']:<8} | {num(step, 9)} "
             f"| {num(r.get('tokens_per_s'), 10, 0)} | {num(x_dense, 7, 2)} | {num(fb, 9)} "
@@ -498,8 +518,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-attention-rows", action="store_true",
                     help="skip the dense_attention / cudnn_attention rows")
     ap.add_argument("--packed-docs", default=None, metavar="MIN:MAX",
-                    help="also time dense_document_attention on one row packed with documents "
-                    "of random lengths MIN..MAX (row dense_attention_packed; fresh per step)")
+                    help="also time dense attention on one row packed with documents of random "
+                    "lengths MIN..MAX, drawn once per size (rows dense_attention_packed and "
+                    "cudnn_attention_packed)")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel table (torch.profiler) of one more step per row")
     ap.add_argument("--profile-top", type=int, default=12)
@@ -616,24 +637,27 @@ def main(argv: list[str] | None = None) -> int:
                 report(row)
             if packed is None:
                 continue
-            row = {"tokens": tokens, "case": "dense_attention_packed", "fwdbwd_ms": None,
-                   "peak_gib": None, "kernel": "nemo_msa dense_document_attention",
-                   "document_lengths": list(packed)}
-            stats: dict = {}
-            failure = None
-            try:
-                run_timed(packed_attention_step(shape, tokens, packed, device, dtype, stats),
-                          args, on_gpu, row, "fwdbwd_ms")
-            except Exception as error:
-                failure = ("oom" if is_oom(error) else "error",
-                           f"{type(error).__name__}: {str(error)[:300]}")
-            if failure is not None:
-                row.update(status=failure[0], note=failure[1])
-                free_memory(on_gpu)
-            if stats:
-                row["documents_mean"] = statistics.mean(stats["documents"])
-                row["causal_pairs_vs_one_document"] = statistics.mean(stats["pairs"])
-            report(row)
+            for case, kernel in (("dense_attention_packed", "nemo"),
+                                 ("cudnn_attention_packed", "cudnn")):
+                row = {"tokens": tokens, "case": case, "fwdbwd_ms": None, "peak_gib": None,
+                       "kernel": ("nemo_msa dense_document_attention" if kernel == "nemo"
+                                  else "SDPA cuDNN per document"),
+                       "document_lengths": list(packed)}
+                stats: dict = {}
+                failure = None
+                try:
+                    run_timed(packed_attention_step(shape, tokens, packed, device, dtype, stats,
+                                                    kernel), args, on_gpu, row, "fwdbwd_ms")
+                except Exception as error:
+                    failure = ("oom" if is_oom(error) else "error",
+                               f"{type(error).__name__}: {str(error)[:300]}")
+                if failure is not None:
+                    row.update(status=failure[0], note=failure[1])
+                    free_memory(on_gpu)
+                if stats:
+                    row["documents_mean"] = statistics.mean(stats["documents"])
+                    row["causal_pairs_vs_one_document"] = statistics.mean(stats["pairs"])
+                report(row)
 
     for row in rows:
         if row.get("kernels"):

@@ -19,7 +19,7 @@ softmax_j(q(p, hq) . k(j, g) * scale) v(j, g)`` with ``g = hq // (Hq / Hkv)``:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +36,7 @@ __all__ = [
     "dense_document_attention_rows",
     "document_causal_row_mask",
     "document_runs",
+    "padded_length",
 ]
 
 # The SDPA kernels of the GPU path, in order of preference (cuDNN was about 1.65x faster than
@@ -106,6 +107,31 @@ def document_runs(msa: MSAMicrobatch) -> tuple[DocumentRun, ...]:
     return msa.cached("nemo_msa.attention.dense.document_runs", make)
 
 
+#: Padded lengths per doubling of the document length (see :func:`padded_length`).
+PADDED_LENGTHS_PER_OCTAVE = 8
+
+
+def padded_length(length: int) -> int:
+    """The length a document is padded to for the GPU's SDPA call: the next multiple of
+    ``max(64, 2**floor(log2(length)) / 8)``, so at most 8 lengths per doubling.
+
+    Why: cuDNN plans one graph per shape, and a new shape costs about 120 ms on the H200 (torch
+    2.11; bench_dense_sdpa.py, ADR 0012), more than the attention of a document of 16k tokens.
+    Packed batches bring new document lengths every step; rounded up to a few lengths, every
+    shape is planned once per process. Causal attention is unchanged by keys appended after a
+    document's last query, so the padded tail only costs its compute: at most (1 + 1/8)^2 - 1 =
+    27% for a document just past a boundary, none for lengths on one (4096, 32768, 131072).
+
+    Args:
+        length: tokens of the document (>= 1).
+
+    Returns:
+        The padded length, >= ``length``.
+    """
+    step = max(64, (1 << (max(1, length).bit_length() - 1)) // PADDED_LENGTHS_PER_OCTAVE)
+    return -(-length // step) * step
+
+
 def _backend_preference(backends: Sequence[SDPBackend]):
     """The ``sdpa_kernel`` context that tries ``backends`` in the order given."""
     if _HAS_SET_PRIORITY:
@@ -139,13 +165,17 @@ def dense_document_attention_per_document(
     msa: MSAMicrobatch,
     softmax_scale: float,
     backends: Sequence[SDPBackend] = GPU_SDPA_BACKENDS,
+    pad_to: Callable[[int], int] | None = padded_length,
 ) -> torch.Tensor:
     """Dense causal attention within documents, one SDPA call per run of equal-length documents.
 
     Each run of ``n`` consecutive documents of ``L`` tokens is a [n, H, L, d] view of the compact
     tensors (no copy of q, k, v), attended with ``is_causal=True, enable_gqa=True``: no mask and
-    no K/V repeated per query head. Runs the same on the CPU (torch's CPU flash kernel, any float
-    dtype), which is how the tests exercise it.
+    no K/V repeated per query head. Where ``pad_to(L) > L`` the run's tokens are copied into
+    [n, H, pad_to(L), d] with zero rows after each document (causal attention of the real
+    queries is unchanged; their outputs are sliced back), so that packed batches of ever new
+    document lengths reuse a few planned shapes (:func:`padded_length`). Runs the same on the
+    CPU (torch's CPU flash kernel, any float dtype), which is how the tests exercise it.
 
     Args:
         q: [T, Hq, d] compact queries (bf16/fp16 on CUDA; any float dtype on the CPU).
@@ -154,6 +184,7 @@ def dense_document_attention_per_document(
         msa: the microbatch layout (its host ``document_lengths`` give the plan).
         softmax_scale: multiplies q.k.
         backends: SDPA backends in order of preference.
+        pad_to: the padded length of a document of a given length, or None for none.
 
     Returns:
         [T, Hq, d] in q's dtype.
@@ -168,17 +199,22 @@ def dense_document_attention_per_document(
         for run in document_runs(msa):
             stop = run.start + run.count * run.length
 
-            def view(x: torch.Tensor, heads: int, run=run, stop=stop) -> torch.Tensor:
-                # [n * L, H, d] -> [n, H, L, d]: a strided view of contiguous compact tensors
-                # (SDPA takes any strides with the last dim contiguous); reshape copies only
-                # where the input is not contiguous.
+            tail = (pad_to(run.length) if pad_to is not None else run.length) - run.length
+
+            def view(x: torch.Tensor, heads: int, run=run, stop=stop, tail=tail):
+                # [n * L, H, d] -> [n, H, L (+ tail), d]: a strided view of contiguous compact
+                # tensors (SDPA takes any strides with the last dim contiguous), or a copy with
+                # zero rows appended to each document when it is padded.
                 part = x[run.start : stop].reshape(run.count, run.length, heads, dim)
+                if tail:
+                    part = F.pad(part, (0, 0, 0, 0, 0, tail))
                 return part.transpose(1, 2)
 
             out = _causal_gqa_sdpa(
                 view(q, heads_q), view(k, heads_kv), view(v, heads_kv), softmax_scale
             )
-            outputs.append(out.transpose(1, 2).reshape(run.count * run.length, heads_q, dim))
+            out = out.transpose(1, 2)[:, : run.length]
+            outputs.append(out.reshape(run.count * run.length, heads_q, dim))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 

@@ -39,6 +39,7 @@ With tensor parallelism each rank computes the KL of its own KV/index heads divi
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -203,7 +204,7 @@ def compute_indexer_loss(
     stats = {"kl": kl.detach()}
     if q2k is not None:
         stats["recall_mass"] = recall_mass
-        stats["recall_count"] = torch.tensor(float(tokens * heads), dtype=work, device=device)
+        stats["recall_count"] = torch.full((), float(tokens * heads), dtype=work, device=device)
     return kl * loss_coeff, stats
 
 
@@ -417,6 +418,17 @@ def sparse_indexer_loss_from_byproducts(
     return kl * loss_coeff, {"kl": kl.detach()}
 
 
+@contextlib.contextmanager
+def _tf32_matmul(enabled: bool):
+    """fp32 CUDA matmuls on TF32 tensor cores inside the block (restored after)."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = previous or enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
 # Elements of one chunk's [C, Hq, W] score tensor in the sampled recall.
 _RECALL_SCORE_ELEMENTS = 1 << 26
 
@@ -437,9 +449,11 @@ def sampled_selection_recall(
     spaced over the microbatch's compact tokens (a systematic sample: every part of every
     document is represented, and ``n = T`` gives the exact recall). For each sampled token and
     local KV head the dense attention's block mass (mean over the group's query heads, within
-    the document, causal) is computed exactly, and the mass inside the selected blocks is
-    summed. The mean over sampled (token, head) pairs estimates the full mean; its cost is one
-    dense pass over ``n`` query rows, O(n x Hq x T) in chunks.
+    the document, causal) is computed, and the mass inside the selected blocks is summed. The
+    mean over sampled (token, head) pairs estimates the full mean; its cost is one dense pass
+    over ``n`` query rows, O(n x Hq x T) in chunks. On CUDA the scores are fp32 products of
+    TF32-rounded inputs (a metric: about 1e-3 relative; fp32 FFMA would cost about 11 ms per
+    layer at 131072 tokens); elsewhere exact in the accumulation dtype.
 
     Args:
         query: [T, Hq_local, d] main-attention queries after RoPE.
@@ -482,7 +496,8 @@ def sampled_selection_recall(
             key_positions[None, :] <= positions[start:stop, None]
         )
         qc = query[rows[start:stop]].detach().to(work).view(count, heads, group, dim)
-        scores = torch.einsum("cgqd,wgd->cgqw", qc, key_ws) * softmax_scale
+        with _tf32_matmul(query.is_cuda and work == torch.float32):
+            scores = torch.einsum("cgqd,wgd->cgqw", qc, key_ws) * softmax_scale
         scores = scores.masked_fill(~visible[:, None, None, :], -math.inf)
         probs = torch.softmax(scores, dim=-1).sum(dim=2) / group  # [C, G, W]
         target = probs.view(count, heads, nblocks, block).sum(dim=-1)  # [C, G, NB]
@@ -492,7 +507,7 @@ def sampled_selection_recall(
         covered += torch.where(selected >= 0, mass, 0.0).sum()
     return {
         "recall_mass": covered,
-        "recall_count": torch.tensor(float(n * heads), dtype=work, device=device),
+        "recall_count": torch.full((), float(n * heads), dtype=work, device=device),
     }
 
 

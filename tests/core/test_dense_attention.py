@@ -116,7 +116,7 @@ def test_one_batched_call_per_run(monkeypatch):
 
     monkeypatch.setattr(dense, "_causal_gqa_sdpa", spy)
     q, k, v, _ = _inputs(msa, 6, 2, 4, torch.float32, torch.Generator().manual_seed(0))
-    dense_document_attention_per_document(q, k, v, msa, 0.5)
+    dense_document_attention_per_document(q, k, v, msa, 0.5, pad_to=None)
     assert [(c[0], c[1]) for c in calls] == [
         ((4, 6, 6, 4), (4, 2, 6, 4)),
         ((1, 6, 3, 4), (1, 2, 3, 4)),
@@ -235,3 +235,39 @@ def test_gpu_path_adds_no_synchronization_and_no_square_mask():
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
     assert syncs == []
     assert not any("row_mask" in key for key in msa._cache), list(msa._cache)
+
+
+def test_padded_lengths_are_few_per_octave_and_bounded():
+    from nemo_msa.attention.dense import padded_length
+
+    assert [padded_length(n) for n in (1, 64, 65, 1000, 1024, 1025, 4096, 32768, 131072)] == [
+        64, 64, 128, 1024, 1024, 1152, 4096, 32768, 131072]
+    for octave in range(6, 18):
+        lengths = range(1 << octave, 1 << (octave + 1))
+        padded = {padded_length(n) for n in lengths}
+        assert len(padded - {1 << (octave + 1)}) <= 8, (octave, sorted(padded))
+        assert all(n <= padded_length(n) <= n * 9 / 8 + 64 for n in lengths[::97])
+
+
+def test_padded_runs_match_the_unpadded_ones_and_pad_each_document(monkeypatch):
+    """Documents padded to a few lengths (new shapes plan once): same outputs and gradients as
+    unpadded views; each document of a run gets its own zero tail."""
+    import nemo_msa.attention.dense as dense
+
+    rows = [[(6, 0)] * 4 + [(3, 0)], [(9, 0), (6, 0)]]
+    msa = MSAMicrobatch.from_document_map(document_map_from_rows(rows, 27), block_size=16)
+    shapes = []
+    real = dense._causal_gqa_sdpa
+    monkeypatch.setattr(dense, "_causal_gqa_sdpa",
+                        lambda q, k, v, scale: shapes.append(tuple(q.shape)) or real(q, k, v,
+                                                                                       scale))
+    q, k, v, dout = _inputs(msa, 6, 2, 4, torch.float64, torch.Generator().manual_seed(3))
+    grads = []
+    for pad_to in (None, lambda n: 2 * n + 1):
+        qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        out = dense_document_attention_per_document(qq, kk, vv, msa, 0.5, pad_to=pad_to)
+        out.backward(dout)
+        grads.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    assert shapes[4:] == [(4, 6, 13, 4), (1, 6, 7, 4), (1, 6, 19, 4), (1, 6, 13, 4)]
+    for a, b in zip(*grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
