@@ -5,6 +5,7 @@
 #   3. the pipeline integration recipe collapsed to TP=1/PP=1 on one GPU (issue 6, what one GPU
 #      allows).
 # Needs the megatron-core and omegaconf wheels in .whl/ (see README "GPU"); writes to $OUT.
+# PRETRAIN_ARGS adds recipe overrides to stage 2 (e.g. model.msa_indexer_loss_type=sparse).
 # STAGES picks the parts to run (default: all three, "tests pretrain pp1"; GPU_TEST_PATHS narrows
 # the first pytest call of "tests", e.g. to tests/core/test_dense_attention.py); "bench" adds
 # scripts/bench_msa.py runs, one per ';'-separated argument list in BENCH_RUNS, all logged to
@@ -47,7 +48,7 @@ timeout "${PRETRAIN_S:-240}" python3 scripts/pretrain.py \
   model.msa_index_head_dim=64 model.msa_dense_warmup_steps=50 \
   train.train_iters="${PRETRAIN_STEPS:-300}" train.global_batch_size=8 train.micro_batch_size=4 \
   logger.progress_bar=false logger.log_interval=25 logger.output_dir="$OUT/pretrain" \
-  2>&1 | tail -60 | tee "$OUT/pretrain.log"
+  ${PRETRAIN_ARGS:-} 2>&1 | tail -60 | tee "$OUT/pretrain.log"
 fi
 
 if [[ " $STAGES " == *" pp1 "* ]]; then
