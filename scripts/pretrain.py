@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _quiet_third_party()
 
+    from nemo_msa.training.checkpoint import CheckpointError
     from nemo_msa.training.recipe import RecipeError, load_recipe
     from nemo_msa.training.trainer import pretrain, teardown
 
@@ -56,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    except CheckpointError as err:
+        # Every rank reaches the same verdict; one line from rank 0 is enough.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
     finally:
         teardown()
     return 0

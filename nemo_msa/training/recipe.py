@@ -106,6 +106,12 @@ class CheckpointConfig:
     resume: bool = True
     #: Keep at most this many finished checkpoints (null keeps all).
     keep_last: int | None = None
+    #: Check the checkpoint's files against the size + SHA-256 manifest written at save before
+    #: resuming (one extra read of the checkpoint). False also loads checkpoints without one.
+    verify: bool = True
+    #: When the newest checkpoint is damaged or the pointer file is missing/unreadable, resume
+    #: from the newest intact checkpoint (with a warning) instead of stopping with an error.
+    fallback: bool = False
 
 
 @dataclass

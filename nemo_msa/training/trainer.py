@@ -29,7 +29,7 @@ from nemo_msa.megatron.microbatch import SharedMicrobatchIterators
 from nemo_msa.training import msa_hooks
 from nemo_msa.training.checkpoint import (
     TrainState,
-    latest_iteration,
+    find_resume_iteration,
     load_checkpoint,
     save_checkpoint,
 )
@@ -437,12 +437,16 @@ def pretrain(recipe: Recipe) -> dict[str, Any]:
     state = TrainState()
     ck = recipe.checkpoint
     load_root = ck.load or (ck.save if ck.resume else None)
-    if ck.load and latest_iteration(ck.load) is None:
+    # Verified against the manifests; a damaged newest checkpoint or a lost pointer beside
+    # finished iter_* directories stops here (or falls back) instead of restarting silently.
+    resume_at = find_resume_iteration(load_root, fallback=ck.fallback, verify=ck.verify)
+    if ck.load and resume_at is None:
         raise RecipeError(f"recipe key 'checkpoint.load' = {ck.load!r}: no finished checkpoint "
                           "there (expected latest_checkpointed_iteration.txt and iter_NNNNNNN/)")
     resumed_from = None
-    if load_root and latest_iteration(load_root) is not None:
-        state = load_checkpoint(load_root, chunks, optimizer, scheduler)
+    if resume_at is not None:
+        state = load_checkpoint(load_root, chunks, optimizer, scheduler, iteration=resume_at,
+                                recipe=recipe.resolved)
         resumed_from = state.iteration
 
     train = recipe.train
