@@ -9,8 +9,8 @@ Layout of ``checkpoint.save``::
 A save writes into ``iter_N.partial`` and only after every rank has finished (barrier) does
 rank 0 rename it to ``iter_N`` and then replace the pointer file (write a temp file, fsync,
 ``os.replace``). A crash at any point leaves either the old pointer or a complete new checkpoint;
-a stale ``.partial`` directory is never read and is removed by the next save. Resume reads only
-the pointer, so it cannot pick up a half-written directory.
+a stale ``.partial`` directory is never read and is removed by the next save. Resume starts
+from the pointer, so it cannot pick up a half-written directory.
 
 Integrity: before the rename, every rank hashes the files it wrote (SHA-256, streamed in
 8 MiB reads) and rank 0 writes ``manifest.json`` (size and digest of every file) into the
@@ -258,11 +258,15 @@ def verify_checkpoint(directory: str | os.PathLike) -> list[str]:
 
 
 def _is_intact(directory: Path, verify: bool) -> list[str]:
+    """Problems of a checkpoint directory (collective): the manifest's, or without ``verify``
+    only whether dist-checkpointing's metadata.json exists (rank 0 looks)."""
     if verify:
         return verify_checkpoint(directory)
-    if not (directory / "metadata.json").is_file():
-        return [f"{directory} is missing or has no metadata.json"]
-    return []
+    problems = None
+    if _rank_and_world()[0] == 0:
+        problems = ([] if (directory / "metadata.json").is_file()
+                    else [f"{directory} is missing or has no metadata.json"])
+    return _from_rank0(problems)
 
 
 def find_resume_iteration(root: str | os.PathLike | None, *, fallback: bool = False,
@@ -289,17 +293,22 @@ def find_resume_iteration(root: str | os.PathLike | None, *, fallback: bool = Fa
     if root is None:
         return None
     root = Path(root)
-    finished = finished_iterations(root)
     pointer = root / POINTER
+    # Rank 0 reads the directory and the pointer for everyone, so that every rank takes the
+    # same branch (and calls the same collectives) even on a file system whose listings lag.
+    listing = None
+    if _rank_and_world()[0] == 0:
+        listing = (finished_iterations(root),
+                   pointer.read_text(errors="replace").strip() if pointer.is_file() else None)
+    finished, text = _from_rank0(listing)
     target: int | None = None
-    if not pointer.is_file():
+    if text is None:
         if not finished:
             return None
         names = ", ".join(checkpoint_name(root, i).name for i in finished)
         problem = (f"{pointer} is missing but {root} holds finished checkpoints ({names}); "
                    "starting from iteration 0 would overwrite them")
     else:
-        text = pointer.read_text(errors="replace").strip()
         try:
             target = int(text)
         except ValueError:
