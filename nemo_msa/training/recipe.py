@@ -97,12 +97,13 @@ def _describe_type(hint: Any) -> str:
     return getattr(hint, "__name__", repr(hint))
 
 
-def _coerce(value: Any, hint: Any, key: str) -> Any:
+def _coerce(value: Any, hint: Any, key: str, convert: bool = True) -> Any:
     """``value`` as the type ``hint`` asks for, or raise _Mismatch.
 
-    Integral floats become ints (``1e3`` for an iteration count), ints become floats, numbers
-    become strings for string fields; dtype names, activation names and enum member names
-    become the objects they name. Unknown typing constructs accept anything.
+    With ``convert``, integral floats become ints (``1e3`` for an iteration count), ints become
+    floats and numbers become strings for string fields; a union first looks for a member the
+    value already is (so ``3`` stays an int in ``str | int``). Dtype names, activation names and
+    enum member names become the objects they name. Unknown typing constructs accept anything.
     """
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any or hint is object:
@@ -116,13 +117,14 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             if type(None) in args:
                 return None
             raise _Mismatch
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except _Mismatch:
-                continue
+        for attempt in ((False, True) if convert else (False,)):
+            for arg in args:
+                if arg is type(None):
+                    continue
+                try:
+                    return _coerce(value, arg, key, attempt)
+                except _Mismatch:
+                    continue
         raise _Mismatch
     if origin is Literal:
         for arg in args:
@@ -135,20 +137,22 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if isinstance(value, bool):
             return value
         raise _Mismatch
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        if (convert and isinstance(value, float) and math.isfinite(value)
+                and value.is_integer()):
             return int(value)
         raise _Mismatch
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) or (convert and number):
             return float(value)
         raise _Mismatch
     if hint is str:
         if isinstance(value, str):
             return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if convert and number:
             return str(value)
         raise _Mismatch
     if hint is list or origin is list or hint is tuple or origin is tuple:
@@ -157,9 +161,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise _Mismatch
-            return tuple(_coerce(v, a, key) for v, a in zip(value, args, strict=True))
+            return tuple(_coerce(v, a, key, convert) for v, a in zip(value, args, strict=True))
         item = args[0] if args else Any
-        items = [_coerce(v, item, key) for v in value]
+        items = [_coerce(v, item, key, convert) for v in value]
         return tuple(items) if (hint is tuple or origin is tuple) else items
     if hint is dict or origin is dict:
         if isinstance(value, dict):
