@@ -93,24 +93,27 @@ def test_save_writes_a_manifest_of_every_file(reference):
     assert not list(ref_root.glob("*.partial"))
 
 
-@pytest.mark.parametrize("kind", list(DAMAGE))
-def test_damaged_newest_checkpoint_is_named_with_the_intact_one(reference, tmp_path, kind,
+@pytest.mark.parametrize("kind, name", [*((kind, SHARD) for kind in DAMAGE),
+                                        ("deleted file", ".metadata"),
+                                        ("deleted file", "metadata.json")])
+def test_damaged_newest_checkpoint_is_named_with_the_intact_one(reference, tmp_path, kind, name,
                                                                 capsys):
     damage, what = DAMAGE[kind]
     root = _both(reference, tmp_path)
-    damage(root / "iter_0000006" / SHARD)
+    damage(root / "iter_0000006" / name)
     with pytest.raises(CheckpointError) as err:
         find_resume_iteration(root)
     msg = str(err.value)
     assert re.search(r"the newest checkpoint \(iteration 6, named by .*latest_checkpointed_"
-                     r"iteration.txt\) is damaged or incomplete: .*iter_0000006/__0_0.distcp: "
-                     + what, msg), msg
+                     r"iteration.txt\) is damaged or incomplete: .*iter_0000006/"
+                     + re.escape(name) + ": " + what, msg), msg
     assert re.search(r"The newest intact checkpoint is .*iter_0000003: pass "
                      r"checkpoint.fallback=true to resume from it", msg), msg
     # Opt-in: resume from the intact one, saying so.
     assert find_resume_iteration(root, fallback=True) == 3
-    assert re.search(r"warning: .*iter_0000006/__0_0.distcp.* checkpoint.fallback=true: resuming "
-                     r"from .*iter_0000003", capsys.readouterr().err)
+    assert re.search(r"warning: .*iter_0000006/" + re.escape(name) + r".* "
+                     r"checkpoint.fallback=true: resuming from .*iter_0000003",
+                     capsys.readouterr().err)
 
 
 def test_damaged_metadata_and_nothing_intact(reference, tmp_path):
