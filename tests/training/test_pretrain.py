@@ -19,7 +19,7 @@ import pytest
 import torch
 from _runs import SMALL, copy_checkpoint, losses, train
 
-from nemo_msa.training.checkpoint import POINTER, latest_iteration
+from nemo_msa.training.checkpoint import MANIFEST, POINTER, latest_iteration, verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -189,3 +189,9 @@ def test_pipeline_integration_recipe_runs_on_four_gloo_processes(tmp_path):
     assert [r["phase"] for r in rows] == ["dense-warmup"] * 2 + ["sparse"] * 3
     assert all("recall" in r for r in rows[2:])
     assert latest_iteration(tmp_path) == 5
+    # Four writers, one manifest: every rank's shard is listed and verifies.
+    ckpt = tmp_path / "iter_0000005"
+    listed = json.loads((ckpt / MANIFEST).read_text())["files"]
+    shards = sorted(p.name for p in ckpt.glob("*.distcp"))
+    assert len(shards) == 4 and all(name in listed for name in shards)
+    assert verify_checkpoint(ckpt) == []
