@@ -257,9 +257,9 @@ def verify_checkpoint(directory: str | os.PathLike) -> list[str]:
     return sorted(p for part in _all_gather(mine) for p in part)
 
 
-def _is_intact(directory: Path, verify: bool) -> list[str]:
-    """Problems of a checkpoint directory (collective): the manifest's, or without ``verify``
-    only whether dist-checkpointing's metadata.json exists (rank 0 looks)."""
+def _problems(directory: Path, verify: bool) -> list[str]:
+    """Problems of a checkpoint directory, empty when intact (collective): the manifest's, or
+    without ``verify`` only whether dist-checkpointing's metadata.json exists (rank 0 looks)."""
     if verify:
         return verify_checkpoint(directory)
     problems = None
@@ -314,7 +314,7 @@ def find_resume_iteration(root: str | os.PathLike | None, *, fallback: bool = Fa
         except ValueError:
             problem = f"checkpoint pointer {pointer} holds {text!r}, not an iteration"
         else:
-            bad = _is_intact(checkpoint_name(root, target), verify)
+            bad = _problems(checkpoint_name(root, target), verify)
             if not bad:
                 return target
             more = f" (and {len(bad) - 1} more problems)" if len(bad) > 1 else ""
@@ -322,7 +322,7 @@ def find_resume_iteration(root: str | os.PathLike | None, *, fallback: bool = Fa
                        f"damaged or incomplete: {bad[0]}{more}")
     intact = None
     for it in reversed(finished):
-        if it != target and not _is_intact(checkpoint_name(root, it), verify):
+        if it != target and not _problems(checkpoint_name(root, it), verify):
             intact = it
             break
     if intact is not None and fallback:
@@ -335,8 +335,8 @@ def find_resume_iteration(root: str | os.PathLike | None, *, fallback: bool = Fa
                   "checkpoint.fallback=true to resume from it")
     else:
         advice = f"No other intact checkpoint is in {root}"
-    advice += (", or move the damaged directories away (or set another checkpoint.save) to "
-               "start from scratch")
+    moved = "the iter_* directories" if text is None else "the damaged directories"
+    advice += f", or move {moved} away (or set another checkpoint.save) to start from scratch"
     if target is None and intact is not None:
         advice += f", or restore {pointer} (it holds the iteration number)"
     raise CheckpointError(f"cannot resume: {problem}. {advice}.")

@@ -148,7 +148,9 @@ def test_lost_pointer_names_the_finished_checkpoints(reference, tmp_path):
                      r"checkpoints \(iter_0000003, iter_0000006\); starting from iteration 0 "
                      r"would overwrite them", msg), msg
     assert re.search(r"newest intact checkpoint is .*iter_0000006: pass checkpoint.fallback=true"
-                     r".*or restore .*latest_checkpointed_iteration.txt", msg), msg
+                     r", or move the iter_\* directories away \(or set another checkpoint.save\) "
+                     r"to start from scratch, or restore .*latest_checkpointed_iteration.txt",
+                     msg), msg
     assert find_resume_iteration(root, fallback=True) == 6
     # A directory with no checkpoint at all is a fresh start, as before.
     assert find_resume_iteration(tmp_path / "empty") is None
