@@ -148,8 +148,9 @@ def test_lost_pointer_names_the_finished_checkpoints(reference, tmp_path):
                      r"checkpoints \(iter_0000003, iter_0000006\); starting from iteration 0 "
                      r"would overwrite them", msg), msg
     assert re.search(r"newest intact checkpoint is .*iter_0000006: pass checkpoint.fallback=true"
-                     r", or move the iter_\* directories away \(or set another checkpoint.save\) "
-                     r"to start from scratch, or restore .*latest_checkpointed_iteration.txt",
+                     r" to resume from it, or move the iter_\* directories away \(or set another "
+                     r"checkpoint.save\) to start from scratch, or restore "
+                     r".*latest_checkpointed_iteration.txt",
                      msg), msg
     assert find_resume_iteration(root, fallback=True) == 6
     # A directory with no checkpoint at all is a fresh start, as before.
