@@ -61,6 +61,14 @@ def select_document_map_source(
         ValueError: when the chosen source has the wrong rank or dtype.
     """
     if packed_seq_ids is not None:
+        if packed_seq_ids.dtype == torch.bool:
+            # A bool tensor is a mask, and masks come in both polarities (Megatron's padding
+            # mask is True = padding, HF's attention mask True = keep): never guess.
+            raise ValueError(
+                "packed_seq_ids must hold integer document ids (0 = padding, 1, 2, ... one per "
+                f"document); got a bool tensor of shape {tuple(packed_seq_ids.shape)}. For a bool "
+                "padding mask (True = padding, Megatron's convention) pass it as padding_mask"
+            )
         if packed_seq_ids.dim() != 2 or packed_seq_ids.dtype.is_floating_point:
             raise ValueError(
                 f"packed_seq_ids must be an integer tensor [batch, sequence]; got dtype "

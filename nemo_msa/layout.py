@@ -13,6 +13,13 @@ Building a layout costs exactly one device-to-host synchronization. :meth:`MSAMi
 memoizes the layout on the identity and ``_version`` of the source tensor (normally
 ``packed_seq_ids``), so every attention layer and every virtual-pipeline chunk of a rank that
 receives the same batch tensor shares one layout; the entry dies with the tensor.
+
+The memo sees in-place writes through the tensor (``ids[0, 5] = 2``, ``ids.fill_(1)``,
+``ids.copy_(...)``): they bump ``_version`` and the next ``build`` derives a new layout. Writes
+that bypass autograd's version counter do not: through ``ids.data``, ``ids.detach()``'s storage,
+``ids.numpy()`` or any other view that shares the storage without sharing the counter. After
+such a write ``build`` returns the layout of the old contents. Give the layers a new tensor per
+microbatch (as the loaders do), or write through the tensor itself.
 """
 
 from __future__ import annotations
@@ -28,10 +35,13 @@ from nemo_msa.document_map import (
     select_document_map_source,
     summarize_document_map,
 )
-from nemo_msa.support import SUPPORTED_BLOCK_SIZES
+from nemo_msa.support import SUPPORTED_BLOCK_SIZES, require_integer
 
 
 def _check_forced_blocks(block_size: int, init_blocks: int, local_blocks: int) -> None:
+    require_integer("block_size", block_size)
+    require_integer("init_blocks", init_blocks)
+    require_integer("local_blocks", local_blocks)
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(
             f"block_size={block_size} is not supported; expected one of {SUPPORTED_BLOCK_SIZES}"
@@ -157,10 +167,12 @@ class MSAMicrobatch:
         block-causal), ``padding_mask`` (True = padding) present; with none, every row is one
         document of ``seq_len`` tokens. The memo keys on the source tensor's identity and
         ``_version``: an in-place write to the tensor forces a rebuild, and the entry is dropped
-        when the tensor is freed.
+        when the tensor is freed. Writes through ``.data``, ``.numpy()`` or ``.detach()`` do not
+        bump ``_version`` and so return the stale layout (see the module docstring).
 
         Args:
-            packed_seq_ids: int [b, s] document ids, 0 = padding.
+            packed_seq_ids: int [b, s] document ids, 0 = padding (a bool tensor is refused:
+                for a bool padding mask pass ``padding_mask``).
             attention_mask: int [b, s] document ids, or bool [b, 1, s, s] (True = keep).
             padding_mask: bool [b, s], True = padding.
             batch_size: b; required with no source, checked otherwise.
@@ -174,7 +186,9 @@ class MSAMicrobatch:
             The shared layout.
 
         Raises:
-            ValueError: for a malformed document map (see nemo_msa.document_map).
+            ValueError: for a malformed document map (see nemo_msa.document_map), a bool
+                ``packed_seq_ids``, or a non-integer ``block_size`` / ``init_blocks`` /
+                ``local_blocks`` (32.0 included).
         """
         _check_forced_blocks(block_size, init_blocks, local_blocks)
         source = select_document_map_source(packed_seq_ids, attention_mask, padding_mask)

@@ -14,6 +14,7 @@ apply_rope_fusion, fused_single_qkv_rope, context_parallel_size.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,21 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
 SUPPORTED_SCORE_TYPES = ("max", "lse")
 MAX_TOP_K = 32
+
+
+def is_integer(value: Any) -> bool:
+    """True for Python and NumPy integers, False for bools, floats (even 32.0) and the rest."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def require_integer(name: str, value: Any) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is an integer (not a float or bool).
+
+    A float such as 32.0 would pass a range or membership check (32.0 == 32) and fail later as
+    a shape or an index; it is refused here instead.
+    """
+    if not is_integer(value):
+        raise ValueError(f"{name}={value!r} must be an integer; got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -98,6 +114,8 @@ class MSATopology:
              f"one of {SUPPORTED_SCORE_TYPES}"),
         )
         for field_name, value, ok, expected in checks:
+            if not is_integer(value) and field_name != "msa_score_type":
+                raise ValueError(f"MSA cannot run {field_name}={value!r}; expected an integer")
             if not ok:
                 raise ValueError(f"MSA cannot run {field_name}={value!r}; expected {expected}")
 

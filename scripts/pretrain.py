@@ -10,7 +10,8 @@ Examples::
 
 Overrides are Hydra-style ``section.key=value`` (sections: model, train, optimizer, scheduler,
 dataset, checkpoint, logger, ddp, dist); values are parsed as YAML. A bad key or value stops the
-run before anything is built, with a message naming it.
+run before anything is built, with one ``error:`` line naming it (exit code 2); a checkpoint that
+cannot be resumed from is one ``error:`` line too (exit code 1).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def _quiet_third_party() -> None:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
+def _one_line(err: Exception) -> str:
+    """The error's message on one line (a wrapped library message may span several)."""
+    return " ".join(part.strip() for part in str(err).splitlines() if part.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, train, and return the process exit code."""
     parser = argparse.ArgumentParser(
@@ -47,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _quiet_third_party()
 
+    from nemo_msa.training.checkpoint import CheckpointError
     from nemo_msa.training.recipe import RecipeError, load_recipe
     from nemo_msa.training.trainer import pretrain, teardown
 
@@ -54,8 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         pretrain(recipe)
     except RecipeError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        print(f"error: {_one_line(err)}", file=sys.stderr, flush=True)
         return 2
+    except CheckpointError as err:
+        # Every rank reaches the same verdict; one line from rank 0 is enough.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {_one_line(err)}", file=sys.stderr, flush=True)
+        return 1
     finally:
         teardown()
     return 0

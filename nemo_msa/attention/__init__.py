@@ -26,6 +26,7 @@ __all__ = [
     "dense_document_attention_rows",
     "sparse_attention",
     "validate_attention_inputs",
+    "validate_q2k",
 ]
 
 
@@ -78,6 +79,48 @@ def validate_attention_inputs(
         raise ValueError(f"q, k, v, q2k and the layout must share one device; got {devices}")
 
 
+def validate_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> None:
+    """Reject a q2k that is not in the canonical form ``select_blocks`` returns.
+
+    Canonical: per (KV head, token), document-local block ids in ``0..own block`` (the token's
+    own block), strictly ascending, then -1 padding. Every backend gives a non-canonical q2k its
+    set meaning (MSA_SPEC.md); this opt-in check (``sparse_attention(validate=True)``) finds
+    hand-made or transformed q2k that was not meant to be non-canonical. Costs a few passes
+    over q2k and one host synchronization.
+
+    Raises:
+        ValueError: naming the first bad (head, token, slot) in row-major order, its value and
+            the rule it breaks.
+    """
+    own = (msa.document_positions.long() // msa.block_size)[None, :, None]
+    ids = q2k.long()
+    prev = torch.full_like(ids, -1)
+    prev[..., 1:] = ids[..., :-1]
+    real = ids != -1
+    out_of_range = real & ((ids < 0) | (ids > own))
+    after_padding = real & (prev == -1) & (torch.arange(ids.shape[-1], device=ids.device) > 0)
+    not_ascending = real & (prev != -1) & (ids <= prev)
+    bad = out_of_range | after_padding | not_ascending
+    first = bad.flatten().nonzero()
+    if first.numel() == 0:
+        return
+    h, t, slot = (int(i) for i in torch.unravel_index(first[0, 0], bad.shape))
+    value, own_block = int(ids[h, t, slot]), int(own[0, t, 0])
+    if out_of_range[h, t, slot]:
+        reason = f"outside 0..{own_block} (the token's own block)"
+    elif after_padding[h, t, slot]:
+        reason = "a block id after -1 padding (-1 belongs only at the tail)"
+    elif value == int(ids[h, t, slot - 1]):
+        reason = f"a duplicate of slot {slot - 1}"
+    else:
+        reason = f"not above slot {slot - 1} ({int(ids[h, t, slot - 1])}): ids must ascend"
+    raise ValueError(
+        f"q2k[{h}, {t}, {slot}] = {value} (head {h}, token {t}, slot {slot}) is {reason}; "
+        "expected select_blocks's canonical form: block ids in 0..own block, strictly "
+        "ascending, then -1"
+    )
+
+
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q2k, msa, softmax_scale, backend: MSABackend, block_mass: bool):
@@ -115,6 +158,7 @@ def sparse_attention(
     backend: str | None = None,
     return_lse: bool = False,
     return_block_mass: bool = False,
+    validate: bool = False,
 ):
     """Block-sparse causal attention within documents (differentiable in q, k, v).
 
@@ -132,15 +176,21 @@ def sparse_attention(
             [Hkv, T, top_k] (no gradient): the softmax probability of the slot's keys summed,
             averaged over the group's query heads, 0 at -1 slots; accumulated in the forward's
             pass over K/V (the target of the sparse indexer loss).
+        validate: reject a q2k that is not in select_blocks's canonical form (see
+            :func:`validate_q2k`; one host synchronization). Without it any q2k means its set:
+            per (KV head, token) the distinct ids in 0..own block (MSA_SPEC.md).
 
     Returns:
         bf16 [T, Hq, d] output, then the LSE and the block mass when asked (in that order).
 
     Raises:
-        ValueError: non-bf16 inputs or disagreeing shapes.
+        ValueError: non-bf16 inputs or disagreeing shapes; with ``validate``, a non-canonical
+            q2k (naming the first bad head, token and slot).
         RuntimeError: called during CUDA-graph capture.
     """
     validate_attention_inputs(q, k, v, q2k, msa)
+    if validate:
+        validate_q2k(q2k, msa)
     reject_cuda_graph_capture("sparse_attention")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     chosen = resolve_backend(backend, q.device)

@@ -3,6 +3,11 @@
 ``out(p, hq) = sum_j softmax_j(q(p, hq) . k(j, g) * scale) v(j, g)`` over the keys j of the
 blocks that ``q2k[g, p]`` selects in the query's document, with j <= p and g = hq // (Hq / Hkv).
 
+Any q2k means its set (MSA_SPEC.md): for each (KV head, token) the distinct entries that are
+document-local block ids in 0..own block. Both passes first bring q2k to the canonical form
+(:func:`canonical_q2k`: ascending, deduplicated, -1 at the tail), so order, duplicates, -1 and
+out-of-range ids (even past the workspace) do not change the result.
+
 Forward and backward work on the compact layout, chunked over queries, gathering the selected
 key blocks from the aligned workspace; dk/dv accumulate into workspace blocks with index_add_
 (deterministic on the CPU, and on CUDA under torch.use_deterministic_algorithms). Peak memory is
@@ -73,9 +78,34 @@ def _workspace_blocks(msa: MSAMicrobatch, x: torch.Tensor, dtype: torch.dtype) -
     return blocks.transpose(1, 2).reshape(-1, msa.block_size, x.shape[-1])
 
 
+def canonical_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> torch.Tensor:
+    """The canonical form of any q2k: per (KV head, token) the set of its entries that are
+    document-local block ids in ``0..own block``, ascending, padded with -1 at the tail.
+
+    Duplicates count once; -1, negative ids and ids past the token's own block (including ids
+    past the workspace) are dropped; order does not matter. Two sorts of [Hkv, T, top_k].
+
+    Args:
+        q2k: int [Hkv, T, top_k].
+        msa: the layout (document positions and block size).
+
+    Returns:
+        int32 [Hkv, T, top_k], equal to ``select_blocks``'s output for the same sets.
+    """
+    own = (msa.document_positions.long() // msa.block_size)[None, :, None]  # [1, T, 1]
+    ids = q2k.long()
+    unused = torch.iinfo(torch.int64).max
+    ids = torch.where((ids >= 0) & (ids <= own), ids, unused).sort(dim=-1).values
+    repeat = torch.zeros_like(ids, dtype=torch.bool)
+    repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
+    ids = torch.where(repeat, unused, ids).sort(dim=-1).values
+    return torch.where(ids == unused, -1, ids).to(torch.int32)
+
+
 def _trim_unused_slots(q2k: torch.Tensor, msa: MSAMicrobatch) -> torch.Tensor:
     """Drops trailing top-k slots no query can fill: a document has at most
-    ceil(max_seqlen / B) blocks, so later slots are -1 everywhere (canonical order)."""
+    ceil(max_seqlen / B) blocks, so later slots are -1 everywhere (canonical order, which
+    :func:`canonical_q2k` gives)."""
     usable = -(-msa.max_seqlen // msa.block_size)
     return q2k[..., : min(q2k.shape[-1], usable)]
 
@@ -102,7 +132,8 @@ def sparse_attention_forward_reference(
         q: [T, Hq, d] float.
         k: [T, Hkv, d] float, same dtype as q.
         v: [T, Hkv, d] float, same dtype as q.
-        q2k: int32 [Hkv, T, top_k] document-local block ids (-1 = none).
+        q2k: int32 [Hkv, T, top_k] document-local block ids (-1 = none); any order,
+            duplicates and out-of-range ids allowed (set semantics, see the module docstring).
         msa: layout.
         softmax_scale: multiplies q.k before the softmax.
         return_block_mass: also return the attention mass per selected slot [Hkv, T, top_k]
@@ -115,7 +146,7 @@ def sparse_attention_forward_reference(
     """
     tokens, q_heads, dim = q.shape
     full_top_k = q2k.shape[-1]
-    q2k = _trim_unused_slots(q2k, msa)
+    q2k = _trim_unused_slots(canonical_q2k(q2k, msa), msa)
     kv_heads, _, top_k = q2k.shape
     group = q_heads // kv_heads
     dtype = accumulation_dtype(q)
@@ -167,7 +198,7 @@ def sparse_attention_backward_reference(
         ``(dq [T, Hq, d], dk [T, Hkv, d], dv [T, Hkv, d])`` in the inputs' dtypes.
     """
     tokens, q_heads, dim = q.shape
-    q2k = _trim_unused_slots(q2k, msa)
+    q2k = _trim_unused_slots(canonical_q2k(q2k, msa), msa)
     kv_heads, _, top_k = q2k.shape
     group = q_heads // kv_heads
     block = msa.block_size

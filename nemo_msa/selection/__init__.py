@@ -6,7 +6,12 @@ import torch
 
 from nemo_msa.backends import resolve_backend
 from nemo_msa.layout import MSAMicrobatch
-from nemo_msa.support import MAX_TOP_K, SUPPORTED_SCORE_TYPES, reject_cuda_graph_capture
+from nemo_msa.support import (
+    MAX_TOP_K,
+    SUPPORTED_SCORE_TYPES,
+    reject_cuda_graph_capture,
+    require_integer,
+)
 
 __all__ = ["select_blocks", "validate_selection_inputs"]
 
@@ -47,6 +52,7 @@ def validate_selection_inputs(
             f"index_q ({index_q.device}), index_k ({index_k.device}) and the layout "
             f"({msa.device}) must share one device"
         )
+    require_integer("top_k", top_k)
     if not 1 <= top_k <= MAX_TOP_K:
         raise ValueError(f"top_k={top_k}; expected 1 <= top_k <= {MAX_TOP_K}")
     if score not in SUPPORTED_SCORE_TYPES:

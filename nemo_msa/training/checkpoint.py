@@ -9,8 +9,18 @@ Layout of ``checkpoint.save``::
 A save writes into ``iter_N.partial`` and only after every rank has finished (barrier) does
 rank 0 rename it to ``iter_N`` and then replace the pointer file (write a temp file, fsync,
 ``os.replace``). A crash at any point leaves either the old pointer or a complete new checkpoint;
-a stale ``.partial`` directory is never read and is removed by the next save. Resume reads only
-the pointer, so it cannot pick up a half-written directory.
+a stale ``.partial`` directory is never read and is removed by the next save. Resume starts
+from the pointer, so it cannot pick up a half-written directory.
+
+Integrity: before the rename, every rank hashes the files it wrote (SHA-256, streamed in
+8 MiB reads) and rank 0 writes ``manifest.json`` (size and digest of every file) into the
+``.partial`` directory, fsynced. Resume verifies the chosen checkpoint against it (the ranks
+split the files between them), so a changed, truncated or deleted file is an error naming the
+file and the newest intact other checkpoint instead of a silent resume from damaged tensors;
+``checkpoint.fallback=true`` resumes from that one. A missing pointer beside finished
+``iter_*`` directories is the same kind of error (never a silent restart that would overwrite
+them). Cost: one extra read of the checkpoint at save and at load, about 1 GB/s per rank with
+SHA-256 on one core (measured on the CPU machine), divided over the ranks; ADR 0013.
 
 Contents: the model chunks (``model`` or ``model0``, ``model1``, ... with virtual pipelining, as
 Megatron-LM names them), the optimizer (sharded from the model's state dict, so it reshards with
@@ -20,20 +30,39 @@ training state (iteration, consumed samples, the loss history for the plot, the 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import random
+import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 logger = logging.getLogger(__name__)
 
+#: What Megatron's loading raises on a bad checkpoint; torch's CheckpointException is a
+#: BaseException, which ``except Exception`` would let through.
+_LOAD_ERRORS = (Exception, CheckpointException)
+
 POINTER = "latest_checkpointed_iteration.txt"
+#: Size and SHA-256 of every other file of a checkpoint directory, written last by the save.
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+_READ_BYTES = 8 << 20
+_ITER_DIR = re.compile(r"iter_(\d{7})")
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be resumed from; the message names the path and what to do."""
 
 
 @dataclass
@@ -77,6 +106,240 @@ def latest_iteration(root: str | os.PathLike | None) -> int | None:
             "has no metadata.json (expected a finished dist-checkpointing directory)"
         )
     return iteration
+
+
+def finished_iterations(root: str | os.PathLike) -> list[int]:
+    """Iterations of the ``iter_NNNNNNN`` directories under ``root``, ascending.
+
+    ``.partial`` and ``.old`` directories (a save in progress or interrupted) are not listed.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _ITER_DIR.fullmatch(p.name)
+        if m and p.is_dir():
+            found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (a list of one without a process group)."""
+    rank, world = _rank_and_world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _from_rank0(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    if _rank_and_world()[1] == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _owner(name: str, index: int, world: int) -> int:
+    """The rank that hashes a file: its writer for ``__R_I.distcp`` files, else round-robin."""
+    m = _RANK_FILE.search(name)
+    if m and int(m.group(1)) < world:
+        return int(m.group(1))
+    return index % world
+
+
+def file_digest(path: str | os.PathLike) -> tuple[int, str]:
+    """Size in bytes and SHA-256 hex digest of a file, streamed in 8 MiB reads.
+
+    Cost: one sequential read of the file; SHA-256 runs at about 1 GB/s on one core of the CPU
+    machine (hashlib, SHA extensions), so a rank's shard of N GB costs about N seconds.
+    """
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_READ_BYTES):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def write_manifest(directory: str | os.PathLike, iteration: int) -> Path:
+    """Hash every file of a just-written checkpoint directory and write its manifest; collective.
+
+    Rank 0 lists the directory (after the save's barrier every rank's files are there), each
+    rank hashes the files it wrote (the others go round-robin), and rank 0 writes
+    ``manifest.json`` with fsync. Call before the directory is renamed to its final name.
+
+    Returns:
+        The manifest's path.
+    """
+    directory = Path(directory)
+    rank, world = _rank_and_world()
+    names = _from_rank0(sorted(p.name for p in directory.iterdir()
+                               if p.is_file() and p.name != MANIFEST) if rank == 0 else None)
+    mine = {}
+    for i, name in enumerate(names):
+        if _owner(name, i, world) == rank:
+            size, digest = file_digest(directory / name)
+            mine[name] = {"size": size, "sha256": digest}
+    files: dict[str, Any] = {}
+    for part in _all_gather(mine):
+        files.update(part)
+    path = directory / MANIFEST
+    if rank == 0:
+        body = {"format": MANIFEST_FORMAT, "iteration": iteration, "algorithm": "sha256",
+                "files": dict(sorted(files.items()))}
+        with open(path, "w") as fh:
+            json.dump(body, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+    return path
+
+
+def _read_manifest(directory: Path) -> tuple[dict | None, str | None]:
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        return None, f"{directory} is missing"
+    if not path.is_file():
+        return None, (f"{path} is missing (every checkpoint this code saves has one; one saved "
+                      "without it can be loaded unverified with checkpoint.verify=false)")
+    try:
+        body = json.loads(path.read_text())
+        files = body["files"]
+        if body.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+            raise ValueError(f"format {body.get('format')!r}")
+        for entry in files.values():
+            int(entry["size"]), str(entry["sha256"])
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+        return None, f"{path} is unreadable ({type(err).__name__}: {err})"
+    return body, None
+
+
+def verify_checkpoint(directory: str | os.PathLike) -> list[str]:
+    """Check a checkpoint directory against its manifest; collective, same answer on every rank.
+
+    The ranks split the files (as :func:`write_manifest` does) and compare size, then SHA-256.
+    Cost: one read of the checkpoint, spread over the ranks (about 1 GB/s per rank).
+
+    Returns:
+        One line per problem (``PATH: what is wrong``), empty when the checkpoint is intact.
+    """
+    directory = Path(directory)
+    rank, world = _rank_and_world()
+    manifest, problem = _from_rank0(_read_manifest(directory) if rank == 0 else None)
+    if problem is not None:
+        return [problem]
+    mine = []
+    for i, (name, entry) in enumerate(sorted(manifest["files"].items())):
+        if _owner(name, i, world) != rank:
+            continue
+        path = directory / name
+        if not path.is_file():
+            mine.append(f"{path}: missing (the manifest lists it with {entry['size']} bytes)")
+            continue
+        size = path.stat().st_size
+        if size != entry["size"]:
+            mine.append(f"{path}: {size} bytes, the manifest says {entry['size']} "
+                        f"({'truncated' if size < entry['size'] else 'grown'} after the save)")
+            continue
+        if file_digest(path)[1] != entry["sha256"]:
+            mine.append(f"{path}: contents changed after the save (SHA-256 differs from the "
+                        "manifest; same size)")
+    return sorted(p for part in _all_gather(mine) for p in part)
+
+
+def _problems(directory: Path, verify: bool) -> list[str]:
+    """Problems of a checkpoint directory, empty when intact (collective): the manifest's, or
+    without ``verify`` only whether dist-checkpointing's metadata.json exists (rank 0 looks)."""
+    if verify:
+        return verify_checkpoint(directory)
+    problems = None
+    if _rank_and_world()[0] == 0:
+        problems = ([] if (directory / "metadata.json").is_file()
+                    else [f"{directory} is missing or has no metadata.json"])
+    return _from_rank0(problems)
+
+
+def find_resume_iteration(root: str | os.PathLike | None, *, fallback: bool = False,
+                          verify: bool = True) -> int | None:
+    """Choose the checkpoint to resume from, refusing damaged ones; collective.
+
+    The pointer file names the newest finished checkpoint; it is verified against its manifest
+    (``verify``). A missing pointer beside finished ``iter_*`` directories, a pointer that is
+    unreadable or names a missing directory, and a damaged checkpoint are errors that name the
+    problem and the newest intact other checkpoint. With ``fallback`` the run resumes from that
+    one instead (with a warning on stderr).
+
+    Args:
+        root: the checkpoint directory (``checkpoint.load`` or ``checkpoint.save``).
+        fallback: resume from the newest intact checkpoint when the pointer's one is unusable.
+        verify: check files against the manifest (false: only that metadata.json exists).
+
+    Returns:
+        The iteration to load, or None when ``root`` holds no checkpoint at all (a fresh start).
+
+    Raises:
+        CheckpointError: no usable checkpoint by the pointer and no fallback taken.
+    """
+    if root is None:
+        return None
+    root = Path(root)
+    pointer = root / POINTER
+    # Rank 0 reads the directory and the pointer for everyone, so that every rank takes the
+    # same branch (and calls the same collectives) even on a file system whose listings lag.
+    listing = None
+    if _rank_and_world()[0] == 0:
+        listing = (finished_iterations(root),
+                   pointer.read_text(errors="replace").strip() if pointer.is_file() else None)
+    finished, text = _from_rank0(listing)
+    target: int | None = None
+    if text is None:
+        if not finished:
+            return None
+        names = ", ".join(checkpoint_name(root, i).name for i in finished)
+        problem = (f"{pointer} is missing but {root} holds finished checkpoints ({names}); "
+                   "starting from iteration 0 would overwrite them")
+    else:
+        try:
+            target = int(text)
+        except ValueError:
+            problem = f"checkpoint pointer {pointer} holds {text!r}, not an iteration"
+        else:
+            bad = _problems(checkpoint_name(root, target), verify)
+            if not bad:
+                return target
+            more = f" (and {len(bad) - 1} more problems)" if len(bad) > 1 else ""
+            problem = (f"the newest checkpoint (iteration {target}, named by {pointer}) is "
+                       f"damaged or incomplete: {bad[0]}{more}")
+    intact = None
+    for it in reversed(finished):
+        if it != target and not _problems(checkpoint_name(root, it), verify):
+            intact = it
+            break
+    if intact is not None and fallback:
+        if _rank_and_world()[0] == 0:
+            print(f"warning: {problem}. checkpoint.fallback=true: resuming from "
+                  f"{checkpoint_name(root, intact)}", file=sys.stderr, flush=True)
+        return intact
+    if intact is not None:
+        advice = (f"The newest intact checkpoint is {checkpoint_name(root, intact)}: pass "
+                  "checkpoint.fallback=true to resume from it")
+    else:
+        advice = f"No other intact checkpoint is in {root}"
+    moved = "the iter_* directories" if text is None else "the damaged directories"
+    advice += f", or move {moved} away (or set another checkpoint.save) to start from scratch"
+    if target is None and intact is not None:
+        advice += f", or restore {pointer} (it holds the iteration number)"
+    raise CheckpointError(f"cannot resume: {problem}. {advice}.")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -212,6 +475,8 @@ def save_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
     sd = sharded_state_dict(model_chunks, optimizer, scheduler, state, recipe, is_loading=False)
     dist_checkpointing.save(sd, str(partial))
     _barrier()
+    write_manifest(partial, state.iteration)
+    _barrier()
     if rank == 0:
         if final.exists():
             # Re-saving an iteration (e.g. after a resume): drop the older copy only now that the
@@ -271,31 +536,88 @@ def _set_group_lrs(optimizer, lrs: dict[str, tuple[float, ...]], to_saved: bool)
                 group[name] = chosen
 
 
-def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler) -> TrainState:
-    """Load the newest finished checkpoint under ``root`` into the model, optimizer, scheduler.
+def _recipe_differences(saved: dict, current: dict | None) -> list[str]:
+    """The ``model.*`` keys whose values differ between the saved recipe and this run's."""
+    if not isinstance(saved, dict) or not current:
+        return []
+    a, b = saved.get("model") or {}, current.get("model") or {}
+    return [f"model.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for an exception; torch's CheckpointException by its ranks' own errors."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and isinstance(failures, dict) and failures:
+        parts = []
+        for rank, wrapped in sorted(failures.items()):
+            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            parts.append(f"rank {rank}: {_describe(inner)}")
+        return "; ".join(parts)
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = text if len(text) <= 300 else text[:300] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _megatron_error(path: Path, exc: BaseException, saved_recipe: dict | None,
+                    recipe: dict | None) -> CheckpointError:
+    """Wrap an error raised inside Megatron's loading with the path and what to do."""
+    diff = _recipe_differences(saved_recipe or {}, recipe)
+    if diff:
+        cause = (f"It was saved with another model ({', '.join(diff)} "
+                 f"{'differs' if len(diff) == 1 else 'differ'} from this recipe): run with the "
+                 "checkpoint's model settings")
+    else:
+        cause = ("If the model, parallel layout or code changed since the save, run with the "
+                 "checkpoint's; with checkpoint.verify=false a damaged file also fails here "
+                 "(verification names it)")
+    return CheckpointError(
+        f"loading checkpoint {path} failed inside Megatron dist-checkpointing "
+        f"({_describe(exc)}). {cause}; or set another checkpoint.save to start from scratch"
+    )
+
+
+def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
+                    iteration: int | None = None, recipe: dict | None = None) -> TrainState:
+    """Load a finished checkpoint under ``root`` into the model, optimizer and scheduler.
 
     The model and optimizer reshard to the current parallel layout (dist-checkpointing). The
     RNG states are restored only when the pipeline x tensor layout is the one that saved them;
     otherwise they are left as seeded, with a warning (bitwise continuation needs the same
     layout anyway).
 
+    Args:
+        root: the checkpoint directory.
+        model_chunks, optimizer, scheduler: what to load into.
+        iteration: the checkpoint to load, as chosen (and verified) by
+            :func:`find_resume_iteration`; None chooses and verifies it here (no fallback).
+        recipe: this run's resolved recipe, compared with the saved one when Megatron fails.
+
     Returns:
         The training state to continue from.
 
     Raises:
         FileNotFoundError: no finished checkpoint under ``root``.
+        CheckpointError: a damaged checkpoint, or Megatron failed to load it (the message names
+            the path, Megatron's error and what to do).
+        ValueError: the recipe's schedule differs from the checkpoint's and no scheduler flag
+            says which to use.
     """
     from megatron.core import dist_checkpointing
 
-    iteration = latest_iteration(root)
+    if iteration is None:
+        iteration = find_resume_iteration(root)
     if iteration is None:
         raise FileNotFoundError(
             f"checkpoint.load = {str(root)!r}: no finished checkpoint there (expected {POINTER} "
             "naming an iter_NNNNNNN directory)"
         )
     path = checkpoint_name(root, iteration)
-    common = dist_checkpointing.load_common_state_dict(str(path))
-    saved_layout = list(common["train_state"]["layout"])
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+        saved_layout = list(common["train_state"]["layout"])
+    except _LOAD_ERRORS as exc:  # any failure here is reported with the path
+        raise _megatron_error(path, exc, None, recipe) from exc
+    saved_recipe = common.get("recipe")
     pp, tp, _, _ = _layout()
     # Megatron names optimizer param groups by their max/min lr: build the loading state dict
     # with the checkpoint's values, then apply whichever the scheduler flags choose.
@@ -307,14 +629,17 @@ def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler)
         sd.pop("rng_state")
         logger.warning("checkpoint %s was saved with PP x TP = %s, now %s: RNG state not restored",
                        path, saved_layout, [pp, tp])
-    loaded = dist_checkpointing.load(sd, str(path))
-    model_chunks = _unwrap(model_chunks)
-    if len(model_chunks) == 1:
-        model_chunks[0].load_state_dict(loaded["model"])
-    else:
-        for i, chunk in enumerate(model_chunks):
-            chunk.load_state_dict(loaded[f"model{i}"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    try:
+        loaded = dist_checkpointing.load(sd, str(path))
+        model_chunks = _unwrap(model_chunks)
+        if len(model_chunks) == 1:
+            model_chunks[0].load_state_dict(loaded["model"])
+        else:
+            for i, chunk in enumerate(model_chunks):
+                chunk.load_state_dict(loaded[f"model{i}"])
+        optimizer.load_state_dict(loaded["optimizer"])
+    except _LOAD_ERRORS as exc:  # any failure here is reported with the path
+        raise _megatron_error(path, exc, saved_recipe, recipe) from exc
     _set_group_lrs(optimizer, chosen_lrs, to_saved=False)
     try:
         scheduler.load_state_dict(loaded["scheduler"])

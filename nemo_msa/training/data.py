@@ -16,10 +16,12 @@ identity of ``packed_seq_ids``, so one layout (and one device-to-host sync) serv
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from nemo_msa.training.recipe import DatasetConfig, GPTModelArgs, RecipeError
@@ -90,6 +92,103 @@ def _check_prefixes(prefixes: list[str]) -> None:
             )
 
 
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+
+
+def parse_data_path(value: Any) -> tuple[list[str], list[float] | None] | None:
+    """Parse ``dataset.data_path`` into prefixes and optional weights, as Megatron's blend.
+
+    Accepted: null or an empty list (mock data); a list of prefixes; a flat list of weight,
+    prefix pairs ``[w1, p1, w2, p2, ...]``; or the same as one string separated by spaces or
+    commas (as on Megatron's command line).
+
+    Returns:
+        ``(prefixes, weights)`` (weights None when unweighted), or None for mock data.
+
+    Raises:
+        RecipeError: a list that mixes weights and prefixes other than in pairs (e.g. a missing
+            prefix or weight, or a misspelt weight), a negative weight or all weights zero.
+    """
+    if value is None:
+        return None
+    items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+    if not items:
+        return None
+    texts = [str(x).strip() for x in items]
+    # A number is a weight unless a dataset of that name exists (a prefix such as '2023').
+    is_weight = [(isinstance(x, (int, float)) and not isinstance(x, bool)
+                  or bool(_NUMBER.fullmatch(t))) and not Path(t + ".bin").is_file()
+                 for x, t in zip(items, texts, strict=True)]
+    key = "recipe key 'dataset.data_path'"
+    if not any(is_weight):
+        return texts, None
+    pairs = len(texts) % 2 == 0 and all(is_weight[0::2]) and not any(is_weight[1::2])
+    if not pairs:
+        wrong = [j for j in range(len(texts)) if is_weight[j] != (j % 2 == 0)]
+        if wrong:
+            i = wrong[0]
+            what = ("a weight where a dataset prefix belongs" if is_weight[i]
+                    else "not a number where a weight belongs")
+        else:
+            i, what = len(texts) - 1, "a weight with no prefix after it"
+        t = texts[i]
+        raise RecipeError(
+            f"{key} = {value!r}: item {i + 1} ({t!r}) is {what}; expected dataset prefixes "
+            "[prefix1, prefix2, ...] or weight, prefix pairs [w1, prefix1, w2, prefix2, ...]"
+        )
+    weights = [float(t) for t in texts[0::2]]
+    if any(w < 0 for w in weights) or not sum(weights) > 0:
+        raise RecipeError(f"{key} = {value!r}: expected non-negative weights, not all zero")
+    return texts[1::2], weights
+
+
+def _bin_dtype(prefix: str):
+    """The token dtype recorded in a Megatron ``.idx`` header."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    with open(prefix + ".idx", "rb") as fh:
+        header = fh.read(18)
+    if len(header) < 18:
+        raise RecipeError(f"recipe key 'dataset.data_path': {prefix}.idx is too short to be a "
+                          "Megatron index file (expected the output of preprocess_data.py)")
+    # 9 bytes of magic, 8 of version, then one byte of dtype code.
+    return DType.dtype_from_code(header[17])
+
+
+def check_token_range(prefix: str, vocab_size: int, chunk_tokens: int = 1 << 26) -> int:
+    """Check that every token id of an indexed dataset lies in ``0 <= id < vocab_size``.
+
+    Skipped when the file's dtype cannot hold an id outside the vocabulary (uint16 data with a
+    vocabulary of at least 65536). Otherwise the ``.bin`` file is scanned once through a memory
+    map, 64 Mi tokens at a time (max and min): about 7 GB/s from the page cache on one core of
+    the CPU machine, else the disk's read rate, once per rank when the dataset is opened.
+
+    Returns:
+        The largest token id found (the dtype's maximum when the scan was skipped).
+
+    Raises:
+        RecipeError: naming the prefix, the largest (or a negative) id and model.vocab_size.
+    """
+    dtype = np.dtype(_bin_dtype(prefix))
+    if dtype.kind == "u" and np.iinfo(dtype).max < vocab_size:
+        return int(np.iinfo(dtype).max)
+    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    high, low = -1, 0
+    for start in range(0, len(tokens), chunk_tokens):
+        part = tokens[start:start + chunk_tokens]
+        high = max(high, int(part.max()))
+        low = min(low, int(part.min()))
+    del tokens
+    if high >= vocab_size or low < 0:
+        bad = high if high >= vocab_size else low
+        raise RecipeError(
+            f"recipe key 'model.vocab_size' = {vocab_size}: dataset {prefix}.bin holds token id "
+            f"{bad}, outside 0 <= id < model.vocab_size (expected a vocabulary at least "
+            f"{high + 1} large for this data, or data tokenized for this vocabulary)"
+        )
+    return high
+
+
 def eod_token_id(dataset: DatasetConfig, gpt: GPTModelArgs) -> int:
     """The EOD id: dataset.eod_id, or vocab_size - 1 (the NullTokenizer convention)."""
     return int(dataset.eod_id) if dataset.eod_id is not None else gpt.vocab_size - 1
@@ -108,20 +207,19 @@ def build_train_dataset(dataset: DatasetConfig, gpt: GPTModelArgs, seed: int, nu
         A Megatron dataset whose items are dicts with tokens, labels, loss_mask, position_ids.
 
     Raises:
-        RecipeError: a dataset prefix whose .bin/.idx files do not exist.
+        RecipeError: a malformed weight list, a dataset prefix whose .bin/.idx files do not
+            exist, or token ids outside the vocabulary.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-    from megatron.core.datasets.utils import get_blend_from_list
 
-    paths = dataset.data_path
-    if isinstance(paths, str):
-        paths = paths.split()
-    blend = get_blend_from_list([str(p) for p in paths]) if paths else None
+    blend = parse_data_path(dataset.data_path)
     if blend is not None:
         _check_prefixes(blend[0])
+        for prefix in blend[0]:
+            check_token_range(prefix, gpt.vocab_size)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=gpt.seq_length,

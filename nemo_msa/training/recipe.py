@@ -6,18 +6,30 @@ A recipe has the sections ``model``, ``train``, ``optimizer``, ``scheduler``, ``
 arguments (``vocab_size``, ``seq_length``, ...); ``optimizer`` holds OptimizerConfig field names;
 ``ddp`` holds DistributedDataParallelConfig field names. The other sections are described by the
 dataclasses below. Every key is checked against its section before anything is built, so a typo
-fails at once with the list of valid keys instead of being silently ignored.
+fails at once with the list of valid keys instead of being silently ignored, and every value
+against the type of its field (the dataclass annotation: ours, TransformerConfig's,
+OptimizerConfig's, DistributedDataParallelConfig's) and the range the loop needs, so that
+``train.train_iters=3.5`` or ``optimizer.lr=abc`` is one ``RecipeError`` naming the key, the
+value and the expected type instead of a traceback from deep inside Megatron or torch.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
+import enum
+import math
 import os
+import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Union
 
+import torch
+import yaml
 from omegaconf import OmegaConf
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -26,6 +38,189 @@ DEFAULT_RECIPE = RECIPES_DIR / "msa_tiny.yaml"
 
 class RecipeError(ValueError):
     """A recipe or an override is invalid; the message names the key, value and expectation."""
+
+
+#: YAML spellings of torch dtypes (config fields typed ``torch.dtype``).
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+}
+#: YAML spellings of ``model.activation_func``.
+ACTIVATIONS = ("gelu", "silu", "relu", "squared_relu", "quick_gelu")
+
+
+def _activation(name: str):
+    import torch.nn.functional as F
+    from megatron.core import activations
+
+    return {"gelu": F.gelu, "silu": F.silu, "relu": F.relu,
+            "squared_relu": activations.squared_relu,
+            "quick_gelu": activations.quick_gelu}[name]
+
+
+class _Mismatch(Exception):
+    """A value does not fit a type hint (internal; turned into a RecipeError)."""
+
+
+def _describe_type(hint: Any) -> str:
+    """A reader's name for a type hint: 'an integer', 'null or a number', ..."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return "null"
+    if origin is Union or isinstance(hint, types.UnionType):
+        names = [_describe_type(a) for a in args if a is not type(None)]
+        if type(None) in args:
+            names.insert(0, "null")
+        return " or ".join(dict.fromkeys(names))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if hint is bool:
+        return "true or false (bool)"
+    if hint is int:
+        return "an integer (int)"
+    if hint is float:
+        return "a number (float)"
+    if hint is str:
+        return "a string"
+    if hint is list or origin is list:
+        return f"a list of {_describe_type(args[0])} items" if args else "a list"
+    if hint is tuple or origin is tuple:
+        return "a list"
+    if hint is dict or origin is dict:
+        return "a mapping"
+    if hint is torch.dtype:
+        return "a dtype name (" + ", ".join(DTYPES) + ")"
+    if hint is collections.abc.Callable or origin is collections.abc.Callable:
+        return "null (a Python callable cannot be set from a recipe)"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "one of " + ", ".join(repr(m) for m in hint.__members__)
+    return getattr(hint, "__name__", repr(hint))
+
+
+def _coerce(value: Any, hint: Any, key: str, convert: bool = True) -> Any:
+    """``value`` as the type ``hint`` asks for, or raise _Mismatch.
+
+    With ``convert``, integral floats become ints (``1e3`` for an iteration count), ints become
+    floats and numbers become strings for string fields; a union first looks for a member the
+    value already is (so ``3`` stays an int in ``str | int``). Dtype names, activation names and
+    enum member names become the objects they name. Unknown typing constructs accept anything.
+    """
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any or hint is object:
+        return value
+    if hint is type(None):
+        if value is None:
+            return None
+        raise _Mismatch
+    if origin is Union or isinstance(hint, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise _Mismatch
+        for attempt in ((False, True) if convert else (False,)):
+            for arg in args:
+                if arg is type(None):
+                    continue
+                try:
+                    return _coerce(value, arg, key, attempt)
+                except _Mismatch:
+                    continue
+        raise _Mismatch
+    if origin is Literal:
+        for arg in args:
+            if value == arg and type(value) is type(arg):
+                return value
+        raise _Mismatch
+    if value is None:
+        raise _Mismatch
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if (convert and isinstance(value, float) and math.isfinite(value)
+                and value.is_integer()):
+            return int(value)
+        raise _Mismatch
+    if hint is float:
+        if isinstance(value, float) or (convert and number):
+            return float(value)
+        raise _Mismatch
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        if convert and number:
+            return str(value)
+        raise _Mismatch
+    if hint is list or origin is list or hint is tuple or origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise _Mismatch
+            return tuple(_coerce(v, a, key, convert) for v, a in zip(value, args, strict=True))
+        item = args[0] if args else Any
+        items = [_coerce(v, item, key, convert) for v in value]
+        return tuple(items) if (hint is tuple or origin is tuple) else items
+    if hint is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+        raise _Mismatch
+    if hint is torch.dtype:
+        if isinstance(value, torch.dtype):
+            return value
+        if isinstance(value, str) and value in DTYPES:
+            return DTYPES[value]
+        raise _Mismatch
+    if hint is collections.abc.Callable or origin is collections.abc.Callable:
+        if key.endswith("activation_func") and isinstance(value, str) and value in ACTIVATIONS:
+            return _activation(value)
+        if callable(value):
+            return value
+        raise _Mismatch
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        if isinstance(value, hint):
+            return value
+        if isinstance(value, str) and value in hint.__members__:
+            return hint[value]
+        raise _Mismatch
+    if isinstance(hint, type):
+        if isinstance(value, hint):
+            return value
+        raise _Mismatch
+    check = origin if isinstance(origin, type) else None
+    if check is not None and not isinstance(value, check):
+        raise _Mismatch
+    return value
+
+
+def _expected(key: str, hint: Any) -> str:
+    if key.endswith("activation_func"):
+        return "one of " + ", ".join(repr(a) for a in ACTIVATIONS)
+    return _describe_type(hint)
+
+
+def coerce_value(section: str, key: str, value: Any) -> Any:
+    """Check one recipe value against its field's type and return it as that type.
+
+    Raises:
+        RecipeError: ``recipe key 'section.key' = value: expected <type>, got <type>``.
+    """
+    hint = section_types(section).get(key, Any)
+    try:
+        return _coerce(value, hint, key)
+    except _Mismatch:
+        got = "null" if value is None else type(value).__name__
+        raise RecipeError(f"recipe key '{section}.{key}' = {value!r}: expected "
+                          f"{_expected(key, hint)}, got {got}") from None
+
+
+def config_values(section: str, values: dict[str, Any]) -> dict[str, Any]:
+    """A section's values as the objects its config class takes (dtypes, activations, enums)."""
+    return {key: coerce_value(section, key, value) for key, value in values.items()}
 
 
 @dataclass
@@ -106,6 +301,12 @@ class CheckpointConfig:
     resume: bool = True
     #: Keep at most this many finished checkpoints (null keeps all).
     keep_last: int | None = None
+    #: Check the checkpoint's files against the size + SHA-256 manifest written at save before
+    #: resuming (one extra read of the checkpoint). False also loads checkpoints without one.
+    verify: bool = True
+    #: When the newest checkpoint is damaged or the pointer file is missing/unreadable, resume
+    #: from the newest intact checkpoint (with a warning) instead of stopping with an error.
+    fallback: bool = False
 
 
 @dataclass
@@ -193,6 +394,31 @@ def _section_keys(name: str) -> list[str]:
     return sorted(f.name for f in dataclasses.fields(SECTION_DATACLASSES[name]))
 
 
+_TYPES_CACHE: dict[str, dict[str, Any]] = {}
+
+
+def section_types(name: str) -> dict[str, Any]:
+    """``{key: type hint}`` of a recipe section, from its dataclass annotations."""
+    if name not in _TYPES_CACHE:
+        if name == "model":
+            cls = transformer_config_class()
+            hints = {f.name: typing.get_type_hints(cls).get(f.name, Any)
+                     for f in dataclasses.fields(cls) if f.init}
+            hints.update(typing.get_type_hints(GPTModelArgs))
+        elif name == "optimizer":
+            from megatron.core.optimizer import OptimizerConfig
+
+            hints = typing.get_type_hints(OptimizerConfig)
+        elif name == "ddp":
+            from megatron.core.distributed import DistributedDataParallelConfig
+
+            hints = typing.get_type_hints(DistributedDataParallelConfig)
+        else:
+            hints = typing.get_type_hints(SECTION_DATACLASSES[name])
+        _TYPES_CACHE[name] = hints
+    return _TYPES_CACHE[name]
+
+
 _BACKING_CLASS = {"model": "TransformerConfig (megatron.core.transformer)",
                   "optimizer": "OptimizerConfig (megatron.core.optimizer)",
                   "ddp": "DistributedDataParallelConfig (megatron.core.distributed)"}
@@ -236,7 +462,21 @@ def parse_overrides(overrides: list[str]) -> Any:
                 f"e.g. train.train_iters=50; sections: {', '.join(SECTIONS)}"
             )
         cleaned.append(item.lstrip("+"))
+        try:
+            OmegaConf.from_dotlist([cleaned[-1]])
+        except yaml.YAMLError as err:
+            raise RecipeError(f"override {item!r}: the value is not valid YAML "
+                              f"({_yaml_problem(err)})") from None
     return OmegaConf.from_dotlist(cleaned)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """One line for a YAML error: what is wrong and where."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    context = getattr(err, "context", None)
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{context + ': ' if context else ''}{problem}{where}"
 
 
 def load_recipe(path: str | os.PathLike | None = None,
@@ -256,7 +496,11 @@ def load_recipe(path: str | os.PathLike | None = None,
     path = Path(path) if path is not None else DEFAULT_RECIPE
     if not path.is_file():
         raise RecipeError(f"recipe file {str(path)!r} does not exist (expected a YAML file)")
-    base = OmegaConf.load(path)
+    try:
+        base = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        raise RecipeError(f"recipe file {str(path)!r} is not valid YAML: "
+                          f"{_yaml_problem(err)}") from None
     if not isinstance(base, dict) and not OmegaConf.is_dict(base):
         raise RecipeError(f"recipe {str(path)!r} must be a mapping of sections, got a list")
     merged = OmegaConf.merge(base, parse_overrides(list(overrides or [])))
@@ -285,7 +529,12 @@ def validate_recipe(raw: dict[str, Any], source: str = "<dict>") -> Recipe:
         for key in body:
             if key not in valid:
                 raise _unknown_key_error(section, str(key), valid)
-        values[section] = dict(body)
+        values[section] = {}
+        for key, value in body.items():
+            typed = coerce_value(section, key, value)
+            # Plain values are stored typed (3.0 -> 3 for an int); objects that a name stands
+            # for (dtypes, activations, enums) keep their YAML name until the config is built.
+            values[section][key] = typed if isinstance(typed, _PLAIN) else value
 
     gpt_names = {f.name for f in dataclasses.fields(GPTModelArgs)}
     model = {k: v for k, v in values["model"].items() if k not in gpt_names}
@@ -308,13 +557,97 @@ def validate_recipe(raw: dict[str, Any], source: str = "<dict>") -> Recipe:
     return recipe
 
 
+_PLAIN = (bool, int, float, str, list, dict, type(None))
+
+#: Ranges of numeric keys: (lowest, lowest included, highest, highest included); null passes.
+_RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
+    "train.seed": (0, True, None, False),
+    "train.exit_interval": (0, False, None, False),
+    "scheduler.lr_warmup_init": (0, True, None, False),
+    "scheduler.lr_decay_iters": (0, False, None, False),
+    "scheduler.lr_wsd_decay_iters": (0, True, None, False),
+    "scheduler.start_weight_decay": (0, True, None, False),
+    "scheduler.end_weight_decay": (0, True, None, False),
+    "dataset.num_workers": (0, True, None, False),
+    "checkpoint.keep_last": (0, False, None, False),
+    "dist.timeout_minutes": (0, False, None, False),
+    "model.vocab_size": (0, False, None, False),
+    "model.make_vocab_size_divisible_by": (0, False, None, False),
+    "model.rotary_percent": (0, False, 1, True),
+    "model.rotary_base": (0, False, None, False),
+    "model.num_layers": (0, False, None, False),
+    "model.hidden_size": (0, False, None, False),
+    "model.num_attention_heads": (0, False, None, False),
+    "model.num_query_groups": (0, False, None, False),
+    "model.kv_channels": (0, False, None, False),
+    "model.ffn_hidden_size": (0, False, None, False),
+    "model.hidden_dropout": (0, True, 1, False),
+    "model.attention_dropout": (0, True, 1, False),
+    "model.tensor_model_parallel_size": (1, True, None, False),
+    "model.pipeline_model_parallel_size": (1, True, None, False),
+    "model.context_parallel_size": (1, True, None, False),
+    "optimizer.lr": (0, True, None, False),
+    "optimizer.min_lr": (0, True, None, False),
+    "optimizer.weight_decay": (0, True, None, False),
+    "optimizer.adam_beta1": (0, True, 1, False),
+    "optimizer.adam_beta2": (0, True, 1, False),
+    "optimizer.adam_eps": (0, False, None, False),
+    "optimizer.clip_grad": (0, True, None, False),
+    "optimizer.sgd_momentum": (0, True, 1, False),
+}
+
+
+def _check_ranges(r: Recipe) -> None:
+    sections = {"model": {**r.model, **dataclasses.asdict(r.gpt)}, "optimizer": r.optimizer}
+    for name in SECTION_DATACLASSES:
+        sections[name] = dataclasses.asdict(getattr(r, name))
+    for key, (low, low_in, high, high_in) in _RANGES.items():
+        section, name = key.split(".", 1)
+        value = sections[section].get(name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        ok = math.isfinite(value)
+        ok = ok and (low is None or value > low or (low_in and value == low))
+        ok = ok and (high is None or value < high or (high_in and value == high))
+        if not ok:
+            lo = "" if low is None else f"{low} {'<=' if low_in else '<'} "
+            hi = "" if high is None else f" {'<=' if high_in else '<'} {high}"
+            _require(False, key, value, f"{lo}value{hi}")
+
+
+#: ``dataset.split``: up to three weights (train, valid, test) separated by ',' or '/'.
+_SPLIT_ITEM = re.compile(r"\s*(\d+(\.\d*)?|\.\d+)\s*")
+
+
+def parse_split(split: str) -> list[float]:
+    """Parse ``dataset.split`` ('99,1,0' or '99/1/0') into three non-negative weights.
+
+    Raises:
+        RecipeError: not one to three non-negative numbers, or no weight on the training split.
+    """
+    parts = re.split(r"[,/]", str(split))
+    expected = ("one to three non-negative numbers for train, valid, test separated by ',' "
+                "(e.g. '99,1,0') with a positive first one")
+    if not 1 <= len(parts) <= 3 or not all(_SPLIT_ITEM.fullmatch(p) for p in parts):
+        _require(False, "dataset.split", split, expected)
+    weights = [float(p) for p in parts] + [0.0] * (3 - len(parts))
+    _require(weights[0] > 0, "dataset.split", split, expected)
+    return weights
+
+
 def _require(cond: bool, key: str, value: Any, expectation: str) -> None:
     if not cond:
         raise RecipeError(f"recipe key '{key}' = {value!r}: expected {expectation}")
 
 
 def _check_values(r: Recipe) -> None:
+    _check_ranges(r)
     t = r.train
+    parse_split(r.dataset.split)
+    if r.dataset.eod_id is not None:
+        _require(0 <= r.dataset.eod_id < r.gpt.vocab_size, "dataset.eod_id", r.dataset.eod_id,
+                 f"a token id inside the vocabulary, 0 <= id < model.vocab_size "
+                 f"({r.gpt.vocab_size})")
     _require(t.train_iters > 0, "train.train_iters", t.train_iters, "a positive integer")
     _require(t.micro_batch_size > 0, "train.micro_batch_size", t.micro_batch_size, "> 0")
     _require(t.global_batch_size > 0 and t.global_batch_size % t.micro_batch_size == 0,

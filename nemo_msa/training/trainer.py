@@ -29,12 +29,12 @@ from nemo_msa.megatron.microbatch import SharedMicrobatchIterators
 from nemo_msa.training import msa_hooks
 from nemo_msa.training.checkpoint import (
     TrainState,
-    latest_iteration,
+    find_resume_iteration,
     load_checkpoint,
     save_checkpoint,
 )
 from nemo_msa.training.data import MicrobatchSource, build_train_dataset, eod_token_id
-from nemo_msa.training.recipe import Recipe, RecipeError, check_parallel_layout
+from nemo_msa.training.recipe import Recipe, RecipeError, check_parallel_layout, config_values
 from nemo_msa.training.ux import (
     MetricsLog,
     Progress,
@@ -112,34 +112,10 @@ def set_seeds(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-def _activation(name: str):
-    import torch.nn.functional as F
-    from megatron.core import activations
-
-    table = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu,
-             "squared_relu": activations.squared_relu, "quick_gelu": activations.quick_gelu}
-    if name not in table:
-        raise RecipeError(f"recipe key 'model.activation_func' = {name!r}: expected one of "
-                          f"{', '.join(table)}")
-    return table[name]
-
-
 def _yaml_to_config_values(fields: dict[str, Any]) -> dict[str, Any]:
-    """Turn the YAML spellings of non-scalar config fields into Python objects."""
-    out = dict(fields)
-    if isinstance(out.get("activation_func"), str):
-        out["activation_func"] = _activation(out["activation_func"])
-    for key in ("params_dtype", "pipeline_dtype"):
-        if isinstance(out.get(key), str):
-            if out[key] not in _DTYPES:
-                raise RecipeError(f"recipe key 'model.{key}' = {out[key]!r}: expected one of "
-                                  f"{', '.join(_DTYPES)}")
-            out[key] = _DTYPES[out[key]]
-    return out
+    """Turn the YAML spellings of non-scalar config fields (activation, dtypes, enums) into
+    Python objects; the recipe has already checked every value against its field's type."""
+    return config_values("model", fields)
 
 
 def build_config(recipe: Recipe, ctx: RunContext):
@@ -223,7 +199,7 @@ def wrap_ddp(recipe: Recipe, config, chunks: list, device: torch.device) -> list
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    ddp_fields = dict(recipe.ddp)
+    ddp_fields = config_values("ddp", recipe.ddp)
     if config.bf16:
         # Megatron-LM's default for bf16: reduce gradients in fp32 so that DP sums do not lose
         # precision; a recipe may still say otherwise.
@@ -254,7 +230,7 @@ def build_optimizer(recipe: Recipe, config, chunks: list, ctx: RunContext):
     from megatron.core.optimizer.optimizer_config import ParamPredicate
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    fields = dict(recipe.optimizer)
+    fields = config_values("optimizer", recipe.optimizer)
     fields.setdefault("bf16", config.bf16)
     fields.setdefault("fp16", config.fp16)
     fields.setdefault("params_dtype", config.params_dtype)
@@ -437,12 +413,16 @@ def pretrain(recipe: Recipe) -> dict[str, Any]:
     state = TrainState()
     ck = recipe.checkpoint
     load_root = ck.load or (ck.save if ck.resume else None)
-    if ck.load and latest_iteration(ck.load) is None:
+    # Verified against the manifests; a damaged newest checkpoint or a lost pointer beside
+    # finished iter_* directories stops here (or falls back) instead of restarting silently.
+    resume_at = find_resume_iteration(load_root, fallback=ck.fallback, verify=ck.verify)
+    if ck.load and resume_at is None:
         raise RecipeError(f"recipe key 'checkpoint.load' = {ck.load!r}: no finished checkpoint "
                           "there (expected latest_checkpointed_iteration.txt and iter_NNNNNNN/)")
     resumed_from = None
-    if load_root and latest_iteration(load_root) is not None:
-        state = load_checkpoint(load_root, chunks, optimizer, scheduler)
+    if resume_at is not None:
+        state = load_checkpoint(load_root, chunks, optimizer, scheduler, iteration=resume_at,
+                                recipe=recipe.resolved)
         resumed_from = state.iteration
 
     train = recipe.train

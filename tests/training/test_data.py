@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from nemo_msa.training.data import (
     MicrobatchSource,
     build_train_dataset,
+    check_token_range,
     collate,
     packed_seq_ids_from_tokens,
     positions_from_document_ids,
 )
-from nemo_msa.training.recipe import load_recipe
+from nemo_msa.training.recipe import RecipeError, load_recipe
 
 EOD = 99
 
@@ -79,3 +81,18 @@ def test_real_indexed_dataset_packs_documents(tmp_path):
                              consumed_samples=4)
     nxt = source.step_microbatches()
     assert torch.equal(again.step_microbatches()[0].tokens, nxt[0].tokens)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_when_the_dataset_opens(tmp_path):
+    prefix = str(tmp_path / "corpus")
+    _write_corpus(prefix, [[5, 6, 200, EOD], [7, 8, EOD]])
+    recipe = load_recipe(None, [f"dataset.data_path=[{prefix}]", "dataset.eod_id=99",
+                                "model.vocab_size=128", "model.seq_length=8",
+                                f"dataset.path_to_cache={tmp_path / 'cache'}"])
+    with pytest.raises(RecipeError, match=r"'model.vocab_size' = 128: dataset .*corpus.bin holds "
+                                          r"token id 200, outside 0 <= id < model.vocab_size "
+                                          r"\(expected a vocabulary at least 201 large"):
+        build_train_dataset(recipe.dataset, recipe.gpt, seed=3, num_samples=4)
+    assert check_token_range(prefix, 201) == 200
+    # uint16 data cannot exceed a vocabulary of 65536 or more: nothing to scan.
+    assert check_token_range(prefix, 65536) == 65535

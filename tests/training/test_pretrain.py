@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -18,40 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _runs import SMALL, copy_checkpoint, losses, train
 
-from nemo_msa.training.checkpoint import POINTER, latest_iteration
-from nemo_msa.training.recipe import load_recipe
-from nemo_msa.training.trainer import pretrain, teardown
+from nemo_msa.training.checkpoint import MANIFEST, POINTER, latest_iteration, verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
-
-SMALL = [
-    "model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=128",
-    "model.num_attention_heads=4", "model.num_query_groups=2", "model.kv_channels=16",
-    "model.msa_index_head_dim=16", "model.seq_length=256", "model.vocab_size=256",
-    "model.msa_block_size=32", "model.msa_topk=2", "train.global_batch_size=2",
-    "train.micro_batch_size=1", "scheduler.lr_warmup_iters=1", "logger.progress_bar=false",
-]
-
-
-def _train(overrides: list[str]) -> dict:
-    try:
-        return pretrain(load_recipe(None, SMALL + overrides))
-    finally:
-        teardown()
-
-
-def _losses(history: list[dict], key: str = "loss") -> dict[int, float]:
-    return {h["iteration"]: h[key] for h in history if key in h}
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """6 steps (2 of dense warm-up), checkpoints at 3 and 6: the uninterrupted curve."""
-    root = tmp_path_factory.mktemp("reference")
-    summary = _train(["train.train_iters=6", "model.msa_dense_warmup_steps=2",
-                      f"checkpoint.save={root}", "checkpoint.save_interval=3"])
-    return root, summary
 
 
 def _free_port() -> int:
@@ -61,15 +31,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _copy_checkpoint(src_root: Path, iteration: int, dst_root: Path) -> None:
-    name = f"iter_{iteration:07d}"
-    dst_root.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(src_root / name, dst_root / name)
-    (dst_root / POINTER).write_text(f"{iteration}\n")
-
-
 def test_tiny_recipe_trains_and_loss_falls(tmp_path):
-    summary = _train(["train.train_iters=14", "model.msa_dense_warmup_steps=2",
+    summary = train(["train.train_iters=14", "model.msa_dense_warmup_steps=2",
                       f"logger.output_dir={tmp_path}"])
     losses = [h["loss"] for h in summary["history"]]
     assert len(losses) == 14
@@ -82,14 +45,14 @@ def test_tiny_recipe_trains_and_loss_falls(tmp_path):
 
 def test_resume_gives_the_same_next_losses(reference, tmp_path):
     ref_root, ref = reference
-    _copy_checkpoint(ref_root, 3, tmp_path)
+    copy_checkpoint(ref_root, 3, tmp_path)
     # An interrupted save of iteration 6 must be ignored by the resume and replaced by the next.
     (tmp_path / "iter_0000006.partial").mkdir()
     (tmp_path / "iter_0000006.partial" / "junk").write_text("half-written")
-    resumed = _train(["train.train_iters=6", "model.msa_dense_warmup_steps=2",
+    resumed = train(["train.train_iters=6", "model.msa_dense_warmup_steps=2",
                       f"checkpoint.save={tmp_path}", "checkpoint.save_interval=3"])
-    want = _losses(ref["history"])
-    got = _losses(resumed["history"])
+    want = losses(ref["history"])
+    got = losses(resumed["history"])
     assert sorted(got) == [1, 2, 3, 4, 5, 6]  # the history travels with the checkpoint
     for it in (4, 5, 6):
         assert got[it] == want[it], (it, got[it], want[it])  # bitwise on the CPU
@@ -102,21 +65,21 @@ def test_resume_with_a_changed_lr_follows_the_scheduler_flags(reference, tmp_pat
     peak with override_opt_param_scheduler; the checkpoint's with use_checkpoint_..."""
     ref_root, ref = reference
     common = ["train.train_iters=6", "model.msa_dense_warmup_steps=2", "optimizer.lr=5e-3"]
-    _copy_checkpoint(ref_root, 3, tmp_path / "plain")
+    copy_checkpoint(ref_root, 3, tmp_path / "plain")
     with pytest.raises(ValueError, match="optimizer.lr' = 0.005 but checkpoint .* was trained "
                        "with 0.003: pass scheduler.override_opt_param_scheduler=true"):
-        _train(common + [f"checkpoint.save={tmp_path / 'plain'}"])
+        train(common + [f"checkpoint.save={tmp_path / 'plain'}"])
     # A longer run without a flag: the schedule's length differs, named the same way.
     with pytest.raises(ValueError, match="another schedule than the recipe's .* pass "
                        "scheduler.override_opt_param_scheduler=true"):
-        _train(["train.train_iters=8", "model.msa_dense_warmup_steps=2",
+        train(["train.train_iters=8", "model.msa_dense_warmup_steps=2",
                 f"checkpoint.save={tmp_path / 'plain'}"])
-    want = _losses(ref["history"], "lr")
+    want = losses(ref["history"], "lr")
     min_lr = 3.0e-4  # recipes/msa_tiny.yaml
     for flag, peak in (("override_opt_param_scheduler", 5e-3),
                        ("use_checkpoint_opt_param_scheduler", 3e-3)):
-        _copy_checkpoint(ref_root, 3, tmp_path / flag)
-        got = _losses(_train(common + [f"checkpoint.save={tmp_path / flag}",
+        copy_checkpoint(ref_root, 3, tmp_path / flag)
+        got = losses(train(common + [f"checkpoint.save={tmp_path / flag}",
                                        f"scheduler.{flag}=true"])["history"], "lr")
         # Same step, same cosine factor: the lr above min_lr scales with the peak.
         for it in (4, 5):
@@ -133,7 +96,7 @@ def test_pointer_to_a_missing_checkpoint_is_an_error(tmp_path):
 def test_pp2_vpp2_on_gloo_matches_one_process(reference, tmp_path):
     ref_root, ref = reference
     start = tmp_path / "start"
-    _copy_checkpoint(ref_root, 3, start)
+    copy_checkpoint(ref_root, 3, start)
     out = tmp_path / "pp"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -147,13 +110,13 @@ def test_pp2_vpp2_on_gloo_matches_one_process(reference, tmp_path):
     assert "layout TPxPPxVPPxDP : 1x2x2x1" in proc.stdout
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     got = {r["iteration"]: r["loss"] for r in rows}
-    want = _losses(ref["history"])
+    want = losses(ref["history"])
     assert sorted(got) == [4, 5, 6]
     for it in (4, 5, 6):
         assert got[it] == pytest.approx(want[it], rel=1e-5), (it, got[it], want[it])
     # Rank 0 holds two virtual chunks with MSA layers; both used one layout per microbatch.
     assert all(r["layouts_per_microbatch"] == 1.0 for r in rows)
-    idx_want = _losses(ref["history"], "indexer_loss")
+    idx_want = losses(ref["history"], "indexer_loss")
     idx_got = {r["iteration"]: r["indexer_loss"] for r in rows}
     for it in (4, 5, 6):
         assert idx_got[it] == pytest.approx(idx_want[it], rel=1e-4)
@@ -162,7 +125,7 @@ def test_pp2_vpp2_on_gloo_matches_one_process(reference, tmp_path):
 def test_dense_warmup_trains_only_the_indexer(tmp_path):
     from megatron.core import dist_checkpointing
 
-    summary = _train(["train.train_iters=10", "model.msa_dense_warmup_steps=10",
+    summary = train(["train.train_iters=10", "model.msa_dense_warmup_steps=10",
                       f"checkpoint.save={tmp_path}", "checkpoint.save_interval=5"])
     hist = summary["history"]
     idx = [h["indexer_loss"] for h in hist]
@@ -201,7 +164,7 @@ def test_trains_on_a_real_indexed_corpus(tmp_path):
         doc = rng.integers(1, 200, size=int(rng.integers(20, 400))).tolist() + [255]
         builder.add_document(torch.tensor(doc), [len(doc)])
     builder.finalize(prefix + ".idx")
-    summary = _train(["train.train_iters=3", "model.msa_dense_warmup_steps=1",
+    summary = train(["train.train_iters=3", "model.msa_dense_warmup_steps=1",
                       f"dataset.data_path=[{prefix}]", "dataset.eod_id=255",
                       f"dataset.path_to_cache={tmp_path / 'cache'}",
                       f"logger.output_dir={tmp_path / 'out'}"])
@@ -226,3 +189,9 @@ def test_pipeline_integration_recipe_runs_on_four_gloo_processes(tmp_path):
     assert [r["phase"] for r in rows] == ["dense-warmup"] * 2 + ["sparse"] * 3
     assert all("recall" in r for r in rows[2:])
     assert latest_iteration(tmp_path) == 5
+    # Four writers, one manifest: every rank's shard is listed and verifies.
+    ckpt = tmp_path / "iter_0000005"
+    listed = json.loads((ckpt / MANIFEST).read_text())["files"]
+    shards = sorted(p.name for p in ckpt.glob("*.distcp"))
+    assert len(shards) == 4 and all(name in listed for name in shards)
+    assert verify_checkpoint(ckpt) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from nemo_msa.training.recipe import (
     RecipeError,
     check_parallel_layout,
     load_recipe,
+    parse_split,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,3 +128,103 @@ def test_cli_reports_bad_key_and_exits_2():
     )
     assert proc.returncode == 2
     assert "error: recipe key 'model.hiden_size' is unknown" in proc.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.train_iters=3.5", r"'train.train_iters' = 3.5: expected an integer \(int\), got float"),
+    ("train.train_iters=abc", r"'train.train_iters' = 'abc': expected an integer \(int\), got str"),
+    ("optimizer.lr=abc", r"'optimizer.lr' = 'abc': expected null or a number \(float\), got str"),
+    ("model.hidden_size=abc", r"'model.hidden_size' = 'abc': expected an integer \(int\), got str"),
+    ("model.bf16=1", r"'model.bf16' = 1: expected true or false \(bool\), got int"),
+    ("model.activation_func=tanh", r"'model.activation_func' = 'tanh': expected one of 'gelu', "
+                                   r"'silu', 'relu', 'squared_relu', 'quick_gelu', got str"),
+    ("model.params_dtype=fp8", r"'model.params_dtype' = 'fp8': expected a dtype name \(fp32, "),
+    ("model.attention_backend=nope", r"'model.attention_backend' = 'nope': expected one of "
+                                     r"'flash', "),
+    ("model.transformer_impl=te", r"'model.transformer_impl' = 'te': expected one of 'local', "
+                                  r"'transformer_engine'"),
+    ("logger.output_dir=[a]", r"'logger.output_dir' = \['a'\]: expected null or a string, "
+                              r"got list"),
+    ("model.hidden_size=-4", r"'model.hidden_size' = -4: expected 0 < value"),
+    ("train.seed=-1", r"'train.seed' = -1: expected 0 <= value"),
+    ("optimizer.adam_beta2=1.0", r"'optimizer.adam_beta2' = 1.0: expected 0 <= value < 1"),
+    ("model.rotary_percent=1.5", r"'model.rotary_percent' = 1.5: expected 0 < value <= 1"),
+    ("checkpoint.keep_last=0", r"'checkpoint.keep_last' = 0: expected 0 < value"),
+    ("dataset.eod_id=256", r"'dataset.eod_id' = 256: expected a token id inside the "
+                           r"vocabulary, 0 <= id < model.vocab_size \(256\)"),
+    ("dataset.eod_id=-1", r"'dataset.eod_id' = -1: expected a token id inside the vocabulary"),
+    ("dataset.split=abc", r"'dataset.split' = 'abc': expected one to three non-negative numbers "
+                          r"for train, valid, test separated by ','"),
+    ("dataset.split=0,1,0", r"'dataset.split' = '0,1,0': expected .* with a positive first one"),
+    ("dataset.split=99,1,0,5", r"'dataset.split' = '99,1,0,5': expected one to three"),
+    ("train.train_iters=[1,", r"override 'train.train_iters=\[1,': the value is not valid YAML "
+                              r"\(.*did not find expected node content at line \d+, column \d+\)"),
+])
+def test_values_are_typed_and_range_checked(override, message):
+    with pytest.raises(RecipeError, match=message) as err:
+        load_recipe(None, [override])
+    assert "\n" not in str(err.value)  # one `error:` line in the CLI
+
+
+def test_typed_values_are_normalised():
+    recipe = load_recipe(None, ["train.train_iters=1e3", "optimizer.lr=1", "dataset.split=100",
+                                "dataset.split=98/2", "model.attention_backend=flash"])
+    assert recipe.train.train_iters == 1000 and isinstance(recipe.train.train_iters, int)
+    assert recipe.optimizer["lr"] == 1.0 and isinstance(recipe.optimizer["lr"], float)
+    assert recipe.dataset.split == "98/2"
+    assert parse_split("98/2") == [98.0, 2.0, 0.0] and parse_split("100") == [100.0, 0.0, 0.0]
+
+
+def test_malformed_yaml_is_one_error_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  train_iters: 3\n   x: [1,\n")
+    with pytest.raises(RecipeError, match=r"recipe file '.*bad.yaml' is not valid YAML: "
+                                          r"mapping values are not allowed in this context at "
+                                          r"line 3, column 5$"):
+        load_recipe(bad)
+    bad.write_text("train:\n  train_iters: 3\n  train_iters: 4\n")
+    with pytest.raises(RecipeError, match=r"is not valid YAML: while constructing a mapping: "
+                                          r"found duplicate key train_iters at line 3, column 3"):
+        load_recipe(bad)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("[0.7,/data/web_text_document,0.3]", r"item 3 \('0.3'\) is a weight with no prefix after it"),
+    ("[0.7x,/data/web,0.3,/data/code]", r"item 1 \('0.7x'\) is not a number where a weight "
+                                        r"belongs"),
+    ("[0.7,0.3,/data/web,/data/code]", r"item 2 \('0.3'\) is a weight where a dataset prefix "
+                                       r"belongs"),
+    ("[-1,/data/web]", r"expected non-negative weights, not all zero"),
+])
+def test_misspelt_weight_list_is_named(value, message):
+    from nemo_msa.training.data import build_train_dataset
+
+    recipe = load_recipe(None, [f"dataset.data_path={value}"])
+    with pytest.raises(RecipeError, match=r"'dataset.data_path' = .*" + message):
+        build_train_dataset(recipe.dataset, recipe.gpt, 1, 8)
+
+
+def test_data_path_forms():
+    from nemo_msa.training.data import parse_data_path
+
+    assert parse_data_path(None) is None and parse_data_path([]) is None
+    assert parse_data_path(["/a", "/b"]) == (["/a", "/b"], None)
+    assert parse_data_path([0.7, "/a", 0.3, "/b"]) == (["/a", "/b"], [0.7, 0.3])
+    assert parse_data_path("0.7 /a 0.3 /b") == (["/a", "/b"], [0.7, 0.3])
+    assert parse_data_path("0.7,/a,0.3,/b") == (["/a", "/b"], [0.7, 0.3])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train.train_iters=3.5"], r"^error: recipe key 'train.train_iters' = 3.5: expected an "
+                                r"integer \(int\), got float$"),
+    (["--recipe", "{bad}"], r"^error: recipe file '.*bad.yaml' is not valid YAML: "),
+])
+def test_cli_reports_bad_values_on_one_line_and_exits_2(tmp_path, args, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1,\n")
+    args = [str(bad) if a == "{bad}" else a for a in args]
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "pretrain.py"), *args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(message, errors[0]), proc.stderr[-2000:]

@@ -1,0 +1,45 @@
+"""Shared helpers of the training tests: the small model, one in-process run, checkpoint copies."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from nemo_msa.training.checkpoint import POINTER
+from nemo_msa.training.recipe import load_recipe
+from nemo_msa.training.trainer import pretrain, teardown
+
+#: The embedded default recipe shrunk (4 MSA layers of width 64, 256-token rows of Megatron mock
+#: documents, 32-token blocks, top-2), so that a run of a few steps takes seconds on 2 cores.
+SMALL = [
+    "model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=128",
+    "model.num_attention_heads=4", "model.num_query_groups=2", "model.kv_channels=16",
+    "model.msa_index_head_dim=16", "model.seq_length=256", "model.vocab_size=256",
+    "model.msa_block_size=32", "model.msa_topk=2", "train.global_batch_size=2",
+    "train.micro_batch_size=1", "scheduler.lr_warmup_iters=1", "logger.progress_bar=false",
+]
+
+#: The reference run's schedule: 6 steps, 2 of dense warm-up.
+REFERENCE = ["train.train_iters=6", "model.msa_dense_warmup_steps=2"]
+
+
+def train(overrides: list[str]) -> dict:
+    """One pretraining run in this process on the small model; returns its summary."""
+    try:
+        return pretrain(load_recipe(None, SMALL + overrides))
+    finally:
+        teardown()
+
+
+def losses(history: list[dict], key: str = "loss") -> dict[int, float]:
+    """``{iteration: value}`` of one metric of a run's history."""
+    return {h["iteration"]: h[key] for h in history if key in h}
+
+
+def copy_checkpoint(src_root: Path, iteration: int, dst_root: Path, pointer: bool = True) -> None:
+    """Copy one finished checkpoint (and, by default, a pointer naming it) to ``dst_root``."""
+    name = f"iter_{iteration:07d}"
+    dst_root.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src_root / name, dst_root / name)
+    if pointer:
+        (dst_root / POINTER).write_text(f"{iteration}\n")

@@ -1,0 +1,223 @@
+"""Checkpoint integrity: manifests at save, verification at resume, fallback, no silent restart.
+
+The damage cases are the issue's: 64 random bytes into the newest ``__0_0.distcp`` (same size),
+4 KiB of zeros, truncation, a deleted file, a lost pointer file. Each is detected by
+:func:`find_resume_iteration` with a message naming the file and the newest intact checkpoint;
+end to end, ``checkpoint.fallback=true`` resumes from that one bit-exactly, and a lost pointer
+stops the CLI before anything is overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _runs import REFERENCE, SMALL, copy_checkpoint, losses, train
+
+from nemo_msa.training.checkpoint import (
+    MANIFEST,
+    POINTER,
+    CheckpointError,
+    file_digest,
+    find_resume_iteration,
+    latest_iteration,
+    verify_checkpoint,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SHARD = "__0_0.distcp"
+
+
+def _both(reference, root: Path) -> Path:
+    """iter_3 and iter_6 of the reference run under ``root``, the pointer naming 6."""
+    ref_root, _ = reference
+    copy_checkpoint(ref_root, 3, root)
+    copy_checkpoint(ref_root, 6, root)
+    return root
+
+
+def _write_at_middle(path: Path, data: bytes) -> None:
+    """Overwrite ``len(data)`` bytes in the middle of ``path``; the size stays the same."""
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        fh.seek(size // 2)
+        before = fh.read(len(data))
+        assert before != data  # the damage really changes the file
+        fh.seek(size // 2)
+        fh.write(data)
+    assert path.stat().st_size == size
+
+
+def _random_bytes(path: Path) -> None:
+    _write_at_middle(path, np.random.default_rng(0).bytes(64))
+
+
+def _zeros(path: Path) -> None:
+    _write_at_middle(path, bytes(4096))
+
+
+def _truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size - 1000)
+
+
+def _delete(path: Path) -> None:
+    path.unlink()
+
+
+DAMAGE = {
+    "64 random bytes": (_random_bytes, r"contents changed after the save \(SHA-256 differs from "
+                                       r"the manifest; same size\)"),
+    "4 KiB of zeros": (_zeros, r"contents changed after the save"),
+    "truncation": (_truncate, r"\d+ bytes, the manifest says \d+ \(truncated after the save\)"),
+    "deleted file": (_delete, r"missing \(the manifest lists it with \d+ bytes\)"),
+}
+
+
+def test_save_writes_a_manifest_of_every_file(reference):
+    ref_root, _ = reference
+    for name in ("iter_0000003", "iter_0000006"):
+        ckpt = ref_root / name
+        body = json.loads((ckpt / MANIFEST).read_text())
+        assert body["iteration"] == int(name[5:]) and body["algorithm"] == "sha256"
+        on_disk = sorted(p.name for p in ckpt.iterdir() if p.name != MANIFEST)
+        assert sorted(body["files"]) == on_disk and SHARD in on_disk
+        for fname, entry in body["files"].items():
+            assert file_digest(ckpt / fname) == (entry["size"], entry["sha256"])
+        assert verify_checkpoint(ckpt) == []
+    assert not list(ref_root.glob("*.partial"))
+
+
+@pytest.mark.parametrize("kind, name", [*((kind, SHARD) for kind in DAMAGE),
+                                        ("deleted file", ".metadata"),
+                                        ("deleted file", "metadata.json")])
+def test_damaged_newest_checkpoint_is_named_with_the_intact_one(reference, tmp_path, kind, name,
+                                                                capsys):
+    damage, what = DAMAGE[kind]
+    root = _both(reference, tmp_path)
+    damage(root / "iter_0000006" / name)
+    with pytest.raises(CheckpointError) as err:
+        find_resume_iteration(root)
+    msg = str(err.value)
+    assert re.search(r"the newest checkpoint \(iteration 6, named by .*latest_checkpointed_"
+                     r"iteration.txt\) is damaged or incomplete: .*iter_0000006/"
+                     + re.escape(name) + ": " + what, msg), msg
+    assert re.search(r"The newest intact checkpoint is .*iter_0000003: pass "
+                     r"checkpoint.fallback=true to resume from it", msg), msg
+    # Opt-in: resume from the intact one, saying so.
+    assert find_resume_iteration(root, fallback=True) == 3
+    assert re.search(r"warning: .*iter_0000006/" + re.escape(name) + r".* "
+                     r"checkpoint.fallback=true: resuming from .*iter_0000003",
+                     capsys.readouterr().err)
+
+
+def test_damaged_metadata_and_nothing_intact(reference, tmp_path):
+    root = _both(reference, tmp_path)
+    _random_bytes(root / "iter_0000006" / ".metadata")
+    _truncate(root / "iter_0000003" / SHARD)
+    with pytest.raises(CheckpointError, match=r"iter_0000006/.metadata: contents changed.*"
+                       r"No other intact checkpoint is in .*move the damaged directories away"):
+        find_resume_iteration(root, fallback=True)
+
+
+def test_missing_or_unreadable_manifest(reference, tmp_path):
+    root = _both(reference, tmp_path)
+    (root / "iter_0000006" / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match=r"iter_0000006/manifest.json is missing .*"
+                       r"checkpoint.verify=false.*newest intact checkpoint is .*iter_0000003"):
+        find_resume_iteration(root)
+    # An unverified load accepts it (a checkpoint saved before manifests existed).
+    assert find_resume_iteration(root, verify=False) == 6
+    (root / "iter_0000006" / MANIFEST).write_text('{"format": 1, "files": {"x": {}}')
+    with pytest.raises(CheckpointError, match=r"manifest.json is unreadable \(JSONDecodeError"):
+        find_resume_iteration(root)
+
+
+def test_lost_pointer_names_the_finished_checkpoints(reference, tmp_path):
+    root = _both(reference, tmp_path)
+    (root / POINTER).unlink()
+    with pytest.raises(CheckpointError) as err:
+        find_resume_iteration(root)
+    msg = str(err.value)
+    assert re.search(r"latest_checkpointed_iteration.txt is missing but .* holds finished "
+                     r"checkpoints \(iter_0000003, iter_0000006\); starting from iteration 0 "
+                     r"would overwrite them", msg), msg
+    assert re.search(r"newest intact checkpoint is .*iter_0000006: pass checkpoint.fallback=true"
+                     r" to resume from it, or move the iter_\* directories away \(or set another "
+                     r"checkpoint.save\) to start from scratch, or restore "
+                     r".*latest_checkpointed_iteration.txt",
+                     msg), msg
+    assert find_resume_iteration(root, fallback=True) == 6
+    # A directory with no checkpoint at all is a fresh start, as before.
+    assert find_resume_iteration(tmp_path / "empty") is None
+
+
+def test_unreadable_or_dangling_pointer(reference, tmp_path):
+    root = _both(reference, tmp_path)
+    (root / POINTER).write_text("six\n")
+    with pytest.raises(CheckpointError, match=r"holds 'six', not an iteration.*intact checkpoint "
+                       r"is .*iter_0000006"):
+        find_resume_iteration(root)
+    (root / POINTER).write_text("9\n")
+    with pytest.raises(CheckpointError, match=r"iteration 9.*damaged or incomplete: .*"
+                       r"iter_0000009 is missing.*intact checkpoint is .*iter_0000006"):
+        find_resume_iteration(root)
+    assert find_resume_iteration(root, fallback=True) == 6
+
+
+def test_fallback_resumes_bit_exactly_and_replaces_the_damaged_checkpoint(reference, tmp_path):
+    _, ref = reference
+    root = _both(reference, tmp_path)
+    _random_bytes(root / "iter_0000006" / SHARD)
+    # Without the flag the run stops before training (the issue: it resumed at 6 and diverged).
+    with pytest.raises(CheckpointError, match=r"iter_0000006/__0_0.distcp: contents changed"):
+        train([*REFERENCE, f"checkpoint.save={root}", "checkpoint.save_interval=3"])
+    resumed = train([*REFERENCE, f"checkpoint.save={root}", "checkpoint.save_interval=3",
+                     "checkpoint.fallback=true"])
+    assert "(resumed at 3)" in resumed["steps"]
+    want, got = losses(ref["history"]), losses(resumed["history"])
+    for it in (4, 5, 6):
+        assert got[it] == want[it], (it, got[it], want[it])  # bitwise on the CPU
+    assert latest_iteration(root) == 6 and verify_checkpoint(root / "iter_0000006") == []
+
+
+def test_megatron_load_errors_name_the_path_and_the_cause(reference, tmp_path):
+    ref_root, _ = reference
+    copy_checkpoint(ref_root, 3, tmp_path / "other")
+    # A checkpoint of another model: Megatron's shape error, with the recipe key that differs.
+    with pytest.raises(CheckpointError, match=r"loading checkpoint .*other/iter_0000003 failed "
+                       r"inside Megatron dist-checkpointing \(rank 0: CheckpointingException: "
+                       r"Global shape mismatch.*\)\. It was saved with another model "
+                       r"\(model.hidden_size differs from this recipe\)"):
+        train([*REFERENCE, f"checkpoint.save={tmp_path / 'other'}", "model.hidden_size=32"])
+    # Damage that verification would have caught, with verification off: a bare EOFError or
+    # torch's zip-reader error before, now wrapped with the path and what to do.
+    copy_checkpoint(ref_root, 3, tmp_path / "unverified")
+    _truncate(tmp_path / "unverified" / "iter_0000003" / SHARD)
+    with pytest.raises(CheckpointError, match=r"loading checkpoint .*unverified/iter_0000003 "
+                       r"failed inside Megatron dist-checkpointing \(rank 0: \w+Error\b.*\)\. "
+                       r"If the model, parallel layout or code changed.*checkpoint.verify=false"):
+        train([*REFERENCE, f"checkpoint.save={tmp_path / 'unverified'}",
+               "checkpoint.verify=false"])
+
+
+def test_cli_with_a_lost_pointer_stops_and_overwrites_nothing(reference, tmp_path):
+    """The issue's case 2: the same command used to restart at 0 and rewrite iter_3 and iter_6."""
+    root = _both(reference, tmp_path)
+    (root / POINTER).unlink()
+    before = {p.relative_to(root): file_digest(p) for p in root.rglob("*") if p.is_file()}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "pretrain.py"), *SMALL, *REFERENCE,
+         f"checkpoint.save={root}", "checkpoint.save_interval=3"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.search(r"^error: cannot resume: .*latest_checkpointed_iteration.txt is missing",
+                     proc.stderr, re.M), proc.stderr[-3000:]
+    after = {p.relative_to(root): file_digest(p) for p in root.rglob("*") if p.is_file()}
+    assert after == before

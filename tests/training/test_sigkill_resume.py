@@ -1,0 +1,97 @@
+"""A SIGKILL during a save, between the rename and the pointer, or between saves: the same
+command resumes from the newest finished checkpoint and continues the curve bit-exactly.
+
+The killed run is ``scripts/pretrain.py`` in a child process whose checkpoint or data code is
+wrapped to SIGKILL the process at the chosen point (no test hook in the package); the resumed
+run is the same command, in this process, compared with the uninterrupted reference. The child
+runs in its own process group, killed afterwards: Megatron's checkpoint writer process outlives
+a SIGKILLed parent.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from _runs import REFERENCE, SMALL, losses, train
+
+from nemo_msa.training.checkpoint import finished_iterations, latest_iteration, verify_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: Where the child kills itself: module, function, and the condition on its arguments.
+KILL_POINTS = {
+    # dist-checkpointing has written iter_6.partial; no manifest, no rename.
+    "during the save": ("nemo_msa.training.checkpoint", "write_manifest",
+                        "args[1] == 6"),
+    # iter_6 is complete and renamed, the pointer still names 3.
+    "before the pointer": ("nemo_msa.training.checkpoint", "_write_pointer", "args[1] == 6"),
+    # Step 5 is about to read its data: iter_3 is the newest checkpoint.
+    "between saves": ("nemo_msa.training.data", "MicrobatchSource.step_microbatches",
+                      "args[0].consumed_samples == 8"),
+}
+
+DRIVER = textwrap.dedent("""
+    import os, runpy, signal, sys, importlib
+    sys.path.insert(0, {repo!r})
+    module = importlib.import_module({module!r})
+    owner, _, name = {function!r}.rpartition(".")
+    target = getattr(module, owner) if owner else module
+    original = getattr(target, name)
+
+    def wrapped(*args, **kwargs):
+        if {condition}:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    setattr(target, name, wrapped)
+    sys.argv = ["pretrain.py", *{args!r}]
+    runpy.run_path({script!r}, run_name="__main__")
+""")
+
+
+@pytest.mark.parametrize("point", list(KILL_POINTS))
+def test_sigkill_then_the_same_command_resumes_bit_exactly(reference, tmp_path, point):
+    _, ref = reference
+    module, function, condition = KILL_POINTS[point]
+    root = tmp_path / "ckpt"
+    args = [*SMALL, *REFERENCE, f"checkpoint.save={root}", "checkpoint.save_interval=3"]
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(repo=str(REPO), module=module, function=function,
+                                    condition=condition, args=args,
+                                    script=str(REPO / "scripts" / "pretrain.py")))
+    log = tmp_path / "child.log"
+    with open(log, "w") as out:
+        # Its own process group: Megatron's checkpoint writer leaves a worker process that
+        # outlives a SIGKILLed parent; the whole group is killed below.
+        proc = subprocess.Popen([sys.executable, str(driver)], stdout=out, stderr=out, cwd=REPO,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=300)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    assert latest_iteration(root) == 3
+    if point == "during the save":
+        assert (root / "iter_0000006.partial").is_dir() and finished_iterations(root) == [3]
+    elif point == "before the pointer":
+        assert finished_iterations(root) == [3, 6]
+    else:
+        assert finished_iterations(root) == [3]
+
+    resumed = train(args[len(SMALL):])
+    assert "(resumed at 3)" in resumed["steps"]
+    want, got = losses(ref["history"]), losses(resumed["history"])
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for it in (4, 5, 6):
+        assert got[it] == want[it], (point, it, got[it], want[it])  # bitwise on the CPU
+    assert latest_iteration(root) == 6 and verify_checkpoint(root / "iter_0000006") == []
+    assert not (root / "iter_0000006.partial").exists()
