@@ -18,6 +18,7 @@ from nemo_msa.attention.dense import (
 )
 from nemo_msa.backends import MSABackend, resolve_backend
 from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.q2k import canonical_q2k, is_marked_canonical
 from nemo_msa.support import reject_cuda_graph_capture
 
 __all__ = [
@@ -191,6 +192,9 @@ def sparse_attention(
     validate_attention_inputs(q, k, v, q2k, msa)
     if validate:
         validate_q2k(q2k, msa)
+    if not is_marked_canonical(q2k):
+        # One meaning for every backend (MSA_SPEC.md): the kernels read the canonical form.
+        q2k = canonical_q2k(q2k, msa)
     reject_cuda_graph_capture("sparse_attention")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     chosen = resolve_backend(backend, q.device)

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.q2k import canonical_q2k, is_marked_canonical
 
 __all__ = [
     "FLASHINFER_BLOCK_SIZE",
@@ -131,14 +132,7 @@ def to_flashinfer_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> torch.Tensor:
     if q2k.shape[2] > FLASHINFER_TOP_K:
         raise ValueError(f"q2k has top_k={q2k.shape[2]} columns; flashinfer takes at most "
                          f"{FLASHINFER_TOP_K}")
-    own = (msa.document_positions // msa.block_size).to(torch.int32)  # [T]
-    valid = (q2k >= 0) & (q2k <= own[None, :, None])
-    last = torch.iinfo(torch.int32).max  # sorts after every id, then becomes -1
-    ids = torch.where(valid, q2k, last).sort(dim=-1).values
-    repeated = torch.zeros_like(valid)
-    repeated[..., 1:] = ids[..., 1:] == ids[..., :-1]
-    ids = ids.masked_fill(repeated, last).sort(dim=-1).values
-    ids = ids.masked_fill(ids == last, -1)
+    ids = q2k if is_marked_canonical(q2k) else canonical_q2k(q2k, msa)
     missing = FLASHINFER_TOP_K - ids.shape[-1]
     if missing:
         ids = torch.cat([ids, ids.new_full((*ids.shape[:-1], missing), -1)], dim=-1)

@@ -21,6 +21,7 @@ import math
 import torch
 
 from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.q2k import canonical_q2k
 
 # Elements of one chunk's gathered K (or V) tile [C, Hkv, top_k * B, d]; bounds peak memory.
 _GATHER_ELEMENTS_PER_CHUNK = 1 << 24
@@ -76,30 +77,6 @@ def _workspace_blocks(msa: MSAMicrobatch, x: torch.Tensor, dtype: torch.dtype) -
     w = msa.to_workspace(x.to(dtype))
     blocks = w.view(msa.num_workspace_blocks, msa.block_size, *x.shape[1:])
     return blocks.transpose(1, 2).reshape(-1, msa.block_size, x.shape[-1])
-
-
-def canonical_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> torch.Tensor:
-    """The canonical form of any q2k: per (KV head, token) the set of its entries that are
-    document-local block ids in ``0..own block``, ascending, padded with -1 at the tail.
-
-    Duplicates count once; -1, negative ids and ids past the token's own block (including ids
-    past the workspace) are dropped; order does not matter. Two sorts of [Hkv, T, top_k].
-
-    Args:
-        q2k: int [Hkv, T, top_k].
-        msa: the layout (document positions and block size).
-
-    Returns:
-        int32 [Hkv, T, top_k], equal to ``select_blocks``'s output for the same sets.
-    """
-    own = (msa.document_positions.long() // msa.block_size)[None, :, None]  # [1, T, 1]
-    ids = q2k.long()
-    unused = torch.iinfo(torch.int64).max
-    ids = torch.where((ids >= 0) & (ids <= own), ids, unused).sort(dim=-1).values
-    repeat = torch.zeros_like(ids, dtype=torch.bool)
-    repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
-    ids = torch.where(repeat, unused, ids).sort(dim=-1).values
-    return torch.where(ids == unused, -1, ids).to(torch.int32)
 
 
 def _trim_unused_slots(q2k: torch.Tensor, msa: MSAMicrobatch) -> torch.Tensor:

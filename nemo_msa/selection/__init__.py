@@ -6,6 +6,7 @@ import torch
 
 from nemo_msa.backends import resolve_backend
 from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.q2k import mark_canonical
 from nemo_msa.support import (
     MAX_TOP_K,
     SUPPORTED_SCORE_TYPES,
@@ -111,7 +112,7 @@ def select_blocks(
     reject_cuda_graph_capture("select_blocks")
     chosen = resolve_backend(backend, index_q.device)
     init_blocks, local_blocks = msa.forced_blocks
-    return chosen.select_blocks(
+    result = chosen.select_blocks(
         index_q.contiguous(),
         index_k.contiguous(),
         msa,
@@ -121,3 +122,6 @@ def select_blocks(
         score=score,
         **({"return_scores": True} if return_scores else {}),
     )
+    # Canonical by construction: sparse_attention takes it as it is.
+    mark_canonical(result[0] if return_scores else result)
+    return result

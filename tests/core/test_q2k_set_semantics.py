@@ -136,3 +136,69 @@ def test_validate_accepts_canonical_and_names_the_first_bad_slot():
             sparse_attention(q, kv, kv, bad, msa, backend="reference", validate=True)
         # Without validate the same q2k means its set: no error, even for 10**6 on the CPU.
         sparse_attention(q, kv, kv, bad, msa, backend="reference")
+
+
+def test_the_op_hands_every_backend_the_canonical_form(monkeypatch):
+    """sparse_attention canonicalizes a q2k made by hand before any backend reads it, and hands
+    select_blocks's output on unchanged (no copy): one meaning, whichever backend runs."""
+    import dataclasses
+
+    from nemo_msa import backends
+
+    seen = []
+    reference = backends.get_backend("reference")
+
+    def forward(q, k, v, q2k, msa, scale, **kw):
+        seen.append(q2k)
+        return reference.attention_forward(q, k, v, q2k, msa, scale, **kw)
+
+    spy = dataclasses.replace(reference, name="spy", attention_forward=forward)
+    monkeypatch.setitem(backends._REGISTRY, "spy", spy)
+    msa = _layout()
+    canon = _canonical(msa, 5)
+    messy = _scramble(canon, msa, 5, 2)
+    q = torch.randn(msa.num_tokens, Q_HEADS, DIM).to(torch.bfloat16)
+    kv = torch.randn(msa.num_tokens, KV_HEADS, DIM).to(torch.bfloat16)
+    sparse_attention(q, kv, kv, canon, msa, backend="spy")
+    sparse_attention(q, kv, kv, messy, msa, backend="spy")
+    assert seen[0] is canon
+    assert torch.equal(seen[1][..., :TOP_K], canon) and bool((seen[1][..., TOP_K:] == -1).all())
+    canon[0, 0, 0] = canon[0, 0, 0]  # an in-place write: no longer known canonical
+    sparse_attention(q, kv, kv, canon, msa, backend="spy")
+    assert seen[2] is not canon and torch.equal(seen[2], canon)
+
+
+@pytest.mark.gpu
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), extra=st.integers(0, 4))
+def test_triton_op_and_gradients_mean_the_set(seed, extra):
+    """The Triton backend on the GPU: a scrambled q2k gives bitwise the canonical call's output
+    and gradients (the op brings it to the canonical form before the kernels)."""
+    ids = torch.tensor([[1] * 70 + [2] * 50 + [0] * 8, [3] * 128]).cuda()
+    msa = MSAMicrobatch.build(packed_seq_ids=ids, block_size=BLOCK)
+    gen = torch.Generator().manual_seed(seed)
+    index_q = torch.randn(msa.num_tokens, KV_HEADS, DIM, generator=gen).cuda().bfloat16()
+    index_k = torch.randn(msa.num_tokens, DIM, generator=gen).cuda().bfloat16()
+    canon = select_blocks(index_q, index_k, msa, top_k=TOP_K, backend="triton")
+    messy = _scramble(canon.cpu(), msa, seed, extra).cuda()
+    base = [torch.randn(msa.num_tokens, h, DIM, generator=gen).to(torch.bfloat16).cuda()
+            for h in (Q_HEADS, KV_HEADS, KV_HEADS)]
+    results = []
+    for q2k in (canon, messy):
+        q, k, v = (x.clone().requires_grad_() for x in base)
+        out = sparse_attention(q, k, v, q2k, msa, backend="triton")
+        out.float().square().sum().backward()
+        results.append((out, q.grad, k.grad, v.grad))
+    for got, want in zip(results[1], results[0], strict=True):
+        assert torch.equal(got, want)
+
+
+def test_canonical_marks_die_with_their_tensors():
+    from nemo_msa import q2k as marks
+
+    msa = _layout()
+    canon = _canonical(msa, 3)
+    key = id(canon)
+    assert marks.is_marked_canonical(canon) and key in marks._CANONICAL
+    del canon
+    assert key not in marks._CANONICAL
