@@ -45,6 +45,11 @@ class MSABackend:
         forward_residuals: when True, ``attention_forward`` returns ``(out, lse, residuals)``
             and ``attention_backward`` takes them as the keyword ``residuals``: state of the
             forward the backward reuses (the Triton backend's union lists).
+        unsupported_reason: ``(**shape) -> str | None``: why the backend cannot run a shape,
+            from the keywords it is given (``score_type``, ``head_dim``, ``index_head_dim``,
+            ``block_size``, ``top_k``, ``dtype``; absent ones are not checked), naming the
+            config field (``msa_score_type=...``); None when it can. The construction gate and
+            ``auto`` ask it before anything runs.
     """
 
     name: str
@@ -54,6 +59,7 @@ class MSABackend:
     unavailable_reason: Callable[[torch.device], str | None]
     description: str
     forward_residuals: bool = False
+    unsupported_reason: Callable[..., str | None] = lambda **shape: None
 
 
 _REGISTRY: dict[str, MSABackend] = {}
@@ -100,18 +106,23 @@ def get_backend(name: str) -> MSABackend:
     return backend
 
 
-def resolve_backend(requested: str | None, device: torch.device | str) -> MSABackend:
-    """Chooses the backend for a device.
+def resolve_backend(
+    requested: str | None, device: torch.device | str, **shape
+) -> MSABackend:
+    """Chooses the backend for a device (and, when given, a shape).
 
     Args:
         requested: a backend name, ``"auto"`` or None (same as auto).
         device: where the tensors live.
+        **shape: what the call runs (see :attr:`MSABackend.unsupported_reason`); ``auto``
+            skips backends that cannot run it, a named backend that cannot is an error.
 
     Returns:
         The backend to run.
 
     Raises:
-        ValueError: an unknown name, or a named backend that cannot run on ``device``.
+        ValueError: an unknown name, or a named backend that cannot run on ``device`` or the
+            shape (the message names the config field and its value).
     """
     device = torch.device(device)
     override = os.environ.get(ENV_VAR)
@@ -120,13 +131,17 @@ def resolve_backend(requested: str | None, device: torch.device | str) -> MSABac
     if name == AUTO:
         for candidate in _PREFERENCE:
             backend = _load(candidate)
-            if backend is not None and backend.unavailable_reason(device) is None:
+            if (backend is not None and backend.unavailable_reason(device) is None
+                    and backend.unsupported_reason(**shape) is None):
                 return backend
         raise ValueError(f"no MSA backend runs on device {device}")  # reference always runs
     backend = get_backend(name)
     reason = backend.unavailable_reason(device)
     if reason is not None:
         raise ValueError(f"{origin}: the {name} backend cannot run on {device}: {reason}")
+    reason = backend.unsupported_reason(**shape)
+    if reason is not None:
+        raise ValueError(f"{origin}: the {name} backend cannot run {reason}")
     return backend
 
 

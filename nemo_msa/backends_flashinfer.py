@@ -23,6 +23,7 @@ from nemo_msa.attention import flashinfer_adapter
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
 from nemo_msa.backends import MSABackend, register_backend
+from nemo_msa.backends_triton import unsupported_reason as triton_unsupported_reason
 from nemo_msa.selection.triton_select import triton_select_blocks
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ BACKEND = MSABackend(
     attention_forward=_forward,
     attention_backward=_backward,
     unavailable_reason=_unavailable_reason,
+    # Selection and backward (and the forward's fallback) are the Triton kernels.
+    unsupported_reason=triton_unsupported_reason,
     forward_residuals=True,
     description="SM100/SM103: flashinfer's MSA prefill forward, Triton selection and "
     "deterministic Triton backward",

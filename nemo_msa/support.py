@@ -120,13 +120,22 @@ class MSATopology:
                 raise ValueError(f"MSA cannot run {field_name}={value!r}; expected {expected}")
 
 
-def require_msa_support(config: Any, backend: str | None = None) -> MSATopology:
+def require_msa_support(
+    config: Any,
+    backend: str | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> MSATopology:
     """The construction gate: call it when an MSA attention layer is built.
 
     Args:
         config: a Megatron TransformerConfig (or any object with its field names and the
             ``msa_*`` fields).
         backend: the requested backend name (``msa_backend``), checked against the registry.
+        device: where the layer will run; with it, the backend that will run there is resolved
+            (``NEMO_MSA_BACKEND``, the name, or ``auto``) and asked whether it can run this
+            topology and ``dtype``.
+        dtype: the layer's parameter dtype (bf16 in production).
 
     Returns:
         The validated topology.
@@ -160,10 +169,16 @@ def require_msa_support(config: Any, backend: str | None = None) -> MSATopology:
         )
     topology = MSATopology.from_config(config)
     topology.validate()
-    from nemo_msa.backends import AUTO, get_backend
+    from nemo_msa.backends import AUTO, get_backend, resolve_backend
 
     if backend is not None and backend != AUTO:
         get_backend(backend)  # ValueError for an unknown name
+    if device is not None:
+        resolve_backend(
+            backend, device, score_type=topology.score_type, head_dim=topology.head_dim,
+            index_head_dim=topology.index_head_dim, block_size=topology.block_size,
+            top_k=topology.top_k, dtype=dtype,
+        )
     return topology
 
 

@@ -197,7 +197,10 @@ def sparse_attention(
         q2k = canonical_q2k(q2k, msa)
     reject_cuda_graph_capture("sparse_attention")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    chosen = resolve_backend(backend, q.device)
+    chosen = resolve_backend(
+        backend, q.device, head_dim=q.shape[-1], block_size=msa.block_size,
+        top_k=q2k.shape[-1], dtype=q.dtype,
+    )
     out, lse, mass = _SparseAttention.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), q2k.contiguous(), msa, scale, chosen,
         return_block_mass,

@@ -110,7 +110,10 @@ def select_blocks(
             f"got score={score!r}"
         )
     reject_cuda_graph_capture("select_blocks")
-    chosen = resolve_backend(backend, index_q.device)
+    chosen = resolve_backend(
+        backend, index_q.device, score_type=score, index_head_dim=index_q.shape[-1],
+        block_size=msa.block_size, top_k=top_k, dtype=index_q.dtype,
+    )
     init_blocks, local_blocks = msa.forced_blocks
     result = chosen.select_blocks(
         index_q.contiguous(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -173,3 +174,59 @@ def test_forward_residuals_reach_the_backward(monkeypatch):
     assert handed == [("residual", q2k.data_ptr())]
     assert all(torch.equal(a, b) for a, b in zip(grads["residual"], grads["reference"],
                                                  strict=True))
+
+
+@pytest.fixture
+def triton_runs_on_the_cpu(monkeypatch):
+    """A GPU-less double of the Triton backend's device check: it 'runs' on the CPU, so the
+    gate's shape check is what decides (the kernels themselves are never launched here)."""
+    import dataclasses
+
+    from nemo_msa import backends
+
+    triton = backends.get_backend("triton")
+    monkeypatch.setitem(backends._REGISTRY, "triton",
+                        dataclasses.replace(triton, unavailable_reason=lambda device: None))
+
+
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        (dict(msa_score_type="lse"), "msa_score_type='lse'"),
+        (dict(kv_channels=256), "kv_channels=256"),
+        (dict(msa_index_head_dim=256), "msa_index_head_dim=256"),
+        (dict(msa_block_size=256), "msa_block_size=256"),
+    ],
+)
+def test_the_gate_asks_the_backend_that_will_run(triton_runs_on_the_cpu, changes, field):
+    """A topology the contract allows but the Triton kernels do not take is refused when the
+    layer is built, naming the field, where Triton is the backend that will run; auto picks a
+    backend that can run it instead."""
+    config = production_config(**changes)
+    with pytest.raises(ValueError, match=re.escape(field)):
+        require_msa_support(config, backend="triton", device="cpu", dtype=torch.bfloat16)
+    assert require_msa_support(config, backend="auto", device="cpu", dtype=torch.bfloat16)
+    assert resolve_backend(
+        "auto", "cpu", score_type=config.msa_score_type, head_dim=config.kv_channels,
+        index_head_dim=config.msa_index_head_dim, block_size=config.msa_block_size,
+    ).name == "reference"
+
+
+def test_the_gate_refuses_triton_for_fp32_parameters(triton_runs_on_the_cpu):
+    require_msa_support(production_config(), backend="triton", device="cpu",
+                        dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="params dtype torch.float32"):
+        require_msa_support(production_config(), backend="triton", device="cpu",
+                            dtype=torch.float32)
+    assert resolve_backend("auto", "cpu", dtype=torch.bfloat16).name == "triton"
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_gate_refuses_lse_and_head_dim_256_for_triton():
+    for changes, field in ((dict(msa_score_type="lse"), "msa_score_type"),
+                           (dict(kv_channels=256), "kv_channels=256")):
+        with pytest.raises(ValueError, match=field):
+            require_msa_support(production_config(**changes), backend="triton", device="cuda",
+                                dtype=torch.bfloat16)
+    assert require_msa_support(production_config(), backend="triton", device="cuda",
+                               dtype=torch.bfloat16)

@@ -168,6 +168,21 @@ def test_construction_gate(field, value, error, match):
 
 
 @pytest.mark.usefixtures("single_rank")
+def test_the_layer_gate_asks_the_triton_backend_for_lse(monkeypatch):
+    """msa_score_type='lse' with msa_backend='triton' is refused when the layer is built (not
+    at its first step), naming the field; the backend's device check is a GPU-less double."""
+    from nemo_msa import backends
+
+    triton = backends.get_backend("triton")
+    monkeypatch.setitem(backends._REGISTRY, "triton",
+                        dataclasses.replace(triton, unavailable_reason=lambda device: None))
+    config = tiny_config(msa_backend="triton", msa_score_type="lse", bf16=True)
+    with pytest.raises(ValueError, match="msa_score_type='lse': the Triton selection"):
+        _build_attention(config)
+    _build_attention(tiny_config(msa_backend="auto", msa_score_type="lse"))  # reference runs
+
+
+@pytest.mark.usefixtures("single_rank")
 def test_gate_applies_to_dense_layers_and_plain_configs():
     config = tiny_config()
     config.apply_rope_fusion = True
