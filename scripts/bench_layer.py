@@ -31,7 +31,8 @@ causal, ``enable_gqa=True``, on [1, H, T, 128]). ``--packed-docs MIN:MAX`` adds
 ``dense_attention_packed``: the same function on one row packed with documents of random
 lengths MIN..MAX (drawn once per size), and ``cudnn_attention_packed``: cuDNN SDPA called per
 document at its exact length on the same row (plans cached after the warm-up: cuDNN's best
-case), the baseline of the packed row.
+case), the baseline of the packed rows; ``dense_attention_packed_fresh``: new lengths every
+step, as packed training batches bring them.
 
 Per row: ``step_ms`` (median of ``--steps`` steps after ``--warmup``, CUDA events), tokens/s,
 ``peak_gib`` (``torch.cuda.max_memory_allocated`` since the row started, model, gradients and
@@ -394,7 +395,8 @@ def attention_step(name: str, shape: Shape, tokens: int, device: torch.device, d
 
 
 def packed_attention_step(shape: Shape, tokens: int, lengths: tuple[int, int],
-                          device: torch.device, dtype, stats: dict, kernel: str):
+                          device: torch.device, dtype, stats: dict, kernel: str,
+                          fresh: bool = False):
     """``(prepare, run)`` of dense attention on one row packed with documents of random lengths
     in ``lengths`` (drawn once per size, the last document cut to fill the row; fresh inputs per
     step).
@@ -402,7 +404,9 @@ def packed_attention_step(shape: Shape, tokens: int, lengths: tuple[int, int],
     ``kernel`` ``"nemo"``: :func:`dense_document_attention` (row ``dense_attention_packed``);
     ``"cudnn"``: cuDNN SDPA causal GQA called per document at its exact length (row
     ``cudnn_attention_packed``, the issue's baseline; its plans are cached after the warm-up
-    because the lengths repeat, the best case for cuDNN). The layout is built in ``prepare``
+    because the lengths repeat, the best case for cuDNN). With ``fresh`` (row
+    ``dense_attention_packed_fresh``) the lengths are drawn anew every step, as packed training
+    batches bring them. The layout is built in ``prepare``
     (untimed: training builds it once per microbatch for all layers). ``stats`` collects the
     documents per step and the causal (query, key) pairs relative to one document of
     ``tokens``.
@@ -410,14 +414,22 @@ def packed_attention_step(shape: Shape, tokens: int, lengths: tuple[int, int],
     scale = shape.head_dim**-0.5
     generator = torch.Generator().manual_seed(tokens)
     heads = (shape.heads, shape.groups, shape.groups)
-    sizes, left = [], tokens
-    while left > 0:
-        n = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=generator))
-        sizes.append(min(n, left))
-        left -= sizes[-1]
+    def draw() -> list[int]:
+        sizes, left = [], tokens
+        while left > 0:
+            n = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=generator))
+            sizes.append(min(n, left))
+            left -= sizes[-1]
+        return sizes
+
+    sizes = draw()
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
 
     def prepare() -> dict:
+        nonlocal sizes, starts
+        if fresh:
+            sizes = draw()
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
         ids = torch.repeat_interleave(torch.arange(1, len(sizes) + 1), torch.tensor(sizes))
         msa = MSAMicrobatch.build(packed_seq_ids=ids.view(1, tokens).to(device),
                                   block_size=shape.block)
@@ -454,9 +466,9 @@ def fmt_table(rows: list[dict]) -> str:
                 if r["case"] == "dense" and r.get("status") == "ok"}
     # Each attention row against cuDNN on the same tokens: single documents against
     # cudnn_attention, packed rows against cudnn_attention_packed.
-    cudnn_ms = {(r["tokens"], r["case"].endswith("_packed")): r["fwdbwd_ms"] for r in rows
+    cudnn_ms = {(r["tokens"], "_packed" in r["case"]): r["fwdbwd_ms"] for r in rows
                 if r["case"].startswith("cudnn_attention") and r.get("status") == "ok"}
-    head = (f"| {'tokens':>7} | {'case':<22} | {'status':<8} | {'step_ms':>9} | {'tok/s':>10} "
+    head = (f"| {'tokens':>7} | {'case':<28} | {'status':<8} | {'step_ms':>9} | {'tok/s':>10} "
             f"| {'x dense':>7} | {'fwdbwd_ms':>9} | {'x cudnn':>7} | {'peak_gib':>8} |")
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
 
@@ -466,10 +478,10 @@ def fmt_table(rows: list[dict]) -> str:
     for r in rows:
         step, fb = r.get("step_ms"), r.get("fwdbwd_ms")
         x_dense = dense_ms[r["tokens"]] / step if step and r["tokens"] in dense_ms else None
-        base = cudnn_ms.get((r["tokens"], r["case"].endswith("_packed")))
+        base = cudnn_ms.get((r["tokens"], "_packed" in r["case"]))
         x_cudnn = fb / base if fb and base else None
         lines.append(
-            f"| {r['tokens']:>7} | {r['case']:<22} | {r['status']:<8} | {num(step, 9)} "
+            f"| {r['tokens']:>7} | {r['case']:<28} | {r['status']:<8} | {num(step, 9)} "
             f"| {num(r.get('tokens_per_s'), 10, 0)} | {num(x_dense, 7, 2)} | {num(fb, 9)} "
             f"| {num(x_cudnn, 7, 2)} | {num(r.get('peak_gib'), 8, 2)} |"
         )
@@ -638,7 +650,8 @@ def main(argv: list[str] | None = None) -> int:
             if packed is None:
                 continue
             for case, kernel in (("dense_attention_packed", "nemo"),
-                                 ("cudnn_attention_packed", "cudnn")):
+                                 ("cudnn_attention_packed", "cudnn"),
+                                 ("dense_attention_packed_fresh", "nemo")):
                 row = {"tokens": tokens, "case": case, "fwdbwd_ms": None, "peak_gib": None,
                        "kernel": ("nemo_msa dense_document_attention" if kernel == "nemo"
                                   else "SDPA cuDNN per document"),
@@ -647,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
                 failure = None
                 try:
                     run_timed(packed_attention_step(shape, tokens, packed, device, dtype, stats,
-                                                    kernel), args, on_gpu, row, "fwdbwd_ms")
+                                                    kernel, case.endswith("_fresh")),
+                              args, on_gpu, row, "fwdbwd_ms")
                 except Exception as error:
                     failure = ("oom" if is_oom(error) else "error",
                                f"{type(error).__name__}: {str(error)[:300]}")
