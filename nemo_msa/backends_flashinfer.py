@@ -3,8 +3,8 @@
 - forward: flashinfer's MSA prefill kernel (``flashinfer.msa_ops.msa_sparse_attention``, one
   sequence per document, causal), through :mod:`nemo_msa.attention.flashinfer_adapter`, which
   converts the layout, the q2k and the LSE;
-- selection: this project's Triton kernel (``triton_select_blocks``);
-- backward: this project's Triton backward (``triton_attention_backward``) from the forward's
+- selection: the Triton backend's (``triton_select_blocks``);
+- backward: the Triton backend's (``triton_attention_backward``) from the forward's
   LSE; it builds its own union lists.
 
 Available where the device has compute capability 10.0 or 10.3 and flashinfer imports; ``auto``
@@ -19,12 +19,10 @@ import logging
 
 import torch
 
+from nemo_msa import backends_triton as triton_backend
 from nemo_msa.attention import flashinfer_adapter
-from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
 from nemo_msa.backends import MSABackend, register_backend
-from nemo_msa.backends_triton import unsupported_reason as triton_unsupported_reason
-from nemo_msa.selection.triton_select import triton_select_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +50,6 @@ def _unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def _select(index_q, index_k, msa, *, top_k, init_blocks, local_blocks, score="max",
-            return_scores=False):
-    return triton_select_blocks(index_q, index_k, msa, top_k=top_k, init_blocks=init_blocks,
-                                local_blocks=local_blocks, score=score,
-                                return_scores=return_scores)
-
-
 def _forward(q, k, v, q2k, msa, softmax_scale, return_block_mass=False):
     """``(out, lse, residuals)``: flashinfer's forward (residuals None), or for shapes it does
     not take the Triton forward (residuals: its union lists). The per-slot block mass of the
@@ -79,19 +70,14 @@ def _forward(q, k, v, q2k, msa, softmax_scale, return_block_mass=False):
     return triton_attention_forward(q, k, v, q2k, msa, softmax_scale, return_unions=True)
 
 
-def _backward(dout, q, k, v, out, lse, q2k, msa, softmax_scale, *, residuals=None):
-    return triton_attention_backward(dout, q, k, v, out, lse, q2k, msa, softmax_scale,
-                                     unions=residuals)
-
-
 BACKEND = MSABackend(
     name="flashinfer",
-    select_blocks=_select,
+    select_blocks=triton_backend.BACKEND.select_blocks,
     attention_forward=_forward,
-    attention_backward=_backward,
+    attention_backward=triton_backend.BACKEND.attention_backward,
     unavailable_reason=_unavailable_reason,
     # Selection and backward (and the forward's fallback) are the Triton kernels.
-    unsupported_reason=triton_unsupported_reason,
+    unsupported_reason=triton_backend.BACKEND.unsupported_reason,
     forward_residuals=True,
     description="SM100/SM103: flashinfer's MSA prefill forward, Triton selection and "
     "deterministic Triton backward",

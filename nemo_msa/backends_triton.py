@@ -69,16 +69,15 @@ def _backward(dout, q, k, v, out, lse, q2k, msa, softmax_scale, *, residuals=Non
                                      unions=residuals)
 
 
-register_backend(
-    MSABackend(
-        name="triton",
-        select_blocks=_select,
-        attention_forward=_forward,
-        attention_backward=_backward,
-        unavailable_reason=_unavailable_reason,
-        unsupported_reason=unsupported_reason,
-        forward_residuals=True,
-        description="Triton kernels for SM90: fused select+top-k, hybrid union/per-token "
-        "forward, deterministic backward (union/per-token dq, KV-outer dk/dv)",
-    )
+BACKEND = MSABackend(
+    name="triton",
+    select_blocks=_select,
+    attention_forward=_forward,
+    attention_backward=_backward,
+    unavailable_reason=_unavailable_reason,
+    unsupported_reason=unsupported_reason,
+    forward_residuals=True,
+    description="Triton kernels for SM90: fused select+top-k, hybrid union/per-token "
+    "forward, deterministic backward (union/per-token dq, KV-outer dk/dv)",
 )
+register_backend(BACKEND)

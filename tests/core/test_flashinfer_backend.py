@@ -24,6 +24,7 @@ import torch
 from packs import document_map_from_rows
 
 import nemo_msa.backends_flashinfer as bf
+import nemo_msa.backends_triton as bt
 from nemo_msa import MSAMicrobatch, backends, register_backend, sparse_attention
 from nemo_msa.attention import flashinfer_adapter as fa
 from nemo_msa.attention.naive import dense_document_attention
@@ -177,7 +178,7 @@ def test_selection_is_the_triton_kernel(monkeypatch):
         seen.update(kwargs, index_q=index_q)
         return "q2k"
 
-    monkeypatch.setattr(bf, "triton_select_blocks", triton_select)
+    monkeypatch.setattr(bt, "triton_select_blocks", triton_select)
     index_q = torch.zeros(3, 1, 16)
     got = bf.BACKEND.select_blocks(index_q, torch.zeros(3, 16), None, top_k=16, init_blocks=1,
                                    local_blocks=2, score="max")
@@ -197,7 +198,7 @@ def test_the_backward_gets_the_converted_lse(monkeypatch, flashinfer_here):
         seen.update(lse=lse, q2k=q2k, unions=unions, scale=scale)
         return reference.attention_backward(dout, q, k, v, out, lse, q2k, msa, scale)
 
-    monkeypatch.setattr(bf, "triton_attention_backward", triton_backward)
+    monkeypatch.setattr(bt, "triton_attention_backward", triton_backward)
     msa, q, k, v, dout, q2k = _case([[(200, 4), (60, 0)]], 270, 4, 2, 3, device="cpu")
     ref_out, ref_lse = reference.attention_forward(q, k, v, q2k, msa, 0.125)
     xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
@@ -254,7 +255,7 @@ def test_shapes_flashinfer_does_not_take_run_the_triton_forward(monkeypatch, fla
         return reference.attention_backward(dout, q, k, v, out, lse, q2k, msa, scale)
 
     monkeypatch.setattr(bf, "triton_attention_forward", triton_forward)
-    monkeypatch.setattr(bf, "triton_attention_backward", triton_backward)
+    monkeypatch.setattr(bt, "triton_attention_backward", triton_backward)
     g = torch.Generator().manual_seed(1)
     msa = MSAMicrobatch.from_document_map(torch.ones(1, 150, dtype=torch.int64), block_size=64)
     q = torch.randn(150, 2, 128, generator=g).bfloat16().requires_grad_(True)
