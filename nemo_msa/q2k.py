@@ -20,10 +20,10 @@ import torch
 
 from nemo_msa.layout import MSAMicrobatch
 
-__all__ = ["canonical_q2k", "is_marked_canonical", "mark_canonical"]
+__all__ = ["canonical_q2k", "is_marked_canonical", "mark_canonical", "marked_block_size"]
 
-# id(tensor) -> (weak reference to it, its _version when it was marked).
-_CANONICAL: dict[int, tuple[weakref.ref, int]] = {}
+# id(tensor) -> (weak reference to it, its _version when it was marked, its block size).
+_CANONICAL: dict[int, tuple[weakref.ref, int, int]] = {}
 
 
 def canonical_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> torch.Tensor:
@@ -49,23 +49,31 @@ def canonical_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> torch.Tensor:
     repeat = torch.zeros_like(ids, dtype=torch.bool)
     repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
     ids = torch.where(repeat, unused, ids).sort(dim=-1).values
-    return mark_canonical(torch.where(ids == unused, -1, ids).to(torch.int32))
+    return mark_canonical(torch.where(ids == unused, -1, ids).to(torch.int32), msa.block_size)
 
 
-def mark_canonical(q2k: torch.Tensor) -> torch.Tensor:
-    """Records that ``q2k`` holds the canonical form (until it is written in place); returns
-    it."""
+def mark_canonical(q2k: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Records that ``q2k`` holds the canonical form of block ids of ``block_size`` tokens
+    (until it is written in place); returns it."""
     key = id(q2k)
 
     def forget(ref: weakref.ref, key: int = key) -> None:
         if _CANONICAL.get(key, (None,))[0] is ref:
             del _CANONICAL[key]
 
-    _CANONICAL[key] = (weakref.ref(q2k, forget), q2k._version)
+    _CANONICAL[key] = (weakref.ref(q2k, forget), q2k._version, int(block_size))
     return q2k
 
 
 def is_marked_canonical(q2k: torch.Tensor) -> bool:
     """Whether ``q2k`` was marked canonical and has not been written in place since."""
-    ref, version = _CANONICAL.get(id(q2k), (None, -1))
-    return ref is not None and ref() is q2k and version == q2k._version
+    return marked_block_size(q2k) is not None
+
+
+def marked_block_size(q2k: torch.Tensor) -> int | None:
+    """The block size ``q2k``'s ids were made for, where it was marked canonical and has not
+    been written in place since; else None."""
+    ref, version, block_size = _CANONICAL.get(id(q2k), (None, -1, 0))
+    if ref is None or ref() is not q2k or version != q2k._version:
+        return None
+    return block_size

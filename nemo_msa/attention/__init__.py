@@ -18,7 +18,7 @@ from nemo_msa.attention.dense import (
 )
 from nemo_msa.backends import MSABackend, resolve_backend
 from nemo_msa.layout import MSAMicrobatch
-from nemo_msa.q2k import canonical_q2k, is_marked_canonical
+from nemo_msa.q2k import canonical_q2k, marked_block_size
 from nemo_msa.support import reject_cuda_graph_capture
 
 __all__ = [
@@ -192,7 +192,13 @@ def sparse_attention(
     validate_attention_inputs(q, k, v, q2k, msa)
     if validate:
         validate_q2k(q2k, msa)
-    if not is_marked_canonical(q2k):
+    made_for = marked_block_size(q2k)
+    if made_for is not None and made_for != msa.block_size:
+        raise ValueError(
+            f"q2k holds ids of {made_for}-token blocks (from select_blocks with that layout) but "
+            f"the layout's block_size is {msa.block_size}; select with the same layout"
+        )
+    if made_for is None:
         # One meaning for every backend (MSA_SPEC.md): the kernels read the canonical form.
         q2k = canonical_q2k(q2k, msa)
     reject_cuda_graph_capture("sparse_attention")

@@ -126,5 +126,5 @@ def select_blocks(
         **({"return_scores": True} if return_scores else {}),
     )
     # Canonical by construction: sparse_attention takes it as it is.
-    mark_canonical(result[0] if return_scores else result)
+    mark_canonical(result[0] if return_scores else result, msa.block_size)
     return result

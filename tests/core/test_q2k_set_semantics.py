@@ -202,3 +202,20 @@ def test_canonical_marks_die_with_their_tensors():
     assert marks.is_marked_canonical(canon) and key in marks._CANONICAL
     del canon
     assert key not in marks._CANONICAL
+
+
+def test_a_q2k_selected_for_another_block_size_is_refused():
+    """select_blocks's output remembers its block size: read with a layout of another block
+    size it is an error naming both, not blocks of the wrong width."""
+    ids = torch.tensor([[1] * 70 + [2] * 50 + [0] * 8, [3] * 128])
+    wide = MSAMicrobatch.from_document_map(ids, block_size=32)
+    narrow = MSAMicrobatch.from_document_map(ids, block_size=16)
+    gen = torch.Generator().manual_seed(4)
+    index_q = torch.randn(wide.num_tokens, KV_HEADS, DIM, generator=gen)
+    index_k = torch.randn(wide.num_tokens, DIM, generator=gen)
+    q2k = select_blocks(index_q, index_k, wide, top_k=2, backend="reference")
+    q = torch.randn(wide.num_tokens, Q_HEADS, DIM).to(torch.bfloat16)
+    kv = torch.randn(wide.num_tokens, KV_HEADS, DIM).to(torch.bfloat16)
+    sparse_attention(q, kv, kv, q2k, wide, backend="reference")
+    with pytest.raises(ValueError, match="ids of 32-token blocks .* block_size is 16"):
+        sparse_attention(q, kv, kv, q2k, narrow, backend="reference")
