@@ -506,13 +506,12 @@ def sweep(args, gen):
         cfg = {"bm": bm, "bn": bn, "num_warps": w, "num_stages": st}
         trial("sel", ts, cfg, sel, sflops)
         keep("sel", ts, cfg)
-    for bn, w, st, tr in ((128, 4, 2, False), (128, 4, 2, True), (128, 8, 2, True),
-                          (64, 4, 2, True), (128, 4, 3, True), (64, 4, 3, True)):
-        cfg = {"bn": bn, "num_warps": w, "num_stages": st, "trans": tr}
+    for bn, w, st in ((128, 4, 2), (128, 8, 2), (64, 4, 2), (128, 4, 3), (64, 4, 3)):
+        cfg = {"bn": bn, "num_warps": w, "num_stages": st}
         trial("fwd", tf, cfg, fwd, flops)
         keep("fwd", tf, cfg)
     for qt, w in ((4, 4), (8, 8), (4, 8)):
-        cfg = {"bn": 128, "num_warps": w, "num_stages": 2, "trans": False, "union_qt": qt}
+        cfg = {"bn": 128, "num_warps": w, "num_stages": 2, "union_qt": qt}
         trial("fwd", tf, cfg, fwd, flops)
         keep("fwd", tf, cfg)
     # Coherent selections (what a trained indexer gives: neighbouring queries pick mostly the
@@ -540,12 +539,11 @@ def sweep(args, gen):
     saved_sets = sets
     sets = coh
     for qt, w in ((0, 4), (4, 4), (8, 8)):
-        cfg = {"bn": 128, "num_warps": w, "num_stages": 2, "trans": False, "union_qt": qt}
+        cfg = {"bn": 128, "num_warps": w, "num_stages": 2, "union_qt": qt}
         trial("fwdC", tf, cfg, fwd, cflops)
     sets = saved_sets
-    for dbn, dw, dst, dtr in ((64, 4, 2, False), (64, 4, 2, True), (128, 4, 2, True),
-                              (128, 8, 2, True), (64, 8, 2, True)):
-        cfg = {"dq_bn": dbn, "dq_warps": dw, "dq_stages": dst, "dq_trans": dtr}
+    for dbn, dw, dst in ((64, 4, 2), (128, 4, 2), (128, 8, 2), (64, 8, 2)):
+        cfg = {"dq_bn": dbn, "dq_warps": dw, "dq_stages": dst}
         trial("bwd", tb, cfg, bwd, 2.5 * flops)
         keep("bwd", tb, cfg)
     if "bwd" in best:

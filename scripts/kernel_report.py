@@ -81,7 +81,7 @@ def _union_kernel(cfg, prefix, fn, pointers, floats, cap_rule):
     own_tma = bool(cfg[prefix + "tma"] and cfg[prefix + "own_tma"])
     constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
                       SPLIT=cfg[prefix + "split"], TMA=cfg[prefix + "tma"],
-                      UW=next_pow2(qt * TOPK), BITS=bool(cfg[prefix + "bits"]),
+                      UW=next_pow2(qt * TOPK),
                       FLAT=bool(cfg[prefix + "flat"]), OWN_TMA=own_tma)
     if "EMIT" in fn.arg_names:
         constexprs["EMIT"] = bool(cfg.get(EMIT_KEY))
@@ -95,7 +95,7 @@ def _forward_union(cfg):
     import nemo_msa.attention.triton_fwd as tf
 
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
-    pointers.update(lse_ptr="*fp32", bits_ptr="*i64", mass_ptr="*fp32")
+    pointers.update(lse_ptr="*fp32", mass_ptr="*fp32")
     return _union_kernel(cfg, "union_", tf._fwd_union_kernel, pointers, {"scale_log2"},
                          tf.union_register_cap)
 
@@ -104,7 +104,7 @@ def _dq_union(cfg):
     import nemo_msa.attention.triton_bwd as tb
 
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "o_ptr", "dq_ptr")}
-    pointers.update(lse_ptr="*fp32", delta_ptr="*fp32", bits_ptr="*i64")
+    pointers.update(lse_ptr="*fp32", delta_ptr="*fp32")
     return _union_kernel(cfg, "dq_union_", tb._dq_union_kernel, pointers,
                          {"scale", "scale_log2"}, lambda cap, own_tma: cap)
 

@@ -57,17 +57,17 @@ from nemo_msa.attention.triton_tiles import (
     load_masked_union_tile,
     load_own_union_tile_tma,
     load_rows,
+    load_selection_rows,
     load_whole_kv_tile,
     next_pow2,
     register_cap,
-    row_selected,
+    rows_selecting,
     tile_tokens_left,
     token_rows,
     token_taken_by_union,
     union_flat_step,
     union_full_blocks,
     union_masked_end,
-    union_row_selection,
     union_tile_rows,
     union_tile_skipped,
 )
@@ -76,7 +76,7 @@ from nemo_msa.attention.triton_tiles import (
 # stages. dkdv: keys per program (a block is split into bs / kv_bn programs), rows per query
 # tile (tokens x padded group), warps, stages.
 # dq_union_*: the query-tile union path of dq (as the forward's union_*); 0 tokens disables it.
-CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
+CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2,
           "dq_union_qt": 8, "dq_union_max": 30, "dq_union_warps": 8, "dq_union_bn": 64,
           "dq_union_stages": 2, "dq_union_split": True, "dq_union_tma": True,
           "dq_tile_grid": True,  # as the forward's tile_grid (1.2 ms faster, ADR 0003 v8)
@@ -84,7 +84,6 @@ CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2, "dq_trans": False,
           # kind of selection: per-token dq 0.35 -> 0.24 ms coherent, backward 131.9 -> 129.3
           # ms random (ADR 0003 v11).
           "dq_tile_grid_tiles": 8,
-          "dq_union_bits": False,  # as the forward's union_bits (no faster, ADR 0003 v8)
           # As the forward's union_flat and union_own_tma: 3 ms slower at one program per SM
           # (ADR 0003 v10). dq_union_maxnreg caps the registers (None: Triton's), but two dq
           # programs also need <= 113 KB of shared memory each, and the flat dq (Q and dO
@@ -108,7 +107,7 @@ def _dq_kernel(
     scale, scale_log2, count_ptr, tok_tile_ptr, block_doc_ptr, block_local_ptr, cu_ptr,
     num_tiles, max_count,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
-    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr,
+    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
     HYBRID: tl.constexpr, QT: tl.constexpr, TILE_GRID: tl.constexpr, TPP: tl.constexpr,
 ):
     """Per-token dq: the grids of the per-token forward (one program per token, or with
@@ -126,7 +125,7 @@ def _dq_kernel(
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt,
                           stride_dqh, stride_sg, stride_st, stride_lh, scale, scale_log2,
-                          TOPK, G, GP, BS, BN, D, FP32_DOT, TRANS)
+                          TOPK, G, GP, BS, BN, D, FP32_DOT)
     else:
         t = tl.program_id(0)
         left = True
@@ -138,7 +137,7 @@ def _dq_kernel(
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
                       stride_sg, stride_st, stride_lh, scale, scale_log2,
-                      TOPK, G, GP, BS, BN, D, FP32_DOT, TRANS)
+                      TOPK, G, GP, BS, BN, D, FP32_DOT)
 
 
 @triton.jit
@@ -148,18 +147,10 @@ def _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2
               stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
               stride_sg, stride_st, stride_lh, scale, scale_log2,
               TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
-              BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr):
+              BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr):
     """dq and delta of token ``t`` (document position ``p``, document start ``start``) x the
     G heads of KV head ``g``."""
     t64 = t.to(tl.int64)
-    if TRANS:
-        _dq_body_trans(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
-                       t, g, start, p,
-                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                       stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
-                       stride_sg, stride_st, stride_lh, scale, scale_log2,
-                       TOPK, G, GP, BS, BN, D, FP32_DOT)
-        return
     rows = tl.arange(0, GP)
     hmask = rows < G
     heads = g * G + rows
@@ -185,62 +176,17 @@ def _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2
 
 
 @triton.jit
-def _dq_body_trans(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
-                   t, g, start, p,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
-                   stride_sg, stride_st, stride_lh, scale, scale_log2,
-                   TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
-                   BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr):
-    """dq with every tile transposed (keys on the MMA's M dimension)."""
-    t64 = t.to(tl.int64)
-    cols = tl.arange(0, GP)
-    hmask = cols < G
-    heads = g * G + cols
-    dd = tl.arange(0, D)
-    qt = tl.load(q_ptr + t64 * stride_qt + heads[None, :] * stride_qh + dd[:, None],
-                 mask=hmask[None, :], other=0.0)  # [D, GP]
-    dot_ = tl.load(do_ptr + t64 * stride_dot + heads[None, :] * stride_doh + dd[:, None],
-                   mask=hmask[None, :], other=0.0)  # [D, GP]
-    ot = tl.load(o_ptr + t64 * stride_ot + heads[None, :] * stride_oh + dd[:, None],
-                 mask=hmask[None, :], other=0.0)
-    delta = tl.sum(dot_.to(tl.float32) * ot.to(tl.float32), axis=0)
-    tl.store(delta_ptr + heads * stride_lh + t, delta, mask=hmask)
-    lse2 = tl.load(lse_ptr + heads * stride_lh + t, mask=hmask, other=0.0) * LOG2E_C
-    if FP32_DOT:
-        qt = qt.to(tl.float32)
-        dot_ = dot_.to(tl.float32)
-    dq = tl.zeros((D, GP), tl.float32)
-    kn = tl.arange(0, BN)
-    for s in range(TOPK):
-        b = tl.load(q2k_ptr + g * stride_sg + t64 * stride_st + s)
-        for c in tl.static_range(0, BS, BN):
-            j = b * BS + c + kn
-            kmask = (j <= p) & (b >= 0)
-            k, v = load_kv_tile(k_ptr, v_ptr, (start + j).to(tl.int64), kmask, g, stride_kt,
-                                stride_kh, stride_vt, stride_vh, D, FP32_DOT)
-            sc = tl.dot(k, qt) * scale_log2  # [BN, GP]
-            pr = tl.where(kmask[:, None] & hmask[None, :], tl.exp2(sc - lse2[None, :]), 0.0)
-            dp = tl.dot(v, dot_)  # [BN, GP]
-            ds = pr * (dp - delta[None, :])
-            dq += tl.dot(tl.trans(k), ds.to(k.dtype))
-    dq = dq * scale
-    tl.store(dq_ptr + t64 * stride_dqt + heads[None, :] * stride_dqh + dd[:, None],
-             dq.to(dq_ptr.dtype.element_ty), mask=hmask[None, :])
-
-
-@triton.jit
 def _dq_union_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
-    union_ptr, count_ptr, bits_ptr, cu_ptr, block_doc_ptr, block_local_ptr, num_tiles,
+    union_ptr, count_ptr, cu_ptr, block_doc_ptr, block_local_ptr, num_tiles,
     max_count, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
-    stride_sg, stride_st, stride_lh, stride_ug, stride_ut, stride_bg,
+    stride_sg, stride_st, stride_lh, stride_ug, stride_ut,
     scale, scale_log2,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    BITS: tl.constexpr, FLAT: tl.constexpr, OWN_TMA: tl.constexpr,
+    FLAT: tl.constexpr, OWN_TMA: tl.constexpr,
 ):
     """dq of QT tokens of one document block x G heads in one pass over the union of their
     selected blocks (the forward's union tile); a row only sees blocks its token selected.
@@ -258,8 +204,7 @@ def _dq_union_kernel(
     q, do, delta, lse2 = load_dq_rows(q_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, tok, heads,
                                       rmask, stride_qt, stride_qh, stride_dot, stride_doh,
                                       stride_ot, stride_oh, stride_lh, D, FP32_DOT)
-    selection = union_row_selection(q2k_ptr, bits_ptr, g, tok, rmask, stride_sg, stride_st,
-                                    stride_bg, TOPK, KP, BITS)
+    selection = load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK, KP)
     dq = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
     urow = union_ptr + g * stride_ug + tile * stride_ut
@@ -268,12 +213,12 @@ def _dq_union_kernel(
         for step in range(full * (BS // BN)):
             sel, k, v = union_flat_step(k_ptr, v_ptr, k_desc, v_desc, urow, step, selection,
                                         rmask, start, g, stride_kt, stride_kh, stride_vt,
-                                        stride_vh, BS, BN, D, FP32_DOT, TMA, BITS)
+                                        stride_vh, BS, BN, D, FP32_DOT, TMA)
             dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
     else:
         for u in range(full):
             b = tl.load(urow + u)
-            sel = row_selected(selection, b, u, BITS) & rmask
+            sel = rows_selecting(selection, b) & rmask
             for c in tl.static_range(0, BS, BN):
                 k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
                                           stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
@@ -282,7 +227,7 @@ def _dq_union_kernel(
     last = union_masked_end(urow, count, own, UW, OWN_TMA)  # as in the forward
     for u in tl.range(full, last, num_stages=1 if OWN_TMA else None):
         b = tl.load(urow + u)
-        sel = row_selected(selection, b, u, BITS) & rmask
+        sel = rows_selecting(selection, b) & rmask
         for c in tl.static_range(0, BS, BN):
             if OWN_TMA:
                 k, v, vis = load_own_union_tile_tma(k_desc, v_desc, b * BS + c, start, length,
@@ -399,7 +344,7 @@ def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
               v_.stride(1), do_.stride(0), do_.stride(1), o_.stride(0), o_.stride(1),
               dq.stride(0), dq.stride(1), q2k_.stride(0), q2k_.stride(1), lse_.stride(0))
     plan = hybrid_plan(q2k_, blocks, msa, CONFIG["dq_union_qt"], CONFIG["dq_union_max"], gp,
-                       delta, bits=bool(CONFIG["dq_union_bits"]), unions=unions)
+                       delta, unions=unions)
     if plan.enabled:
         ubn = min(bs, CONFIG["dq_union_bn"]) if d == 128 else bs
         split = bool(CONFIG["dq_union_split"])
@@ -407,13 +352,12 @@ def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
             else None
         _dq_union_kernel[(plan.num_tiles, hkv)](
             q_, k_, v_, *(descs or (k_, v_)), do_, o_, lse_, delta, dq, q2k_, plan.union,
-            plan.count, plan.bits, msa.cu_seqlens, blocks.block_doc, blocks.block_local,
+            plan.count, msa.cu_seqlens, blocks.block_doc, blocks.block_local,
             plan.num_tiles, plan.max_count, *common, plan.union.stride(0), plan.union.stride(1),
-            plan.bits.stride(0), scale, scale * LOG2E,
+            scale, scale * LOG2E,
             TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
             FP32_DOT=INTERPRET, SPLIT=split, TMA=descs is not None,
-            UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
-            FLAT=bool(CONFIG["dq_union_flat"]),
+            UW=next_pow2(plan.union.shape[2]), FLAT=bool(CONFIG["dq_union_flat"]),
             OWN_TMA=descs is not None and bool(CONFIG["dq_union_own_tma"]),
             num_warps=CONFIG["dq_union_warps"], num_stages=CONFIG["dq_union_stages"],
             **register_cap(CONFIG["dq_union_maxnreg"], INTERPRET),
@@ -425,7 +369,7 @@ def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
         *common, scale, scale * LOG2E, plan.count, plan.tok_tile, blocks.block_doc,
         blocks.block_local, msa.cu_seqlens, plan.num_tiles, plan.max_count, TOPK=top_k, G=grp,
         GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
-        TRANS=bool(CONFIG["dq_trans"]) and bn >= 64, HYBRID=plan.enabled, QT=max(plan.qt, 1),
+        HYBRID=plan.enabled, QT=max(plan.qt, 1),
         TILE_GRID=tile_grid, TPP=tpp,
         num_warps=CONFIG["dq_warps"], num_stages=CONFIG["dq_stages"],
     )

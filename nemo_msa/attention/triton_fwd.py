@@ -19,7 +19,6 @@ entries that are -1 or point past the own block cost a masked tile and contribut
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -38,18 +37,18 @@ from nemo_msa.attention.triton_tiles import (
     load_masked_union_tile,
     load_own_union_tile_tma,
     load_rows,
+    load_selection_rows,
     load_whole_kv_tile,
     next_pow2,
     online_softmax_rows,
     online_softmax_step,
     register_cap,
-    row_selected,
+    rows_selecting,
     tile_tokens_left,
     token_taken_by_union,
     union_flat_step,
     union_full_blocks,
     union_masked_end,
-    union_row_selection,
     union_tile_rows,
     union_tile_skipped,
     union_tile_span,
@@ -57,8 +56,6 @@ from nemo_msa.attention.triton_tiles import (
 
 # Launch parameters for d = 128 (keys per inner tile, warps, pipeline depth); scripts/bench_msa.py
 # sweeps them (ADR 0003). Smaller head dims use a whole block per tile.
-# "trans" computes S^T = K Q^T (keys as the MMA's M dimension, >= 64, so Hopper's wgmma applies
-# even though the group has only 16 query rows); see ADR 0003 for the measurement.
 # Hybrid schedule (d = 128, block >= 64): tiles of "union_qt" tokens whose selected blocks
 # have a union of at most "union_max" blocks run the query-tile union kernel (M = 128 rows,
 # K/V read once per tile); the others run the per-token kernel. Break-even measured at about
@@ -66,7 +63,7 @@ from nemo_msa.attention.triton_tiles import (
 # 0.2-0.3 ms faster than 30 in two calls (v10). union_qt = 0 disables the union kernel.
 # union_split: the union kernel walks the whole blocks before a tile's own block without a
 # per-score mask; union_tma: and reads them by TMA (Hopper; pointer loads elsewhere).
-CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
+CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2,
           "union_qt": 8, "union_max": 40, "union_warps": 8,
           "union_bn": 64, "union_stages": 2, "union_split": True, "union_tma": True,
           # tile_grid: the per-token kernel of a hybrid launch gets one program per union tile
@@ -88,10 +85,6 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2, "trans": False,
           "union_build": "triton_scan",
           "union_build_tiles": 1,
           "union_build_warps": 1,
-          # union_bits: each union row tells the blocks its token selected from 64 membership
-          # bits (one shift per row and entry) instead of searching its q2k row; measured 1.7 ms
-          # slower at 131072 tokens (ADR 0003 v8), so off.
-          "union_bits": False,
           # union_maxnreg: a register cap per thread for the union kernel, so that two 8-warp
           # programs share an SM (2 x 256 threads x 128 registers); with union_flat and
           # union_own_tma their shared memory fits too (98 KB each). Forward 27.6 -> 26.6 ms
@@ -119,7 +112,7 @@ def _fwd_kernel(
     scale_log2, count_ptr, tok_tile_ptr, block_doc_ptr, block_local_ptr, cu_ptr, num_tiles,
     max_count, mass_ptr, stride_mg, stride_mt,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
-    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr,
+    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
     HYBRID: tl.constexpr, QT: tl.constexpr, TILE_GRID: tl.constexpr, TPP: tl.constexpr,
     KP: tl.constexpr, EMIT: tl.constexpr,
 ):
@@ -138,7 +131,7 @@ def _fwd_kernel(
                            start, p0 + i, stride_qt, stride_qh, stride_kt, stride_kh,
                            stride_vt, stride_vh, stride_ot, stride_oh, stride_sg, stride_st,
                            stride_lh, scale_log2, mass_ptr, stride_mg, stride_mt, TOPK, G, GP,
-                           BS, BN, D, FP32_DOT, TRANS, KP, EMIT)
+                           BS, BN, D, FP32_DOT, KP, EMIT)
     else:
         t = tl.program_id(0)
         left = True
@@ -149,7 +142,7 @@ def _fwd_kernel(
                        tl.load(tok_start_ptr + t), tl.load(tok_pos_ptr + t), stride_qt,
                        stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                        stride_oh, stride_sg, stride_st, stride_lh, scale_log2, mass_ptr,
-                       stride_mg, stride_mt, TOPK, G, GP, BS, BN, D, FP32_DOT, TRANS, KP, EMIT)
+                       stride_mg, stride_mt, TOPK, G, GP, BS, BN, D, FP32_DOT, KP, EMIT)
 
 
 @triton.jit
@@ -158,17 +151,11 @@ def _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
                stride_ot, stride_oh, stride_sg, stride_st, stride_lh, scale_log2,
                mass_ptr, stride_mg, stride_mt,
                TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
-               BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TRANS: tl.constexpr,
+               BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
                KP: tl.constexpr, EMIT: tl.constexpr):
     """Token ``t`` (document position ``p``, document start ``start``) x the G heads of KV
     head ``g`` over its ``TOPK`` selected blocks. With EMIT it also writes the group's mean
     attention mass per slot to ``mass[g, t, :]``."""
-    if TRANS:
-        _fwd_body_trans(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
-                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                        stride_ot, stride_oh, stride_sg, stride_st, stride_lh, scale_log2,
-                        TOPK, G, GP, BS, BN, D, FP32_DOT)
-        return
     rows = tl.arange(0, GP)
     hmask = rows < G
     heads = g * G + rows
@@ -208,59 +195,16 @@ def _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
 
 
 @triton.jit
-def _fwd_body_trans(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                    stride_ot, stride_oh, stride_sg, stride_st, stride_lh, scale_log2,
-                    TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
-                    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr):
-    """Same function as the main body with every tile transposed: keys on the rows."""
-    cols = tl.arange(0, GP)
-    hmask = cols < G
-    heads = g * G + cols
-    dd = tl.arange(0, D)
-    t64 = t.to(tl.int64)
-    qt = tl.load(q_ptr + t64 * stride_qt + heads[None, :] * stride_qh + dd[:, None],
-                 mask=hmask[None, :], other=0.0)  # [D, GP]
-    if FP32_DOT:
-        qt = qt.to(tl.float32)
-    m_i = tl.full((GP,), float("-inf"), tl.float32)
-    l_i = tl.zeros((GP,), tl.float32)
-    acc = tl.zeros((D, GP), tl.float32)
-    kn = tl.arange(0, BN)
-    for s in range(TOPK):
-        b = tl.load(q2k_ptr + g * stride_sg + t64 * stride_st + s)
-        for c in tl.static_range(0, BS, BN):
-            j = b * BS + c + kn
-            kmask = (j <= p) & (b >= 0)
-            k, v = load_kv_tile(k_ptr, v_ptr, (start + j).to(tl.int64), kmask, g, stride_kt,
-                                stride_kh, stride_vt, stride_vh, D, FP32_DOT)
-            sc = tl.dot(k, qt) * scale_log2  # [BN, GP]
-            sc = tl.where(kmask[:, None], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            pr = tl.exp2(sc - m_use[None, :])
-            l_i = l_i * alpha + tl.sum(pr, axis=0)
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), pr.to(v.dtype))
-            m_i = m_new
-    # finish_softmax works on rows: hand it the [GP, D] view and store it transposed back.
-    out, lse = finish_softmax(m_i, l_i, tl.trans(acc))
-    tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + dd[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-    tl.store(lse_ptr + heads * stride_lh + t, lse, mask=hmask)
-
-
-@triton.jit
 def _fwd_union_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, q2k_ptr, out_ptr, lse_ptr, union_ptr, count_ptr,
-    bits_ptr, cu_ptr, block_doc_ptr, block_local_ptr, num_tiles, max_count,
+    cu_ptr, block_doc_ptr, block_local_ptr, num_tiles, max_count,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ot, stride_oh, stride_sg, stride_st, stride_lh, stride_ug, stride_ut, stride_bg,
+    stride_ot, stride_oh, stride_sg, stride_st, stride_lh, stride_ug, stride_ut,
     scale_log2, mass_ptr, stride_mg, stride_mt,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    BITS: tl.constexpr, FLAT: tl.constexpr, OWN_TMA: tl.constexpr, EMIT: tl.constexpr,
+    FLAT: tl.constexpr, OWN_TMA: tl.constexpr, EMIT: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected.
@@ -269,8 +213,8 @@ def _fwd_union_kernel(
     to every row) run first without a per-score mask, read by TMA when TMA is set; the rest
     (the own block, and any entry past it) run with the causal mask and masked pointer loads.
 
-    With EMIT (needs the rows' q2k lists, not BITS) each row also keeps its softmax mass per
-    selected slot, and the group's mean per (token, slot) is written to ``mass``.
+    With EMIT each row also keeps its softmax mass per selected slot, and the group's mean per
+    (token, slot) is written to ``mass``.
     """
     BM: tl.constexpr = QT * GP
     tile = tl.program_id(0)
@@ -285,8 +229,7 @@ def _fwd_union_kernel(
     q = load_rows(q_ptr, tok, heads, rmask, stride_qt, stride_qh, D)
     if FP32_DOT:
         q = q.to(tl.float32)
-    selection = union_row_selection(q2k_ptr, bits_ptr, g, tok, rmask, stride_sg, stride_st,
-                                    stride_bg, TOPK, KP, BITS)
+    selection = load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK, KP)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
@@ -298,7 +241,7 @@ def _fwd_union_kernel(
         for step in range(full * (BS // BN)):
             sel, k, v = union_flat_step(k_ptr, v_ptr, k_desc, v_desc, urow, step, selection,
                                         rmask, start, g, stride_kt, stride_kh, stride_vt,
-                                        stride_vh, BS, BN, D, FP32_DOT, TMA, BITS)
+                                        stride_vh, BS, BN, D, FP32_DOT, TMA)
             m_i, l_i, acc, alpha, psum = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc,
                                                           scale_log2)
             if EMIT:
@@ -307,7 +250,7 @@ def _fwd_union_kernel(
     else:
         for u in range(full):
             b = tl.load(urow + u)
-            sel = row_selected(selection, b, u, BITS) & rmask
+            sel = rows_selecting(selection, b) & rmask
             for c in tl.static_range(0, BS, BN):
                 k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
                                           stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
@@ -321,7 +264,7 @@ def _fwd_union_kernel(
     last = union_masked_end(urow, count, own, UW, OWN_TMA)
     for u in tl.range(full, last, num_stages=1 if OWN_TMA else None):
         b = tl.load(urow + u)
-        sel = row_selected(selection, b, u, BITS) & rmask
+        sel = rows_selecting(selection, b) & rmask
         for c in tl.static_range(0, BS, BN):
             if OWN_TMA:
                 k, v, vis = load_own_union_tile_tma(k_desc, v_desc, b * BS + c, start, length,
@@ -411,54 +354,6 @@ def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, blo
         tl.store(dst + i[None, :], tl.where(real, srt, 0), mask=live[:, None]
                  & (i < WIDTH)[None, :])
     tl.store(count_ptr + g * num_tiles + tiles, count, mask=live)
-
-
-#: Membership bits per row are an int64: union entries 0..62 (63 keeps the sign bit clear).
-#: A constexpr: compiled kernels may read only constexpr globals (the interpreter reads any).
-MAX_BITS_UNION = tl.constexpr(63)
-
-
-@triton.jit
-def _union_bits_kernel(q2k_ptr, union_ptr, count_ptr, bits_ptr, cu_ptr, block_doc_ptr,
-                       block_local_ptr, stride_sg, stride_st, stride_ug, stride_ut, stride_bg,
-                       num_tiles, max_count, TOPK: tl.constexpr, KP: tl.constexpr,
-                       QT: tl.constexpr, BS: tl.constexpr, UW: tl.constexpr):
-    """One (union tile, KV head) the union kernels will run: bit u of each token's word is set
-    when the token selected the tile's union entry u."""
-    tile = tl.program_id(0)
-    g = tl.program_id(1)
-    doc, start, length, p0 = union_tile_span(tile, block_doc_ptr, block_local_ptr, cu_ptr, QT,
-                                             BS)
-    count = tl.load(count_ptr + g * num_tiles + tile)
-    if (doc < 0) | (count > max_count):
-        return
-    uu = tl.arange(0, UW)
-    entries = tl.load(union_ptr + g * stride_ug + tile * stride_ut + uu, mask=uu < count,
-                      other=-2)
-    pos = p0 + tl.arange(0, QT)
-    real = pos < length
-    kk = tl.arange(0, KP)
-    lists = tl.load(q2k_ptr + g * stride_sg + (start + pos)[:, None].to(tl.int64) * stride_st
-                    + kk[None, :], mask=real[:, None] & (kk[None, :] < TOPK), other=-1)
-    # [QT, UW]: the token selected entry u (entries are distinct, so the sum below is an OR).
-    hit = tl.max((lists[:, :, None] == entries[None, None, :]).to(tl.int32), axis=1) > 0
-    one = tl.full((UW,), 1, tl.int64) << tl.minimum(uu, MAX_BITS_UNION - 1).to(tl.int64)
-    bits = tl.sum(tl.where(hit, one[None, :], 0), axis=1)
-    tl.store(bits_ptr + g * stride_bg + start + pos, bits, mask=real)
-
-
-def union_membership_bits(q2k: torch.Tensor, plan, blocks, msa) -> torch.Tensor:
-    """int64 [Hkv, T]: per token, bit u set when it selected entry u of its tile's union, for
-    the tiles the union kernels run (``count <= max_count <= 63``; other tokens' words are
-    never read and stay uninitialized)."""
-    hkv, t, top_k = q2k.shape
-    bits = torch.empty((hkv, t), dtype=torch.int64, device=q2k.device)
-    _union_bits_kernel[(plan.num_tiles, hkv)](
-        q2k, plan.union, plan.count, bits, msa.cu_seqlens, blocks.block_doc, blocks.block_local,
-        q2k.stride(0), q2k.stride(1), plan.union.stride(0), plan.union.stride(1), bits.stride(0),
-        plan.num_tiles, plan.max_count, TOPK=top_k, KP=next_pow2(top_k), QT=plan.qt,
-        BS=blocks.block_size, UW=next_pow2(plan.union.shape[2]))
-    return bits
 
 
 #: Tiles per chunk of :func:`tile_unions`: bounds its temporaries (sort values and int64 sort
@@ -574,8 +469,6 @@ class HybridPlan:
             kernel, the others the per-token kernel (a never-read placeholder when off).
         tok_tile: int32 [T] the tile of each token, for the per-token kernel's token grid
             (placeholder when off).
-        bits: int64 [Hkv, T] membership bits (:func:`union_membership_bits`), or the placeholder
-            when not built (then ``has_bits`` is False).
         num_tiles: tiles per KV head (0 when off).
         max_count: the largest union the union kernel takes.
     """
@@ -586,8 +479,6 @@ class HybridPlan:
     tok_tile: torch.Tensor
     num_tiles: int
     max_count: int
-    bits: torch.Tensor
-    has_bits: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -625,15 +516,14 @@ def union_tile_tokens(union_qt: int, block_size: int, gp: int) -> int:
 
 
 def hybrid_plan(q2k: torch.Tensor, blocks, msa, union_qt: int, union_max: int, gp: int,
-                placeholder: torch.Tensor, bits: bool = False,
+                placeholder: torch.Tensor,
                 unions: TileUnions | None = None) -> HybridPlan:
     """Builds the split for ``union_qt``-token tiles (capped so a tile has at most
     ``MAX_UNION_ROWS`` rows of ``gp`` padded heads), or a disabled plan whose tensors are
-    ``placeholder`` when it is 0. With ``bits`` (and ``union_max <= 63``) it also builds the
-    rows' membership bits. ``unions`` built for the same tile size (the forward's, checked
+    ``placeholder`` when it is 0. ``unions`` built for the same tile size (the forward's, checked
     against q2k by the caller) are used instead of building the lists again."""
     if union_qt <= 0:
-        return HybridPlan(0, None, placeholder, placeholder, 0, 0, placeholder)
+        return HybridPlan(0, None, placeholder, placeholder, 0, 0)
     bs = blocks.block_size
     qt = union_tile_tokens(union_qt, bs, gp)
     if unions is not None and unions.qt == qt:
@@ -642,11 +532,7 @@ def hybrid_plan(q2k: torch.Tensor, blocks, msa, union_qt: int, union_max: int, g
         union, count = tile_unions(q2k, blocks, msa, qt)
     tok_tile = ((blocks.doc_first_block[msa.token_documents.long()] + blocks.token_pos // bs)
                 * (bs // qt) + (blocks.token_pos % bs) // qt).to(torch.int32)
-    plan = HybridPlan(qt, union, count, tok_tile, union.shape[1], int(union_max), placeholder)
-    if bits and plan.max_count <= MAX_BITS_UNION:
-        plan = dataclasses.replace(plan, bits=union_membership_bits(q2k, plan, blocks, msa),
-                                   has_bits=True)
-    return plan
+    return HybridPlan(qt, union, count, tok_tile, union.shape[1], int(union_max))
 
 
 def union_register_cap(maxnreg, own_tma: bool):
@@ -726,10 +612,6 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = torch.empty((hq, t), dtype=torch.float32, device=q.device)
     mass = (torch.empty((hkv, t, top_k), dtype=torch.float32, device=q.device)
             if return_block_mass else lse)
-    if return_block_mass and (CONFIG["trans"] or CONFIG["union_bits"]):
-        raise ValueError(f"return_block_mass=True needs CONFIG['trans'] and CONFIG['union_bits']"
-                         f" off (got {CONFIG['trans']!r}, {CONFIG['union_bits']!r}): those "
-                         f"variants do not keep the per-slot mass")
     emit = {"mass": mass, "emit": return_block_mass}
     if t == 0:
         return _forward_result(out, lse, None, emit, return_unions)
@@ -738,8 +620,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q2k_ = q2k.contiguous()
     gp = max(16, next_pow2(grp))
     bn = min(bs, CONFIG["bn"]) if d == 128 else bs
-    plan = hybrid_plan(q2k_, blocks, msa, CONFIG["union_qt"], CONFIG["union_max"], gp, lse,
-                       bits=bool(CONFIG["union_bits"]))
+    plan = hybrid_plan(q2k_, blocks, msa, CONFIG["union_qt"], CONFIG["union_max"], gp, lse)
     if plan.enabled:
         ubn = min(bs, CONFIG["union_bn"]) if d == 128 else bs
         descs = (kv_descriptors(k_, v_, ubn, INTERPRET)
@@ -747,16 +628,15 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         own_tma = descs is not None and bool(CONFIG["union_own_tma"])
         _fwd_union_kernel[(plan.num_tiles, hkv)](
             q_, k_, v_, *(descs or (k_, v_)), q2k_, out, lse, plan.union, plan.count,
-            plan.bits, msa.cu_seqlens, blocks.block_doc, blocks.block_local, plan.num_tiles,
+            msa.cu_seqlens, blocks.block_doc, blocks.block_local, plan.num_tiles,
             plan.max_count,
             q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
             out.stride(0), out.stride(1), q2k_.stride(0), q2k_.stride(1), lse.stride(0),
-            plan.union.stride(0), plan.union.stride(1), plan.bits.stride(0), scale * LOG2E,
+            plan.union.stride(0), plan.union.stride(1), scale * LOG2E,
             mass, *_mass_strides(mass, return_block_mass), EMIT=return_block_mass,
             TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
             FP32_DOT=INTERPRET, SPLIT=bool(CONFIG["union_split"]), TMA=descs is not None,
-            UW=next_pow2(plan.union.shape[2]), BITS=plan.has_bits,
-            FLAT=bool(CONFIG["union_flat"]),
+            UW=next_pow2(plan.union.shape[2]), FLAT=bool(CONFIG["union_flat"]),
             OWN_TMA=own_tma,
             num_warps=CONFIG["union_warps"], num_stages=CONFIG["union_stages"],
             **register_cap(union_register_cap(CONFIG["union_maxnreg"], own_tma), INTERPRET),
@@ -772,7 +652,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mass, *_mass_strides(mass, return_block_mass), KP=next_pow2(top_k),
         EMIT=return_block_mass,
         TOPK=top_k, G=grp, GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
-        TRANS=bool(CONFIG["trans"]) and bn >= 64, HYBRID=plan.enabled, QT=max(plan.qt, 1),
+        HYBRID=plan.enabled, QT=max(plan.qt, 1),
         TILE_GRID=tile_grid, TPP=tpp,
         num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )

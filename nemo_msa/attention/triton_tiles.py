@@ -151,15 +151,16 @@ def load_masked_union_tile(k_ptr, v_ptr, j, start, length, pos, sel, g, stride_k
 @triton.jit
 def union_flat_step(k_ptr, v_ptr, k_desc, v_desc, urow, step, selection, rmask, start, g,
                     stride_kt, stride_kh, stride_vt, stride_vh, BS: tl.constexpr,
-                    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr,
-                    BITS: tl.constexpr):
+                    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
+                    TMA: tl.constexpr):
     """Step ``step`` of a union program's flat whole-block loop (one BN-key tile per step, so
     BS / BN steps per union entry and one K/V buffer per pipeline stage): ``(sel, k, v)``, the
-    rows that selected the step's block (see :func:`row_selected`) and the tile's K and V."""
+    rows whose q2k lists ``selection`` [M, KP] hold the step's block (see
+    :func:`rows_selecting`) and the tile's K and V."""
     SUB: tl.constexpr = BS // BN
     u = step // SUB
     b = tl.load(urow + u)
-    sel = row_selected(selection, b, u, BITS) & rmask
+    sel = rows_selecting(selection, b) & rmask
     k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + (step % SUB) * BN,
                               g, stride_kt, stride_kh, stride_vt, stride_vh, BN, D, FP32_DOT,
                               TMA)
@@ -196,28 +197,6 @@ def load_own_union_tile_tma(k_desc, v_desc, j0, start, length, pos, sel, g, BN: 
 def rows_selecting(lists, b):
     """bool [M]: the rows whose token's selection ``lists`` [M, KP] holds block ``b``."""
     return tl.max((lists == b).to(tl.int32), axis=1) > 0
-
-
-@triton.jit
-def union_row_selection(q2k_ptr, bits_ptr, g, tok, rmask, stride_sg, stride_st, stride_bg,
-                        TOPK: tl.constexpr, KP: tl.constexpr, BITS: tl.constexpr):
-    """What a union program needs to tell which rows selected a union entry: with BITS the
-    per-row membership bits (int64 [M], bit u = the row's token selected union entry u, see
-    ``union_membership_bits``), else the rows' selections (int32 [M, KP])."""
-    if BITS:
-        return tl.load(bits_ptr + g * stride_bg + tok, mask=rmask, other=0)
-    else:
-        return load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK, KP)
-
-
-@triton.jit
-def row_selected(selection, b, u, BITS: tl.constexpr):
-    """bool [M]: the rows whose token selected union entry ``u`` (block ``b``), from
-    :func:`union_row_selection`'s result: one shift per row with BITS, else a [M, KP] search."""
-    if BITS:
-        return ((selection >> u) & 1) != 0
-    else:
-        return rows_selecting(selection, b)
 
 
 @triton.jit

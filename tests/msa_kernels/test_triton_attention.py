@@ -140,17 +140,6 @@ def test_kvouter_forward_matches_reference():
     assert rel_err(lse[fin], ref_lse[fin]) < 1e-4
 
 
-def test_transposed_tiles_match_reference(monkeypatch):
-    """The keys-as-M orientation of the forward and dq kernels (used when block >= 64)."""
-    import nemo_msa.attention.triton_bwd as tb
-    import nemo_msa.attention.triton_fwd as tf
-
-    monkeypatch.setitem(tf.CONFIG, "trans", True)
-    monkeypatch.setitem(tf.CONFIG, "union_qt", 0)
-    monkeypatch.setitem(tb.CONFIG, "dq_trans", True)
-    _run_case([[70, 1], [64]], 72, 64, 16, 1, 16, 2, seed=9, drop_own=True)
-
-
 @pytest.mark.parametrize("qt,max_count", [(2, 1000), (4, 1000), (4, 3), (8, 2)])
 def test_union_forward_and_dq_match_reference(monkeypatch, qt, max_count):
     """The query-tile union forward and dq alone (max_count 1000), and the hybrids (tiles with
@@ -289,13 +278,11 @@ def test_union_flat_loop_and_own_block_by_tma_match_reference(monkeypatch, flat,
 @pytest.mark.parametrize("max_count", [1000, 2])
 @pytest.mark.parametrize("tile_grid,tiles,build", [(True, 1, "triton"), (True, 3, "triton_scan"),
                                                    (False, 1, "torch")])
-def test_per_token_grids_and_union_bits_match_reference(monkeypatch, max_count, tile_grid,
-                                                        tiles, build):
-    """The hybrid's variants together against float64, with the rows' membership bits: the
-    per-token kernels' tile grid (one program per union tile doing the tokens the union kernel
-    left, or per 3 tiles, a count that leaves the last program short) with the Triton union
-    builds, and the token grid with the torch build; every tile to the union kernel, and a mix
-    (max_count 2)."""
+def test_per_token_grids_match_reference(monkeypatch, max_count, tile_grid, tiles, build):
+    """The hybrid's variants together against float64: the per-token kernels' tile grid (one
+    program per union tile doing the tokens the union kernel left, or per 3 tiles, a count that
+    leaves the last program short) with the Triton union builds, and the token grid with the
+    torch build; every tile to the union kernel, and a mix (max_count 2)."""
     import nemo_msa.attention.triton_bwd as tb
     import nemo_msa.attention.triton_fwd as tf
 
@@ -308,8 +295,6 @@ def test_per_token_grids_and_union_bits_match_reference(monkeypatch, max_count, 
     monkeypatch.setitem(tf.CONFIG, "tile_grid", tile_grid)
     monkeypatch.setitem(tb.CONFIG, "dq_tile_grid", tile_grid)
     monkeypatch.setitem(tf.CONFIG, "union_build", build)
-    monkeypatch.setitem(tf.CONFIG, "union_bits", True)
-    monkeypatch.setitem(tb.CONFIG, "dq_union_bits", True)
     _run_case([[37, 1], [18, 3]], 40, 16, 8, 2, 16, 3, seed=17, drop_own=True)
 
 
@@ -436,34 +421,6 @@ def test_tile_unions_are_the_same_in_chunks_and_by_kernel(monkeypatch):
             want = sorted({b for b in q2k[g, toks].flatten().tolist() if b >= 0})
             n = int(count[g, tile])
             assert n == len(want) and union[g, tile, :n].tolist() == want
-
-
-def test_union_membership_bits_match_the_lists():
-    """Bit u of a token's membership word is set exactly when the token selected entry u of its
-    tile's union; tiles over max_count (left to the per-token kernels) are not written."""
-    import nemo_msa.attention.triton_fwd as tf
-    from nemo_msa.attention.triton_layout import doc_blocks
-
-    gen = torch.Generator().manual_seed(8)
-    msa = make_layout([[300, 20], [1, 61]], 320, 16)
-    q2k = random_q2k(msa, 2, 16, 16, gen, drop_own=True)
-    dmsa = layout_on_kernel_device(msa)
-    plan = tf.hybrid_plan(on_kernel_device(q2k), doc_blocks(dmsa, 16), dmsa, 8, 40, 16,
-                          on_kernel_device(torch.zeros(1)), bits=True)
-    assert plan.has_bits
-    union, count, bits = plan.union.cpu(), plan.count.cpu(), plan.bits.cpu()
-    checked = 0
-    for g in range(2):
-        for t in range(msa.num_tokens):
-            tile = int(plan.tok_tile[t])
-            n = int(count[g, tile])
-            if n > 40:
-                continue
-            chosen = set(q2k[g, t].tolist())
-            want = sum(1 << u for u, b in enumerate(union[g, tile, :n].tolist()) if b in chosen)
-            assert int(bits[g, t]) == want, (g, t)
-            checked += 1
-    assert checked > msa.num_tokens  # most tiles of both heads were checked
 
 
 @pytest.mark.parametrize("rows,seq_len,bs,hq,hkv,d,top_k", [
