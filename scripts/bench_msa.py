@@ -563,23 +563,6 @@ def sweep(args, gen):
     ms, _ = time_fn(csr, sets, max_reps=15, budget_ms=500)
     lines.append(f"csr   block->queries CSR build (torch sort)  {ms:9.3f} ms")
     _log(lines[-1])
-    # The KV-outer two-pass forward (atomics): the schedule alternative of ADR 0003.
-    import nemo_msa.attention.triton_fwd_kvouter as tk
-
-    def fwd_kv(s):
-        return tk.triton_attention_forward_kvouter(s["q"], s["k"], s["v"], s["q2k"], msa, scale)
-
-    try:
-        o_ref, l_ref = fwd(sets[0])
-        o_kv, l_kv = fwd_kv(sets[0])
-        lines.append(f"fwdkv rel diff vs query-outer forward: out {rel(o_kv, o_ref):.2e}, "
-                     f"lse {rel(l_kv, l_ref):.2e}")
-        del o_ref, l_ref, o_kv, l_kv
-    except Exception as exc:
-        lines.append(f"fwdkv FAILED {type(exc).__name__}: {str(exc)[:200]}")
-    _log(lines[-1])
-    for rows_, w, st in ((128, 8, 2),):
-        trial("fwdkv", tk, {"rows": rows_, "num_warps": w, "num_stages": st}, fwd_kv, flops)
     if args.apply_best:
         for kind, (ms, mod, cfg) in best.items():
             mod.CONFIG.update(cfg)

@@ -60,10 +60,8 @@ def _selection(cfg):
 
     bn = cfg["bn"]
     constexprs = dict(BS=BS, BM=cfg["bm"], BN=bn, D=D, KP=TOPK, FP32_DOT=False, TMA=cfg["tma"],
-                      FLAGS=cfg["nan"] == "flags", BRANCH=cfg["insert"] == "branch",
                       EMIT=bool(cfg.get(EMIT_KEY)))
-    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "qbad_ptr": "*i8", "kbad_ptr": "*i8",
-                "score_ptr": "*fp32"}
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "score_ptr": "*fp32"}
     sig = _signature(ts._select_kernel, constexprs, pointers, set(), {"k_desc": (bn, D)})
     return ts._select_kernel, sig, constexprs, {"num_warps": cfg["num_warps"],
                                                  "num_stages": cfg["num_stages"]}

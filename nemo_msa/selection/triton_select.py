@@ -3,8 +3,7 @@
 One program owns ``BM`` query rows of one document block ``o`` and one index head. It streams
 the document's key blocks ``0..o`` (block ``o`` causally masked), reduces q.k to the per-block
 max and folds each block into a running top-k kept per row in registers. The score tensor
-[heads, blocks, tokens] is never written: the only extra memory is the doc-block map, O(blocks)
-(and, on the opt-in flag path below, two per-token non-finite flags, O(tokens)).
+[heads, blocks, tokens] is never written: the only extra memory is the doc-block map, O(blocks).
 
 Ranking key. Each candidate becomes one int64 so that "take the max" implements the whole
 contract in one comparison::
@@ -19,10 +18,8 @@ ties go to the lower block id. Empty slots are -1, so any candidate displaces th
 NaN. The reference's ``amax`` propagates NaN, while ``tl.max`` drops it (it lowers to the
 IEEE maxNum, ``max.f32``). The block max is therefore a reduction whose combine keeps NaN
 (``max.NaN.f32``, the same instruction cost), so a block scores NaN exactly when one of its
-visible q.k does, as in the reference, +-inf inputs included. The earlier scheme is kept opt-in
-(``CONFIG["nan"] = "flags"``) as the same-call baseline: a block is flagged NaN when its query
-row or one of its visible keys holds a non-finite value (per-token flags computed once, reduced
-per key tile); exact for finite inputs only.
+visible q.k does, as in the reference, +-inf inputs included. (Per-token non-finite flags, the
+earlier scheme, measured slower and were exact for finite inputs only: ADR 0003 v9.)
 """
 
 from __future__ import annotations
@@ -40,36 +37,9 @@ _LOW_MASK = tl.constexpr(0x7FFFFFFF)
 
 # Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003): query rows per program, keys
 # per inner tile at d = 128, warps, stages; "tma": the whole key blocks are read by TMA (Hopper;
-# pointer loads elsewhere); "nan": how NaN scores are found, "max" (a NaN-keeping block max) or
-# "flags" (per-token non-finite flags; see the module docstring and ADR 0003 v9); "insert":
-# "branch" skips the top-k update of a block that no row takes (a program-wide reduction per
-# block), "always" runs it branch-free (0.5 ms faster at 131072 tokens, ADR 0003 v9).
-CONFIG = {"bm": 128, "bn": 128, "num_warps": 4, "num_stages": 2, "tma": True, "nan": "max",
-          "insert": "always"}
-
-
-@triton.jit
-def _nonfinite_rows_kernel(x_ptr, out_ptr, n_rows, stride_row,
-                           R: tl.constexpr, D: tl.constexpr):
-    """out[i] = 1 if row i of x [n_rows, D] holds a NaN or +-inf, else 0 (int8)."""
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    ok = rows < n_rows
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_row + tl.arange(0, D)[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
-    # x * 0 is 0 for finite x and NaN for NaN/inf; a row sum keeps any NaN.
-    bad = tl.sum(x * 0.0, axis=1) != 0.0
-    tl.store(out_ptr + rows, bad.to(tl.int8), mask=ok)
-
-
-def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
-    """int8 [rows] flags of a [rows, D] view without the bool [rows, D] temporaries of
-    ``isfinite`` (those cost ~5x the input at 131072 tokens, over the memory budget)."""
-    n, d = x.shape
-    out = torch.empty(n, dtype=torch.int8, device=x.device)
-    if n:
-        r = 64
-        _nonfinite_rows_kernel[(triton.cdiv(n, r),)](x, out, n, x.stride(0), R=r, D=d)
-    return out
+# pointer loads elsewhere). The top-k update runs branch-free for the whole blocks (0.5 ms
+# faster at 131072 tokens than skipping blocks no row takes, ADR 0003 v9).
+CONFIG = {"bm": 128, "bn": 128, "num_warps": 4, "num_stages": 2, "tma": True}
 
 
 @triton.jit
@@ -136,13 +106,12 @@ def _tile_max_and_arg(s, best, arg, j0, N: tl.constexpr):
 
 @triton.jit
 def _select_kernel(
-    q_ptr, k_ptr, k_desc, qbad_ptr, kbad_ptr, out_ptr, score_ptr, arg_ptr,
+    q_ptr, k_ptr, k_desc, out_ptr, score_ptr, arg_ptr,
     cu_ptr, block_doc_ptr, block_local_ptr,
     stride_qt, stride_qh, stride_kt, stride_oh, stride_ot,
     num_blocks_bound, top_k, init_blocks, local_blocks,
     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    KP: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr, FLAGS: tl.constexpr,
-    BRANCH: tl.constexpr, EMIT: tl.constexpr,
+    KP: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr, EMIT: tl.constexpr,
 ):
     """With EMIT each row also keeps, per slot, the selected block's real score (the max of
     q.k over its visible keys, forced blocks included) and the compact row of the key that
@@ -166,9 +135,6 @@ def _select_kernel(
                 + dk[None, :], mask=row_ok[:, None], other=0.0)
     if FP32_DOT:
         q = q.to(tl.float32)
-    if FLAGS:
-        qbad = tl.load(qbad_ptr + (start + pos) * tl.num_programs(1) + h, mask=row_ok,
-                       other=0) != 0
 
     cols = tl.arange(0, KP)
     empty = tl.full((BM, KP), -1, tl.int64)
@@ -187,8 +153,6 @@ def _select_kernel(
     for b in range(0, o):
         best = tl.full((BM,), float("-inf"), tl.float32)
         arg = zero_arg
-        if FLAGS:
-            kbad = 0
         for c in tl.static_range(0, BS, BN):
             krow = start + b * BS + c + kn
             if TMA:
@@ -198,22 +162,15 @@ def _select_kernel(
             if FP32_DOT:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k))
-            if FLAGS:
-                best = tl.maximum(best, tl.max(s, axis=1))
-                kbad = tl.maximum(kbad, tl.max(tl.load(kbad_ptr + krow).to(tl.int32), axis=0))
-            elif EMIT:
+            if EMIT:
                 best, arg = _tile_max_and_arg(s, best, arg, c, BN)
             else:
                 best = _max_keep_nan(best, _row_max_keep_nan(s))
-        code = _order_code(best)
-        if FLAGS:
-            code = tl.where(qbad | (kbad != 0), nan_code, code)
-        else:
-            code = tl.where(best != best, nan_code, code)
+        code = tl.where(best != best, nan_code, _order_code(best))
         forced = (b < init_blocks) | (b > o - local_blocks)
         code = tl.where(forced, forced_code, code)
         new_key = (code << 31) | (zero_row + (_LOW_MASK - b))
-        cur, thr, hit = _insert(cur, thr, cols, new_key, KP, BRANCH)
+        cur, thr, hit = _insert(cur, thr, cols, new_key, KP, False)
         if EMIT:
             cur_sc = tl.where(hit, best[:, None], cur_sc)
             cur_arg = tl.where(hit, (start + b * BS + arg)[:, None], cur_arg)
@@ -221,8 +178,6 @@ def _select_kernel(
     # Own block o: keys j <= pos only.
     best = tl.full((BM,), float("-inf"), tl.float32)
     arg = zero_arg
-    if FLAGS:
-        anybad = tl.zeros((BM,), tl.int32)
     for c in tl.static_range(0, BS, BN):
         j = o * BS + c + kn
         kmask = j < length
@@ -232,19 +187,11 @@ def _select_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k))
         vis = j[None, :] <= pos[:, None]
-        if FLAGS:
-            best = tl.maximum(best, tl.max(tl.where(vis, s, float("-inf")), axis=1))
-            kb = tl.load(kbad_ptr + start + j, mask=kmask, other=0).to(tl.int32)
-            anybad = tl.maximum(anybad, tl.max(tl.where(vis, kb[None, :], 0), axis=1))
-        elif EMIT:
+        if EMIT:
             best, arg = _tile_max_and_arg(tl.where(vis, s, float("-inf")), best, arg, c, BN)
         else:
             best = _max_keep_nan(best, _row_max_keep_nan(tl.where(vis, s, float("-inf"))))
-    code = _order_code(best)
-    if FLAGS:
-        code = tl.where(qbad | (anybad != 0), nan_code, code)
-    else:
-        code = tl.where(best != best, nan_code, code)
+    code = tl.where(best != best, nan_code, _order_code(best))
     forced = (o < init_blocks) | (local_blocks > 0)
     code = tl.where(forced, forced_code, code)
     new_key = (code << 31) | (zero_row + (_LOW_MASK - o))
@@ -339,32 +286,18 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     q = index_q.contiguous()
     k = index_k.contiguous()
     blocks = doc_blocks(msa, bs)
-    nan_mode = CONFIG["nan"]
-    if nan_mode not in ("max", "flags"):
-        raise ValueError(f"CONFIG['nan']={nan_mode!r}: expected 'max' or 'flags'")
-    flags = nan_mode == "flags"
-    if flags and return_scores:
-        raise ValueError("return_scores=True needs CONFIG['nan']='max' (the flags path does not "
-                         "track the keys attaining the block max)")
-    if CONFIG["insert"] not in ("branch", "always"):
-        raise ValueError(f"CONFIG['insert']={CONFIG['insert']!r}: expected 'branch' or 'always'")
-    if flags:
-        qbad = _nonfinite_rows(q.view(t * h, d))  # int8 [T * H]
-        kbad = _nonfinite_rows(k)  # int8 [T]
-    else:
-        qbad = kbad = out  # never read
     bm = min(bs, CONFIG["bm"])
     bn = min(bs, CONFIG["bn"]) if d == 128 else bs
     kp = max(next_pow2(top_k), 2)
     grid = (blocks.num_blocks_bound * (bs // bm), h)
     k_desc = row_descriptor(k, bn, d, INTERPRET) if CONFIG["tma"] else None
     _select_kernel[grid](
-        q, k, k if k_desc is None else k_desc, qbad, kbad, out, scores, keys, msa.cu_seqlens,
+        q, k, k if k_desc is None else k_desc, out, scores, keys, msa.cu_seqlens,
         blocks.block_doc, blocks.block_local,
         q.stride(0), q.stride(1), k.stride(0), out.stride(0), out.stride(1),
         blocks.num_blocks_bound, top_k, init_blocks, local_blocks,
         BS=bs, BM=bm, BN=bn, D=d, KP=kp, FP32_DOT=INTERPRET, TMA=k_desc is not None,
-        FLAGS=flags, BRANCH=CONFIG["insert"] == "branch", EMIT=return_scores,
+        EMIT=return_scores,
         num_warps=CONFIG["num_warps"] if bm * bn >= 64 * 64 else 4,
         num_stages=CONFIG["num_stages"],
     )

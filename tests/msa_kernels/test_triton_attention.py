@@ -117,29 +117,6 @@ def test_attention_rejects_bad_inputs():
         triton_attention_forward(q, k3, k3, q2k, msa, block_size=16)
 
 
-def test_kvouter_forward_matches_reference():
-    """The experimental KV-outer forward (measured in ADR 0003) computes the same function."""
-    from nemo_msa.attention.triton_fwd_kvouter import triton_attention_forward_kvouter
-
-    gen = torch.Generator().manual_seed(5)
-    bs, hq, hkv, d = 16, 16, 1, 16
-    msa = make_layout([[1, 50], [33]], 64, bs)
-    t = msa.num_tokens
-    q = torch.randn((t, hq, d), generator=gen).to(torch.bfloat16)
-    k = torch.randn((t, hkv, d), generator=gen).to(torch.bfloat16)
-    v = torch.randn((t, hkv, d), generator=gen).to(torch.bfloat16)
-    dout = torch.randn((t, hq, d), generator=gen).to(torch.bfloat16)
-    q2k = random_q2k(msa, hkv, 2, bs, gen, drop_own=True)
-    ref_out, ref_lse, *_ = attention_reference_grads(q, k, v, q2k, msa, 0.25, bs, dout)
-    out, lse = triton_attention_forward_kvouter(*on_kernel_device(q, k, v, q2k),
-                                                layout_on_kernel_device(msa), 0.25, block_size=bs)
-    out, lse = out.cpu(), lse.cpu()
-    assert rel_err(out, ref_out) < TOL
-    fin = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), fin)
-    assert rel_err(lse[fin], ref_lse[fin]) < 1e-4
-
-
 @pytest.mark.parametrize("qt,max_count", [(2, 1000), (4, 1000), (4, 3), (8, 2)])
 def test_union_forward_and_dq_match_reference(monkeypatch, qt, max_count):
     """The query-tile union forward and dq alone (max_count 1000), and the hybrids (tiles with

@@ -53,13 +53,8 @@ def test_selection_pointer_loads_match_reference(monkeypatch):
     test_selection_matches_reference([[40, 1], [16, 57], [80]], 100, 16, 32, 3, 1, 1, True)
 
 
-@pytest.mark.parametrize("nan", ["max", "flags"])
-def test_selection_nan_ranks_last(monkeypatch, nan):
-    """A NaN key ranks its block last, in its own document only (both ways of finding NaN
-    scores: the NaN-keeping block max and the per-token flags)."""
-    import nemo_msa.selection.triton_select as ts
-
-    monkeypatch.setitem(ts.CONFIG, "nan", nan)
+def test_selection_nan_ranks_last():
+    """A NaN key ranks its block last, in its own document only (the NaN-keeping block max)."""
     gen = torch.Generator().manual_seed(7)
     # Two documents in one row: a non-finite key of document 2 must not mark document 1's
     # block of the same local id.
@@ -75,20 +70,10 @@ def test_selection_nan_ranks_last(monkeypatch, nan):
     assert (got[0, 16:40] == 1).any(-1).all(), "document 1's block 1 is finite and must stay chosen"
 
 
-def test_selection_insert_with_the_branch_matches_reference(monkeypatch):
-    """The top-k update skipped for blocks no row takes (the default runs it for every block)
-    gives the same selection, ties included."""
-    import nemo_msa.selection.triton_select as ts
-
-    monkeypatch.setitem(ts.CONFIG, "insert", "branch")
-    test_selection_matches_reference([[40, 1], [16, 57], [80]], 100, 16, 32, 3, 1, 1, True)
-    test_selection_matches_reference([[200]], 200, 16, 16, 5, 1, 2, False)
-
-
 def test_selection_nan_query_row_and_infinite_keys_match_reference():
     """Exact reference semantics of the NaN-keeping block max: a NaN query row ranks every
     free block last (ties to the lower id), and an infinite key makes its block's score +inf or
-    -inf by the sign of q.k, not NaN (the per-token flags ranked such blocks as NaN)."""
+    -inf by the sign of q.k, not NaN."""
     gen = torch.Generator().manual_seed(5)
     msa = make_layout([[150, 3], [16, 57]], 160, 16)
     q, k = _inputs(msa, 2, 16, False, gen)
