@@ -1,9 +1,8 @@
 """Registers the Triton (SM90) MSA backend; imported lazily by nemo_msa.backends.
 
 The kernels live in nemo_msa/selection/triton_select.py, nemo_msa/attention/triton_fwd.py and
-nemo_msa/attention/triton_bwd.py (design and measurements: docs/adr/0003-*). By default the
-backward uses no atomics and is bitwise repeatable; an opt-in dq path with fp32 atomics
-(measured slower) is never taken under ``torch.use_deterministic_algorithms(True)``.
+nemo_msa/attention/triton_bwd.py (design and measurements: docs/adr/0003-*). The backward uses
+no atomics and is bitwise repeatable.
 """
 
 from __future__ import annotations

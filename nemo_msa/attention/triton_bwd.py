@@ -14,12 +14,8 @@ Two kernels:
   to exactly one program, so dk/dv are written once, without atomics; the result is bitwise
   reproducible run to run.
 
-Opt-in path (``CONFIG["dq_atomic"]``, never under ``torch.use_deterministic_algorithms(True)``):
-the dk/dv kernel also adds each tile's ``dS K`` into an fp32 dq with atomics, as FlashAttention's
-backward does, so dq costs one matmul per tile instead of a second pass that recomputes S and dP
-(three matmuls). dk and dv stay atomic-free; dq's summation order then varies run to run, and
-the fp32 accumulator costs 4 bytes per dq element while the kernel runs. On the H200 it measured
-slower than the two atomic-free kernels (ADR 0003), so it is off by default.
+(A fused variant that added dq into an fp32 accumulator with atomics from the dk/dv kernel, as
+FlashAttention's backward does, measured slower on the H200 and is deleted: ADR 0003.)
 """
 
 from __future__ import annotations
@@ -51,7 +47,6 @@ from nemo_msa.attention.triton_tiles import (
     dq_tile,
     dq_tile_rows,
     kv_descriptors,
-    load_do_and_delta,
     load_dq_rows,
     load_kv_tile,
     load_masked_union_tile,
@@ -89,9 +84,6 @@ CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2,
           # programs also need <= 113 KB of shared memory each, and the flat dq (Q and dO
           # tiles too) takes 131.6 KB; not yet timed.
           "dq_union_flat": False, "dq_union_own_tma": False, "dq_union_maxnreg": None,
-          # Fused dk/dv + atomic dq (never in deterministic mode): measured slower than the
-          # atomic-free path on the H200 (ADR 0003, v5) and 4 bytes per dq element, so opt-in.
-          "dq_atomic": False, "fused_warps": 8,
           "kv_bn": 64, "kv_rows": 64, "kv_warps": 4, "kv_stages": 2,
           # Benchmark hook only: "dq" or "dkdv" leaves that kernel out to time the other.
           "skip": ""}
@@ -243,18 +235,6 @@ def _dq_union_kernel(
 
 
 @triton.jit
-def _delta_kernel(do_ptr, o_ptr, delta_ptr, stride_dot, stride_doh, stride_ot, stride_oh,
-                  stride_lh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
-    """delta [Hq, T] = rowsum(dO * O) for the G heads of one (token, KV head)."""
-    t = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, GP)
-    hmask = rows < G
-    heads = tl.program_id(1) * G + rows
-    load_do_and_delta(do_ptr, o_ptr, delta_ptr, token_rows(t, heads), heads, hmask, stride_dot,
-                      stride_doh, stride_ot, stride_oh, stride_lh, D)
-
-
-@triton.jit
 def _dkdv_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, tok, heads, rmask, stride_qt, stride_qh,
                stride_dot, stride_doh, stride_lh, D: tl.constexpr, FP32_DOT: tl.constexpr):
     """One step's rows for dk/dv: q, dO [M, D], LSE (log2 domain) and delta fp32 [M]."""
@@ -269,19 +249,12 @@ def _dkdv_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, tok, heads, rmask, stride_qt, 
 
 
 @triton.jit
-def _dkdv_accumulate(q, do, k, v, pr, delta, dk, dv, tok, heads, rmask, dd, dq32_ptr,
-                     stride_dq32t, stride_dq32h, scale, DQ_ATOMIC: tl.constexpr):
-    """Adds one step's P^T dO to dv and dS^T Q to dk (dS = P (dP - delta)); with DQ_ATOMIC
-    also adds the step's share of dq = scale dS K to the fp32 accumulator."""
+def _dkdv_accumulate(q, do, v, pr, delta, dk, dv):
+    """Adds one step's P^T dO to dv and dS^T Q to dk (dS = P (dP - delta))."""
     dp = tl.dot(do, tl.trans(v))
     ds = pr * (dp - delta[:, None])
     dv += tl.dot(tl.trans(pr.to(do.dtype)), do)
     dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-    if DQ_ATOMIC:
-        # This key chunk's share of dq; the other chunks and blocks add theirs.
-        part = tl.dot(ds.to(k.dtype), k) * scale
-        tl.atomic_add(dq32_ptr + tok[:, None] * stride_dq32t + heads[:, None] * stride_dq32h
-                      + dd[None, :], part, mask=rmask[:, None], sem="relaxed")
     return dk, dv
 
 
@@ -291,9 +264,9 @@ def _dkdv_kernel(
     offsets_ptr, list_ptr, order_ptr, block_doc_ptr, block_local_ptr, cu_ptr, tok_pos_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-    num_blocks_bound, scale, scale_log2, dq32_ptr, stride_dq32t, stride_dq32h,
+    num_blocks_bound, scale, scale_log2,
     G: tl.constexpr, GP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     CHUNKS: tl.constexpr = BS // BN
     BM: tl.constexpr = QT * GP
@@ -327,8 +300,7 @@ def _dkdv_kernel(
         vis = (j[None, :] <= pos[:, None]) & rmask[:, None]
         sc = tl.dot(q, tl.trans(k)) * scale_log2
         pr = tl.where(vis, tl.exp2(sc - lse2[:, None]), 0.0)
-        dk, dv = _dkdv_accumulate(q, do, k, v, pr, delta, dk, dv, tok, heads, rmask, dd,
-                                  dq32_ptr, stride_dq32t, stride_dq32h, scale, DQ_ATOMIC)
+        dk, dv = _dkdv_accumulate(q, do, v, pr, delta, dk, dv)
     dk = dk * scale
     tl.store(dk_ptr + rows_k[:, None] * stride_dkt + g * stride_dkh + dd[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=kvalid[:, None])
@@ -428,23 +400,16 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     delta = torch.empty_like(lse_)
     gp = max(16, next_pow2(grp))
     bn = min(bs, CONFIG["dq_bn"]) if d == 128 else bs
-    fused = bool(CONFIG["dq_atomic"]) and not torch.are_deterministic_algorithms_enabled()
-    if fused:
-        _delta_kernel[(t, hkv)](do_, o_, delta, do_.stride(0), do_.stride(1), o_.stride(0),
-                                o_.stride(1), delta.stride(0), G=grp, GP=gp, D=d)
-        dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    else:
-        dq32 = delta  # placeholder, never read (DQ_ATOMIC=False)
-        if CONFIG["skip"] != "dq":
-            _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
-                       t, hkv, top_k, grp, gp, bs, bn, d, unions)
+    if CONFIG["skip"] != "dq":
+        _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
+                   t, hkv, top_k, grp, gp, bs, bn, d, unions)
     csr = block_query_csr(q2k_, blocks, msa)
     qt = max(1, CONFIG["kv_rows"] // gp)
     bn_kv = min(bs, CONFIG["kv_bn"])
     grid = (hkv * blocks.num_blocks_bound * (bs // bn_kv),)
-    if CONFIG["skip"] == "dkdv" and not fused:
+    if CONFIG["skip"] == "dkdv":
         return dq, dk, dv
-    warps = CONFIG["fused_warps" if fused else "kv_warps"] if d == 128 else 4
+    warps = CONFIG["kv_warps"] if d == 128 else 4
     _dkdv_kernel[grid](
         q_, k_, v_, do_, lse_, delta, dk, dv,
         csr.offsets, csr.tokens, csr.order, blocks.block_doc, blocks.block_local,
@@ -453,10 +418,7 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         do_.stride(0), do_.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         lse_.stride(0),
         blocks.num_blocks_bound, scale, scale * LOG2E,
-        dq32, dq32.stride(0), dq32.stride(1) if fused else 0,
-        G=grp, GP=gp, QT=qt, BS=bs, BN=bn_kv, D=d, FP32_DOT=INTERPRET, DQ_ATOMIC=fused,
+        G=grp, GP=gp, QT=qt, BS=bs, BN=bn_kv, D=d, FP32_DOT=INTERPRET,
         num_warps=warps, num_stages=CONFIG["kv_stages"],
     )
-    if fused:
-        dq.copy_(dq32)
     return dq, dk, dv

@@ -25,19 +25,10 @@ from nemo_msa.attention.triton_fwd import triton_attention_forward
 TOL = 1e-2  # bf16 operands: MSA_SPEC.md's bound on ||x - ref|| / ||ref||
 
 
-def _run_case(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own=False, repeat=False,
-              dq_atomic=False):
+def _run_case(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own=False, repeat=False):
     """Forward and backward against float64; ``repeat`` also asks a bitwise-equal second
-    backward (only the atomic-free path promises that, so not with ``dq_atomic``)."""
-    import nemo_msa.attention.triton_bwd as tb
-
-    previous = tb.CONFIG["dq_atomic"]
-    tb.CONFIG["dq_atomic"] = dq_atomic
-    try:
-        _run_case_with_config(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own,
-                              repeat and not dq_atomic)
-    finally:
-        tb.CONFIG["dq_atomic"] = previous
+    backward (the backward has no atomics)."""
+    _run_case_with_config(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own, repeat)
 
 
 def _run_case_with_config(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own, repeat):
@@ -400,43 +391,3 @@ def test_tile_unions_are_the_same_in_chunks_and_by_kernel(monkeypatch):
             assert n == len(want) and union[g, tile, :n].tolist() == want
 
 
-@pytest.mark.parametrize("rows,seq_len,bs,hq,hkv,d,top_k", [
-    ([[1, 32, 21], [16, 3]], 60, 16, 4, 2, 16, 3),
-    ([[70, 9]], 80, 16, 16, 1, 32, 3),
-    ([[64, 31]], 100, 32, 2, 1, 64, 2),
-])
-def test_fused_atomic_dq_matches_reference(rows, seq_len, bs, hq, hkv, d, top_k):
-    """The fast backward (dk/dv kernel adds dq with fp32 atomics) against float64."""
-    _run_case(rows, seq_len, bs, hq, hkv, d, top_k, seed=seq_len * 7 + d, drop_own=True,
-              dq_atomic=True)
-
-
-def test_deterministic_mode_never_takes_the_atomic_path(monkeypatch):
-    """Under torch.use_deterministic_algorithms(True) the backward must not run the atomic dq
-    path, even when it is switched on; outside it, that path is the one taken."""
-    import nemo_msa.attention.triton_bwd as tb
-
-    class Forbidden:
-        def __getitem__(self, grid):
-            raise AssertionError("the atomic dq path ran")
-
-    monkeypatch.setitem(tb.CONFIG, "dq_atomic", True)
-    monkeypatch.setattr(tb, "_delta_kernel", Forbidden())
-    gen = torch.Generator().manual_seed(4)
-    msa = make_layout([[40]], 40, 16)
-    q, k, v, do = (torch.randn((40, h, 16), generator=gen).to(torch.bfloat16)
-                   for h in (2, 1, 1, 2))
-    q2k = random_q2k(msa, 1, 2, 16, gen)
-    args = on_kernel_device(do, q, k, v)
-    out, lse = triton_attention_forward(*args[1:], on_kernel_device(q2k),
-                                        layout_on_kernel_device(msa), 0.25, block_size=16)
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        triton_attention_backward(*args, out, lse, on_kernel_device(q2k),
-                                  layout_on_kernel_device(msa), 0.25, block_size=16)
-    finally:
-        torch.use_deterministic_algorithms(previous)
-    with pytest.raises(AssertionError, match="atomic dq path ran"):
-        triton_attention_backward(*args, out, lse, on_kernel_device(q2k),
-                                  layout_on_kernel_device(msa), 0.25, block_size=16)
