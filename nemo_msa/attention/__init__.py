@@ -15,6 +15,7 @@ from nemo_msa.attention.dense import (
     dense_document_attention,
     dense_document_attention_per_document,
     dense_document_attention_rows,
+    validate_qkv,
 )
 from nemo_msa.backends import MSABackend, resolve_backend
 from nemo_msa.layout import MSAMicrobatch
@@ -46,27 +47,11 @@ def validate_attention_inputs(
         ValueError: a dtype other than bf16 (when required), or shapes that disagree; the
             message names the tensors and their shapes.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if require_bf16 and x.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be torch.bfloat16; got {x.dtype}")
-        if x.dim() != 3:
-            raise ValueError(f"{name} must be [tokens, heads, dim]; got shape {tuple(x.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
-    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on tokens or head dim"
-        )
-    if q.shape[0] != msa.num_tokens:
-        raise ValueError(
-            f"q has {q.shape[0]} tokens but the layout has num_tokens={msa.num_tokens}"
-        )
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(
-            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
-        )
+    if require_bf16:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.dtype != torch.bfloat16:
+                raise ValueError(f"{name} must be torch.bfloat16; got {x.dtype}")
+    validate_qkv(q, k, v, msa)
     if q2k.dtype != torch.int32 or q2k.dim() != 3:
         raise ValueError(
             f"q2k must be int32 [kv_heads, tokens, top_k]; got {q2k.dtype} {tuple(q2k.shape)}"

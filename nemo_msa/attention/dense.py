@@ -37,6 +37,7 @@ __all__ = [
     "document_causal_row_mask",
     "document_runs",
     "padded_length",
+    "validate_qkv",
 ]
 
 # The SDPA kernels of the GPU path, in order of preference (cuDNN was about 1.65x faster than
@@ -192,7 +193,7 @@ def dense_document_attention_per_document(
     Raises:
         ValueError: shapes that disagree with each other or with the layout.
     """
-    _check_inputs(q, k, v, msa)
+    validate_qkv(q, k, v, msa)
     heads_q, heads_kv, dim = q.shape[1], k.shape[1], q.shape[2]
     outputs = []
     with _backend_preference(backends):
@@ -265,7 +266,7 @@ def dense_document_attention_rows(
     Raises:
         ValueError: shapes that disagree with each other or with the layout.
     """
-    _check_inputs(q, k, v, msa)
+    validate_qkv(q, k, v, msa)
     group = q.shape[1] // k.shape[1]
     # [T, H, d] -> [b, H, s, d]; query head hq reads KV head hq // group (Megatron's order).
     qb = msa.unpack(q).permute(0, 2, 1, 3)
@@ -305,7 +306,15 @@ def dense_document_attention(
     return dense_document_attention_rows(q, k, v, msa, softmax_scale)
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, msa: MSAMicrobatch) -> None:
+def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, msa: MSAMicrobatch) -> None:
+    """The checks every attention entry makes of q [T, Hq, d], k and v [T, Hkv, d] against each
+    other and the layout (dense here; :func:`nemo_msa.attention.validate_attention_inputs` adds
+    the sparse op's dtype and q2k checks).
+
+    Raises:
+        ValueError: a rank other than 3, shapes that disagree, a head count that is not a
+            multiple, tokens other than the layout's, or dtypes that differ; names the tensors.
+    """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, dim]; got shape {tuple(x.shape)}")
