@@ -295,6 +295,23 @@ def profile_top(fn, on_gpu: bool, top: int) -> list[dict]:
     return rows[:top]
 
 
+def run_row(bench, args, on_gpu: bool, row: dict, key: str) -> bool:
+    """:func:`run_timed`, with a failure recorded in ``row`` instead of raised (``status``
+    ``oom`` or ``error`` and a ``note``) and the memory freed, so the run goes on.
+
+    Returns:
+        True when the row failed.
+    """
+    try:
+        run_timed(bench, args, on_gpu, row, key)
+        return False
+    except Exception as error:  # OOM is reported; anything else too, and the run goes on
+        row.update(status="oom" if is_oom(error) else "error",
+                   note=f"{type(error).__name__}: {str(error)[:300]}")
+        free_memory(on_gpu)
+        return True
+
+
 def run_timed(bench, args, on_gpu: bool, row: dict, key: str) -> None:
     """Warm-up, the too-slow check, timed steps (median), peak memory and the optional profile.
 
@@ -611,14 +628,8 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(status="skipped", note=f"{blocked} at a smaller size")
                 report(row)
                 continue
-            failure = None
-            try:
-                run_timed(layer_step(model, shape, tokens, device), args, on_gpu, row, "step_ms")
-            except Exception as error:  # OOM is reported; anything else too, and the run goes on
-                failure = ("oom" if is_oom(error) else "error", f"{type(error).__name__}: "
-                           f"{str(error)[:300]}")
-            if failure is not None:
-                row.update(status=failure[0], note=failure[1], peak_gib=peak_gib(on_gpu))
+            if run_row(layer_step(model, shape, tokens, device), args, on_gpu, row, "step_ms"):
+                row["peak_gib"] = peak_gib(on_gpu)
                 model.zero_grad(set_to_none=True)
                 free_memory(on_gpu)
             if row["status"] in ("oom", "too_slow"):
@@ -636,16 +647,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"tokens": tokens, "case": name, "fwdbwd_ms": None, "peak_gib": None,
                        "kernel": ("nemo_msa dense_document_attention" if name == "dense_attention"
                                   else "SDPA cuDNN" if on_gpu else "SDPA math (CPU)")}
-                failure = None
-                try:
-                    run_timed(attention_step(name, shape, tokens, device, dtype), args, on_gpu,
-                              row, "fwdbwd_ms")
-                except Exception as error:
-                    failure = ("oom" if is_oom(error) else "error",
-                               f"{type(error).__name__}: {str(error)[:300]}")
-                if failure is not None:
-                    row.update(status=failure[0], note=failure[1])
-                    free_memory(on_gpu)
+                run_row(attention_step(name, shape, tokens, device, dtype), args, on_gpu, row,
+                        "fwdbwd_ms")
                 report(row)
             if packed is None:
                 continue
@@ -657,17 +660,9 @@ def main(argv: list[str] | None = None) -> int:
                                   else "SDPA cuDNN per document"),
                        "document_lengths": list(packed)}
                 stats: dict = {}
-                failure = None
-                try:
-                    run_timed(packed_attention_step(shape, tokens, packed, device, dtype, stats,
-                                                    kernel, case.endswith("_fresh")),
-                              args, on_gpu, row, "fwdbwd_ms")
-                except Exception as error:
-                    failure = ("oom" if is_oom(error) else "error",
-                               f"{type(error).__name__}: {str(error)[:300]}")
-                if failure is not None:
-                    row.update(status=failure[0], note=failure[1])
-                    free_memory(on_gpu)
+                run_row(packed_attention_step(shape, tokens, packed, device, dtype, stats,
+                                              kernel, case.endswith("_fresh")),
+                        args, on_gpu, row, "fwdbwd_ms")
                 if stats:
                     row["documents_mean"] = statistics.mean(stats["documents"])
                     row["causal_pairs_vs_one_document"] = statistics.mean(stats["pairs"])
