@@ -30,19 +30,6 @@ from nemo_msa.attention.naive import (
 from nemo_msa.selection.naive import select_blocks_reference
 
 
-@pytest.fixture
-def fake_flashinfer(monkeypatch):
-    """Installs the double at the adapter's import point; returns the list of its calls."""
-    calls = []
-
-    def recording(*args, **kwargs):
-        calls.append((args, kwargs))
-        return flashinfer_double.msa_sparse_attention(*args, **kwargs)
-
-    monkeypatch.setattr(fa, "load_msa_sparse_attention", lambda: recording)
-    return calls
-
-
 def _inputs(msa, hq, hkv, d=128, seed=0):
     g = torch.Generator().manual_seed(seed)
     t = msa.num_tokens

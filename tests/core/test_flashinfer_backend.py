@@ -50,19 +50,6 @@ requires_sm100 = pytest.mark.skipif(
 
 
 @pytest.fixture
-def fake_flashinfer(monkeypatch):
-    """The double at the adapter's import point; returns the list of its calls."""
-    calls = []
-
-    def recording(*args, **kwargs):
-        calls.append((args, kwargs))
-        return flashinfer_double.msa_sparse_attention(*args, **kwargs)
-
-    monkeypatch.setattr(fa, "load_msa_sparse_attention", lambda: recording)
-    return calls
-
-
-@pytest.fixture
 def flashinfer_here(monkeypatch, fake_flashinfer):
     """The flashinfer backend, available on this device, in a private copy of the registry."""
     monkeypatch.delenv(ENV_VAR, raising=False)
