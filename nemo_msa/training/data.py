@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nemo_msa.training.recipe import DatasetConfig, GPTModelArgs, RecipeError
+from nemo_msa.training.recipe_fields import RecipeError
+from nemo_msa.training.recipe_schema import DatasetConfig, GPTModelArgs
 
 logger = logging.getLogger(__name__)
 

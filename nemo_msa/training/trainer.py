@@ -34,7 +34,8 @@ from nemo_msa.training.checkpoint import (
     save_checkpoint,
 )
 from nemo_msa.training.data import MicrobatchSource, build_train_dataset, eod_token_id
-from nemo_msa.training.recipe import Recipe, RecipeError, check_parallel_layout, config_values
+from nemo_msa.training.recipe import Recipe, RecipeError, check_parallel_layout
+from nemo_msa.training.recipe_schema import config_values
 from nemo_msa.training.ux import (
     MetricsLog,
     Progress,
@@ -157,7 +158,7 @@ def build_config(recipe: Recipe, ctx: RunContext):
 
 def msa_hooks_config_class():
     """The config class for the model section (MSA when available)."""
-    from nemo_msa.training.recipe import transformer_config_class
+    from nemo_msa.training.recipe_schema import transformer_config_class
 
     return transformer_config_class()
 
