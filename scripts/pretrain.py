@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _quiet_third_party()
 
-    from nemo_msa.training.checkpoint import CheckpointError
+    from nemo_msa.training.checkpoint_integrity import CheckpointError
     from nemo_msa.training.recipe import RecipeError, load_recipe
     from nemo_msa.training.trainer import pretrain, teardown
 

@@ -1,26 +1,12 @@
-"""Checkpoint save/resume with Megatron dist-checkpointing, made atomic.
+"""Checkpoint save and resume with Megatron dist-checkpointing, made atomic.
 
-Layout of ``checkpoint.save``::
-
-    iter_0000020/                  finished checkpoints (dist-checkpointing format)
-    latest_checkpointed_iteration.txt   the iteration of the newest finished checkpoint
-    iter_0000030.partial/          a save in progress (or one that was interrupted)
-
-A save writes into ``iter_N.partial`` and only after every rank has finished (barrier) does
-rank 0 rename it to ``iter_N`` and then replace the pointer file (write a temp file, fsync,
+A save writes into ``iter_N.partial`` and only after every rank has finished (barrier) and the
+manifest is written (:func:`nemo_msa.training.checkpoint_integrity.write_manifest`) does rank 0
+rename it to ``iter_N`` and then replace the pointer file (write a temp file, fsync,
 ``os.replace``). A crash at any point leaves either the old pointer or a complete new checkpoint;
-a stale ``.partial`` directory is never read and is removed by the next save. Resume starts
-from the pointer, so it cannot pick up a half-written directory.
-
-Integrity: before the rename, every rank hashes the files it wrote (SHA-256, streamed in
-8 MiB reads) and rank 0 writes ``manifest.json`` (size and digest of every file) into the
-``.partial`` directory, fsynced. Resume verifies the chosen checkpoint against it (the ranks
-split the files between them), so a changed, truncated or deleted file is an error naming the
-file and the newest intact other checkpoint instead of a silent resume from damaged tensors;
-``checkpoint.fallback=true`` resumes from that one. A missing pointer beside finished
-``iter_*`` directories is the same kind of error (never a silent restart that would overwrite
-them). Cost: one extra read of the checkpoint at save and at load, about 1 GB/s per rank with
-SHA-256 on one core (measured on the CPU machine), divided over the ranks; ADR 0013.
+a stale ``.partial`` directory is never read and is removed by the next save. Which directories
+are finished or intact, and which one a run resumes from, is decided in
+:mod:`nemo_msa.training.checkpoint_integrity`.
 
 Contents: the model chunks (``model`` or ``model0``, ``model1``, ... with virtual pipelining, as
 Megatron-LM names them), the optimizer (sharded from the model's state dict, so it reshards with
@@ -30,39 +16,37 @@ training state (iteration, consumed samples, the loss history for the plot, the 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import random
-import re
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
+from nemo_msa.training.checkpoint_integrity import (
+    POINTER,
+    CheckpointError,
+    checkpoint_name,
+    find_resume_iteration,
+    write_manifest,
+)
+
 logger = logging.getLogger(__name__)
+
 
 #: What Megatron's loading raises on a bad checkpoint; torch's CheckpointException is a
 #: BaseException, which ``except Exception`` would let through.
 _LOAD_ERRORS = (Exception, CheckpointException)
-
-POINTER = "latest_checkpointed_iteration.txt"
-#: Size and SHA-256 of every other file of a checkpoint directory, written last by the save.
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
-_READ_BYTES = 8 << 20
-_ITER_DIR = re.compile(r"iter_(\d{7})")
-_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be resumed from; the message names the path and what to do."""
 
 
 @dataclass
@@ -75,276 +59,7 @@ class TrainState:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
-def checkpoint_name(root: str | os.PathLike, iteration: int) -> Path:
-    """The directory of the finished checkpoint of ``iteration``."""
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def latest_iteration(root: str | os.PathLike | None) -> int | None:
-    """The iteration named by the pointer file, or None when there is no finished checkpoint.
-
-    Raises:
-        RuntimeError: the pointer names a directory that does not exist or lacks
-            dist-checkpointing's metadata (the checkpoint root was tampered with).
-    """
-    if root is None:
-        return None
-    pointer = Path(root) / POINTER
-    if not pointer.is_file():
-        return None
-    text = pointer.read_text().strip()
-    try:
-        iteration = int(text)
-    except ValueError as err:
-        raise RuntimeError(
-            f"checkpoint pointer {pointer} holds {text!r}, not an iteration"
-        ) from err
-    ckpt = checkpoint_name(root, iteration)
-    if not (ckpt / "metadata.json").is_file():
-        raise RuntimeError(
-            f"checkpoint pointer {pointer} names iteration {iteration}, but {ckpt} is missing or "
-            "has no metadata.json (expected a finished dist-checkpointing directory)"
-        )
-    return iteration
-
-
-def finished_iterations(root: str | os.PathLike) -> list[int]:
-    """Iterations of the ``iter_NNNNNNN`` directories under ``root``, ascending.
-
-    ``.partial`` and ``.old`` directories (a save in progress or interrupted) are not listed.
-    """
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _ITER_DIR.fullmatch(p.name)
-        if m and p.is_dir():
-            found.append(int(m.group(1)))
-    return sorted(found)
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (a list of one without a process group)."""
-    rank, world = _rank_and_world()
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def _from_rank0(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    if _rank_and_world()[1] == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _owner(name: str, index: int, world: int) -> int:
-    """The rank that hashes a file: its writer for ``__R_I.distcp`` files, else round-robin."""
-    m = _RANK_FILE.search(name)
-    if m and int(m.group(1)) < world:
-        return int(m.group(1))
-    return index % world
-
-
-def file_digest(path: str | os.PathLike) -> tuple[int, str]:
-    """Size in bytes and SHA-256 hex digest of a file, streamed in 8 MiB reads.
-
-    Cost: one sequential read of the file; SHA-256 runs at about 1 GB/s on one core of the CPU
-    machine (hashlib, SHA extensions), so a rank's shard of N GB costs about N seconds.
-    """
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_READ_BYTES):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
-
-
-def write_manifest(directory: str | os.PathLike, iteration: int) -> Path:
-    """Hash every file of a just-written checkpoint directory and write its manifest; collective.
-
-    Rank 0 lists the directory (after the save's barrier every rank's files are there), each
-    rank hashes the files it wrote (the others go round-robin), and rank 0 writes
-    ``manifest.json`` with fsync. Call before the directory is renamed to its final name.
-
-    Returns:
-        The manifest's path.
-    """
-    directory = Path(directory)
-    rank, world = _rank_and_world()
-    names = _from_rank0(sorted(p.name for p in directory.iterdir()
-                               if p.is_file() and p.name != MANIFEST) if rank == 0 else None)
-    mine = {}
-    for i, name in enumerate(names):
-        if _owner(name, i, world) == rank:
-            size, digest = file_digest(directory / name)
-            mine[name] = {"size": size, "sha256": digest}
-    files: dict[str, Any] = {}
-    for part in _all_gather(mine):
-        files.update(part)
-    path = directory / MANIFEST
-    if rank == 0:
-        body = {"format": MANIFEST_FORMAT, "iteration": iteration, "algorithm": "sha256",
-                "files": dict(sorted(files.items()))}
-        with open(path, "w") as fh:
-            json.dump(body, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-    return path
-
-
-def _read_manifest(directory: Path) -> tuple[dict | None, str | None]:
-    path = directory / MANIFEST
-    if not directory.is_dir():
-        return None, f"{directory} is missing"
-    if not path.is_file():
-        return None, (f"{path} is missing (every checkpoint this code saves has one; one saved "
-                      "without it can be loaded unverified with checkpoint.verify=false)")
-    try:
-        body = json.loads(path.read_text())
-        files = body["files"]
-        if body.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
-            raise ValueError(f"format {body.get('format')!r}")
-        for entry in files.values():
-            int(entry["size"]), str(entry["sha256"])
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
-        return None, f"{path} is unreadable ({type(err).__name__}: {err})"
-    return body, None
-
-
-def verify_checkpoint(directory: str | os.PathLike) -> list[str]:
-    """Check a checkpoint directory against its manifest; collective, same answer on every rank.
-
-    The ranks split the files (as :func:`write_manifest` does) and compare size, then SHA-256.
-    Cost: one read of the checkpoint, spread over the ranks (about 1 GB/s per rank).
-
-    Returns:
-        One line per problem (``PATH: what is wrong``), empty when the checkpoint is intact.
-    """
-    directory = Path(directory)
-    rank, world = _rank_and_world()
-    manifest, problem = _from_rank0(_read_manifest(directory) if rank == 0 else None)
-    if problem is not None:
-        return [problem]
-    mine = []
-    for i, (name, entry) in enumerate(sorted(manifest["files"].items())):
-        if _owner(name, i, world) != rank:
-            continue
-        path = directory / name
-        if not path.is_file():
-            mine.append(f"{path}: missing (the manifest lists it with {entry['size']} bytes)")
-            continue
-        size = path.stat().st_size
-        if size != entry["size"]:
-            mine.append(f"{path}: {size} bytes, the manifest says {entry['size']} "
-                        f"({'truncated' if size < entry['size'] else 'grown'} after the save)")
-            continue
-        if file_digest(path)[1] != entry["sha256"]:
-            mine.append(f"{path}: contents changed after the save (SHA-256 differs from the "
-                        "manifest; same size)")
-    return sorted(p for part in _all_gather(mine) for p in part)
-
-
-def _problems(directory: Path, verify: bool) -> list[str]:
-    """Problems of a checkpoint directory, empty when intact (collective): the manifest's, or
-    without ``verify`` only whether dist-checkpointing's metadata.json exists (rank 0 looks)."""
-    if verify:
-        return verify_checkpoint(directory)
-    problems = None
-    if _rank_and_world()[0] == 0:
-        problems = ([] if (directory / "metadata.json").is_file()
-                    else [f"{directory} is missing or has no metadata.json"])
-    return _from_rank0(problems)
-
-
-def find_resume_iteration(root: str | os.PathLike | None, *, fallback: bool = False,
-                          verify: bool = True) -> int | None:
-    """Choose the checkpoint to resume from, refusing damaged ones; collective.
-
-    The pointer file names the newest finished checkpoint; it is verified against its manifest
-    (``verify``). A missing pointer beside finished ``iter_*`` directories, a pointer that is
-    unreadable or names a missing directory, and a damaged checkpoint are errors that name the
-    problem and the newest intact other checkpoint. With ``fallback`` the run resumes from that
-    one instead (with a warning on stderr).
-
-    Args:
-        root: the checkpoint directory (``checkpoint.load`` or ``checkpoint.save``).
-        fallback: resume from the newest intact checkpoint when the pointer's one is unusable.
-        verify: check files against the manifest (false: only that metadata.json exists).
-
-    Returns:
-        The iteration to load, or None when ``root`` holds no checkpoint at all (a fresh start).
-
-    Raises:
-        CheckpointError: no usable checkpoint by the pointer and no fallback taken.
-    """
-    if root is None:
-        return None
-    root = Path(root)
-    pointer = root / POINTER
-    # Rank 0 reads the directory and the pointer for everyone, so that every rank takes the
-    # same branch (and calls the same collectives) even on a file system whose listings lag.
-    listing = None
-    if _rank_and_world()[0] == 0:
-        listing = (finished_iterations(root),
-                   pointer.read_text(errors="replace").strip() if pointer.is_file() else None)
-    finished, text = _from_rank0(listing)
-    target: int | None = None
-    if text is None:
-        if not finished:
-            return None
-        names = ", ".join(checkpoint_name(root, i).name for i in finished)
-        problem = (f"{pointer} is missing but {root} holds finished checkpoints ({names}); "
-                   "starting from iteration 0 would overwrite them")
-    else:
-        try:
-            target = int(text)
-        except ValueError:
-            problem = f"checkpoint pointer {pointer} holds {text!r}, not an iteration"
-        else:
-            bad = _problems(checkpoint_name(root, target), verify)
-            if not bad:
-                return target
-            more = f" (and {len(bad) - 1} more problems)" if len(bad) > 1 else ""
-            problem = (f"the newest checkpoint (iteration {target}, named by {pointer}) is "
-                       f"damaged or incomplete: {bad[0]}{more}")
-    intact = None
-    for it in reversed(finished):
-        if it != target and not _problems(checkpoint_name(root, it), verify):
-            intact = it
-            break
-    if intact is not None and fallback:
-        if _rank_and_world()[0] == 0:
-            print(f"warning: {problem}. checkpoint.fallback=true: resuming from "
-                  f"{checkpoint_name(root, intact)}", file=sys.stderr, flush=True)
-        return intact
-    if intact is not None:
-        advice = (f"The newest intact checkpoint is {checkpoint_name(root, intact)}: pass "
-                  "checkpoint.fallback=true to resume from it")
-    else:
-        advice = f"No other intact checkpoint is in {root}"
-    moved = "the iter_* directories" if text is None else "the damaged directories"
-    advice += f", or move {moved} away (or set another checkpoint.save) to start from scratch"
-    if target is None and intact is not None:
-        advice += f", or restore {pointer} (it holds the iteration number)"
-    raise CheckpointError(f"cannot resume: {problem}. {advice}.")
-
-
 def _rng_state() -> dict[str, Any]:
-    from megatron.core import tensor_parallel
-
     state = {
         "random": random.getstate(),
         "np": np.random.get_state(),
@@ -357,8 +72,6 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
     random.setstate(state["random"])
     np.random.set_state(state["np"])
     torch.set_rng_state(state["torch"])
@@ -368,25 +81,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _layout() -> tuple[int, int, int, int]:
-    from megatron.core import parallel_state as ps
-
     return (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
             ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
 
 
 def _unwrap(model_chunks) -> list:
     """The GPT modules inside DDP / Float16Module, whose keys match Megatron-LM checkpoints."""
-    from megatron.core.utils import unwrap_model
-
     return [unwrap_model(m) for m in model_chunks]
 
 
 def sharded_state_dict(model_chunks, optimizer, scheduler, state: TrainState | None,
                        recipe: dict | None, is_loading: bool) -> dict[str, Any]:
     """Build the dist-checkpointing state dict of the whole training state on this rank."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
     model_chunks = _unwrap(model_chunks)
 
     sd: dict[str, Any] = {}
@@ -430,8 +136,6 @@ def _ensure_memory_probe() -> None:
     log line, but raises when psutil (not a megatron-core dependency) is missing, which fails
     every save. Without psutil we hand it a /proc reader; with psutil nothing changes.
     """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     if not getattr(filesystem_async, "HAVE_PSUTIL", True):
         filesystem_async._process_memory = _rss_bytes
 
@@ -458,8 +162,6 @@ def save_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
     Returns:
         The finished checkpoint directory.
     """
-    from megatron.core import dist_checkpointing
-
     _ensure_memory_probe()
     root = Path(root)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -602,8 +304,6 @@ def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
         ValueError: the recipe's schedule differs from the checkpoint's and no scheduler flag
             says which to use.
     """
-    from megatron.core import dist_checkpointing
-
     if iteration is None:
         iteration = find_resume_iteration(root)
     if iteration is None:

@@ -27,12 +27,8 @@ import torch
 
 from nemo_msa.megatron.microbatch import SharedMicrobatchIterators
 from nemo_msa.training import msa_hooks
-from nemo_msa.training.checkpoint import (
-    TrainState,
-    find_resume_iteration,
-    load_checkpoint,
-    save_checkpoint,
-)
+from nemo_msa.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from nemo_msa.training.checkpoint_integrity import find_resume_iteration
 from nemo_msa.training.data import MicrobatchSource, build_train_dataset, eod_token_id
 from nemo_msa.training.recipe import Recipe, RecipeError, check_parallel_layout
 from nemo_msa.training.recipe_schema import config_values

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from nemo_msa.training.checkpoint import POINTER
+from nemo_msa.training.checkpoint_integrity import POINTER
 from nemo_msa.training.recipe import load_recipe
 from nemo_msa.training.trainer import pretrain, teardown
 

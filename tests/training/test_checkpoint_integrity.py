@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from _runs import REFERENCE, SMALL, copy_checkpoint, losses, train
 
-from nemo_msa.training.checkpoint import (
+from nemo_msa.training.checkpoint_integrity import (
     MANIFEST,
     POINTER,
     CheckpointError,

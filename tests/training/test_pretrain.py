@@ -19,7 +19,12 @@ import pytest
 import torch
 from _runs import SMALL, copy_checkpoint, losses, train
 
-from nemo_msa.training.checkpoint import MANIFEST, POINTER, latest_iteration, verify_checkpoint
+from nemo_msa.training.checkpoint_integrity import (
+    MANIFEST,
+    POINTER,
+    latest_iteration,
+    verify_checkpoint,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 

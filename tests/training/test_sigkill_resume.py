@@ -20,7 +20,11 @@ from pathlib import Path
 import pytest
 from _runs import REFERENCE, SMALL, losses, train
 
-from nemo_msa.training.checkpoint import finished_iterations, latest_iteration, verify_checkpoint
+from nemo_msa.training.checkpoint_integrity import (
+    finished_iterations,
+    latest_iteration,
+    verify_checkpoint,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
