@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _quiet_third_party()
 
+    # Imported only now: the package imports Megatron, whose import-time warnings the filters
+    # above must already catch.
     from nemo_msa.training.checkpoint_integrity import CheckpointError
     from nemo_msa.training.recipe import RecipeError, load_recipe
     from nemo_msa.training.trainer import pretrain, teardown

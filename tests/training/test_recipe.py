@@ -38,7 +38,8 @@ def test_default_recipe_is_msa_tiny_and_overrides_apply():
 def test_shipped_recipes_make_valid_msa_configs(name):
     import torch
 
-    from nemo_msa.training.trainer import RunContext, build_config
+    from nemo_msa.training.build import build_config
+    from nemo_msa.training.setup import RunContext
 
     recipe = load_recipe(RECIPES_DIR / name)
     # As on a GPU node (no CPU restrictions): the config class validates every field.
@@ -59,7 +60,8 @@ def test_shipped_recipes_make_valid_msa_configs(name):
 def test_cpu_refuses_what_megatron_cannot_run_there():
     import torch
 
-    from nemo_msa.training.trainer import RunContext, build_config
+    from nemo_msa.training.build import build_config
+    from nemo_msa.training.setup import RunContext
 
     cpu = RunContext(0, 1, torch.device("cpu"), True, False)
     with pytest.raises(RecipeError, match=r"'model.bf16' = True: expected false on the CPU"):

@@ -1,0 +1,183 @@
+"""The step loop: forward/backward by Megatron's schedule, optimizer step, metrics, checkpoints.
+
+:func:`run_steps` runs ``get_forward_backward_func()`` (no pipelining, 1F1B or interleaved, as
+the layout asks) one global batch at a time, with the MSA phase switch before each step; after
+each step it reduces the LM loss over the microbatches and data-parallel ranks, writes the
+metrics log, moves the progress bar and saves a checkpoint at the save interval.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from nemo_msa.megatron.microbatch import SharedMicrobatchIterators
+from nemo_msa.training import msa_hooks
+from nemo_msa.training.build import TrainingObjects
+from nemo_msa.training.checkpoint import TrainState, save_checkpoint
+from nemo_msa.training.data import MicrobatchSource
+from nemo_msa.training.recipe import Recipe
+from nemo_msa.training.setup import RunContext
+from nemo_msa.training.ux import MetricsLog, Progress, StepTimer
+
+
+@dataclass
+class LoopResult:
+    """How the loop ended (the training state itself is updated in place)."""
+
+    #: The MSA phase of the last step ("n/a" when no step ran).
+    phase: str
+    #: The iteration of the newest checkpoint this run saved or resumed from (None: neither).
+    last_saved: int | None
+    #: Seconds from the first step to the end of the final save.
+    elapsed: float
+
+
+def _hold_main_parameters(optimizer) -> None:
+    """Zero the lr and weight decay of every non-indexer group for this step only.
+
+    With lr = 0 Adam's update and the decoupled weight decay are exactly zero, so the main
+    model stays bit-for-bit unchanged while its moment estimates still accumulate; the scheduler
+    rewrites every group's lr and weight decay after the step, so nothing needs undoing.
+    """
+    for group in optimizer.param_groups:
+        if not group.get("msa_indexer", False):
+            group["lr"] = 0.0
+            group["weight_decay"] = 0.0
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token LM loss in Megatron's 3-tuple form (sum, token count, reporting)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach(), num_tokens.detach().float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def _forward_step(config, data_iterator, model):
+    mb = next(data_iterator)
+    output = model(mb.tokens, mb.position_ids, labels=mb.labels,
+                   **msa_hooks.model_forward_kwargs(config, mb.packed_seq_ids))
+    return output, partial(_loss_func, mb.loss_mask)
+
+
+def _reduce_step_losses(losses: list[dict], device) -> dict[str, float]:
+    """Sum the LM loss over microbatches and DP ranks; make it known to every rank (collective).
+
+    Only the last pipeline stage has the losses; tensor-parallel ranks hold copies. The sum goes
+    over the whole world with non-owners contributing zeros, which needs no pipeline broadcast.
+    """
+    owner = (ps.is_pipeline_last_stage(ignore_virtual=True)
+             and ps.get_tensor_model_parallel_rank() == 0)
+    buf = torch.zeros(2, dtype=torch.float64, device=device)
+    if owner:
+        for d in losses:
+            buf += d["lm loss"].to(buf)
+    torch.distributed.all_reduce(buf)
+    return {"loss": float(buf[0] / buf[1].clamp(min=1)), "tokens_in_loss": float(buf[1])}
+
+
+def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: MicrobatchSource,
+              state: TrainState, resumed_from: int | None, out_dir: Path) -> LoopResult:
+    """Train from ``state.iteration`` to the end of the schedule (or ``train.exit_interval``).
+
+    ``state`` advances in place (iteration, consumed samples, one history entry per step). A
+    checkpoint is saved every ``checkpoint.save_interval`` steps and once at the end when the
+    last step is not saved yet.
+
+    Raises:
+        FloatingPointError: the loss is not finite (naming the last intact checkpoint).
+    """
+    config, chunks, optimizer, scheduler = objs.config, objs.chunks, objs.optimizer, objs.scheduler
+    train, ck = recipe.train, recipe.checkpoint
+    forward_backward = get_forward_backward_func()
+    is_rank0 = ctx.rank == 0
+    metrics_log = MetricsLog(out_dir, state.iteration) if is_rank0 else None
+    progress = Progress(train.train_iters, state.iteration,
+                        recipe.logger.progress_bar, recipe.logger.log_interval, is_rank0)
+    stop_at = train.train_iters
+    if train.exit_interval:
+        stop_at = min(stop_at, state.iteration + train.exit_interval)
+    tokens_per_step = train.global_batch_size * recipe.gpt.seq_length
+    timer = StepTimer()
+    t_start = time.perf_counter()
+    last_saved = resumed_from
+    phase = "n/a"
+    for m in chunks:
+        m.train()
+    while state.iteration < stop_at:
+        phase = msa_hooks.set_training_phase(config, state.iteration)
+        for m in chunks:
+            m.zero_grad_buffer()
+        optimizer.zero_grad()
+        # Every chunk of the interleaved schedule gets the very same microbatch objects (already
+        # on the device), so the MSA layout built from packed_seq_ids is shared by all chunks.
+        builds_before = msa_hooks.layout_builds()
+        shared = SharedMicrobatchIterators(iter(source.step_microbatches()), len(chunks))
+        iterators = shared.iterators()
+        losses = forward_backward(
+            forward_step_func=partial(_forward_step, config),
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=source.num_microbatches,
+            seq_length=recipe.gpt.seq_length,
+            micro_batch_size=train.micro_batch_size,
+            decoder_seq_length=recipe.gpt.seq_length,
+            forward_only=False,
+        )
+        if phase == "dense-warmup" and train.freeze_main_during_warmup:
+            _hold_main_parameters(optimizer)
+        ok, grad_norm, _ = optimizer.step()
+        scheduler.step(increment=1)
+        state.iteration += 1
+        state.consumed_samples = source.consumed_samples
+        dt = timer.lap()
+        metrics = _reduce_step_losses(losses, ctx.device)
+        metrics.update(msa_hooks.pop_step_metrics(config))
+        if msa_hooks.is_msa_config(config):
+            # This rank's MSA layouts per microbatch: 1.0 when every layer and every virtual
+            # pipeline chunk shared the microbatch's layout (the per-microbatch cache works).
+            metrics["layouts_per_microbatch"] = (
+                (msa_hooks.layout_builds() - builds_before) / source.num_microbatches)
+        metrics.update({
+            "iteration": state.iteration,
+            "lr": float(scheduler.get_lr(optimizer.param_groups[0])),
+            "step_time_s": dt,
+            "tokens_per_s": tokens_per_step / max(dt, 1e-9),
+            "phase": phase,
+            "skipped": not ok,
+        })
+        if grad_norm is not None:
+            metrics["grad_norm"] = float(grad_norm)
+        if not math.isfinite(metrics["loss"]):
+            raise FloatingPointError(
+                f"loss is {metrics['loss']} at iteration {state.iteration}; the last finished "
+                f"checkpoint ({last_saved}) is intact"
+            )
+        state.history.append({k: v for k, v in metrics.items()
+                              if k in ("iteration", "loss", "indexer_loss", "recall", "lr")})
+        if is_rank0:
+            metrics_log.write(metrics)
+        progress.update(metrics)
+        if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
+            save_checkpoint(ck.save, chunks, optimizer, scheduler, state, recipe.resolved,
+                            ck.keep_last)
+            last_saved = state.iteration
+    progress.close()
+    if ck.save and last_saved != state.iteration and state.iteration > (resumed_from or 0):
+        save_checkpoint(ck.save, chunks, optimizer, scheduler, state, recipe.resolved,
+                        ck.keep_last)
+        last_saved = state.iteration
+    return LoopResult(phase, last_saved, time.perf_counter() - t_start)
+
+
+__all__ = ["LoopResult", "run_steps"]

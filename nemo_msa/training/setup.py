@@ -1,0 +1,127 @@
+"""Process-level set-up of a training run, and the teardown that undoes it.
+
+:func:`init_distributed` starts the process group (NCCL on GPUs; gloo plus the project's CPU
+shim on the CPU), :func:`init_model_parallel` checks the parallel layout against the world size
+and creates Megatron's model-parallel groups, :func:`set_seeds` seeds every generator as
+Megatron-LM does. :func:`teardown` undoes what these set up in this process, and nothing that
+existed before.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+
+from nemo_msa import cpu_shim
+from nemo_msa.training import cpu_extras
+from nemo_msa.training.recipe import Recipe, RecipeError, check_parallel_layout
+
+#: What this module set up in this process, so that teardown() undoes exactly that.
+_OWNED: dict[str, bool] = {"process_group": False, "cpu_shim": False}
+
+
+@dataclass
+class RunContext:
+    """Process-level facts of this run."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    on_cpu: bool
+    owns_process_group: bool
+
+
+def init_distributed(recipe: Recipe) -> RunContext:
+    """Initialise torch.distributed (torchrun env or a 1-rank group) and the CPU shim.
+
+    Under torchrun the rendezvous comes from the environment (RANK, WORLD_SIZE, MASTER_ADDR...);
+    a plain ``python scripts/pretrain.py`` gets a 1-rank group on an in-memory store.
+
+    Raises:
+        RecipeError: ``dist.backend`` is nccl on a run without CUDA.
+    """
+    dist = recipe.dist
+    on_cpu = dist.force_cpu or not torch.cuda.is_available()
+    backend = dist.backend if dist.backend != "auto" else ("gloo" if on_cpu else "nccl")
+    if on_cpu and backend == "nccl":
+        raise RecipeError("recipe key 'dist.backend' = 'nccl': expected 'gloo' or 'auto' on a "
+                          "machine without CUDA (or with dist.force_cpu=true)")
+    owns = False
+    if not torch.distributed.is_initialized():
+        timeout = datetime.timedelta(minutes=dist.timeout_minutes)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            if not on_cpu:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.distributed.init_process_group(backend=backend, timeout=timeout)
+        else:
+            if not on_cpu:
+                torch.cuda.set_device(0)
+            store = torch.distributed.HashStore()
+            torch.distributed.init_process_group(backend=backend, store=store, rank=0,
+                                                 world_size=1, timeout=timeout)
+        owns = True
+        _OWNED["process_group"] = True
+    if on_cpu and not _OWNED["cpu_shim"]:
+        cpu_shim.install()
+        cpu_extras.install()
+        _OWNED["cpu_shim"] = True
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    return RunContext(torch.distributed.get_rank(), torch.distributed.get_world_size(), device,
+                      on_cpu, owns)
+
+
+def init_model_parallel(recipe: Recipe, ctx: RunContext) -> int:
+    """Check the parallel layout and create Megatron's model-parallel groups; return DP size.
+
+    Groups that already exist (a caller set them up) are kept as they are.
+
+    Raises:
+        RecipeError: the layout does not fit the world size, the layers or the batch.
+    """
+    model = recipe.model
+    dp = check_parallel_layout(model, ctx.world_size, recipe.train.global_batch_size,
+                               recipe.train.micro_batch_size, int(model.get("num_layers", 1)))
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=int(model.get("tensor_model_parallel_size", 1)),
+            pipeline_model_parallel_size=int(model.get("pipeline_model_parallel_size", 1)),
+            virtual_pipeline_model_parallel_size=model.get(
+                "virtual_pipeline_model_parallel_size"),
+            context_parallel_size=int(model.get("context_parallel_size", 1)),
+            distributed_timeout_minutes=recipe.dist.timeout_minutes,
+        )
+    return dp
+
+
+def set_seeds(seed: int) -> None:
+    """Seed like Megatron-LM: a different stream per pipeline stage, the TP tracker from seed."""
+    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def teardown() -> None:
+    """Undo what :func:`init_distributed` and :func:`init_model_parallel` set up here.
+
+    A process group or shim that existed before the run is left alone.
+    """
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if _OWNED["process_group"] and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if _OWNED["cpu_shim"]:
+        cpu_shim.uninstall()
+        cpu_extras.uninstall()
+    _OWNED.update(process_group=False, cpu_shim=False)
+
+
+__all__ = ["RunContext", "init_distributed", "init_model_parallel", "set_seeds", "teardown"]
