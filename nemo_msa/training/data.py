@@ -23,6 +23,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import DType
 
 from nemo_msa.training.recipe_fields import RecipeError
 from nemo_msa.training.recipe_schema import DatasetConfig, GPTModelArgs
@@ -145,8 +148,6 @@ def parse_data_path(value: Any) -> tuple[list[str], list[float] | None] | None:
 
 def _bin_dtype(prefix: str):
     """The token dtype recorded in a Megatron ``.idx`` header."""
-    from megatron.core.datasets.indexed_dataset import DType
-
     with open(prefix + ".idx", "rb") as fh:
         header = fh.read(18)
     if len(header) < 18:
@@ -211,11 +212,6 @@ def build_train_dataset(dataset: DatasetConfig, gpt: GPTModelArgs, seed: int, nu
         RecipeError: a malformed weight list, a dataset prefix whose .bin/.idx files do not
             exist, or token ids outside the vocabulary.
     """
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-
     blend = parse_data_path(dataset.data_path)
     if blend is not None:
         _check_prefixes(blend[0])

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,6 +32,7 @@ class Progress:
         self.log_interval = log_interval
         self.bar = None
         if enabled and is_rank0:
+            # Imported here: without tqdm the run still reports, by plain lines.
             try:
                 from tqdm import tqdm
 
@@ -94,6 +97,7 @@ def plot_loss_curve(history: list[dict[str, float]], path: Path, title: str,
     Returns:
         The PNG path, or None when matplotlib is not installed (a message says how to get it).
     """
+    # Imported here: matplotlib is optional (the [plot] extra) and slow to import.
     try:
         import matplotlib
 
@@ -162,8 +166,6 @@ class StepTimer:
 
     def lap(self) -> float:
         """Seconds since the previous lap."""
-        import torch
-
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         now = time.perf_counter()
