@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_msa.megatron import cpu_shim
 from nemo_msa.megatron.microbatch import SharedMicrobatchIterators
-from nemo_msa.training import msa_hooks
+from nemo_msa.training import cpu_extras, msa_hooks
 from nemo_msa.training.checkpoint import (
     TrainState,
     find_resume_iteration,
@@ -34,7 +35,13 @@ from nemo_msa.training.checkpoint import (
     save_checkpoint,
 )
 from nemo_msa.training.data import MicrobatchSource, build_train_dataset, eod_token_id
-from nemo_msa.training.recipe import Recipe, RecipeError, check_parallel_layout, config_values
+from nemo_msa.training.recipe import (
+    Recipe,
+    RecipeError,
+    check_parallel_layout,
+    config_values,
+    transformer_config_class,
+)
 from nemo_msa.training.ux import (
     MetricsLog,
     Progress,
@@ -89,9 +96,6 @@ def init_distributed(recipe: Recipe) -> RunContext:
         owns = True
         _OWNED["process_group"] = True
     if on_cpu and not _OWNED["cpu_shim"]:
-        from nemo_msa import cpu_shim
-        from nemo_msa.training import cpu_extras
-
         cpu_shim.install()
         cpu_extras.install()
         _OWNED["cpu_shim"] = True
@@ -135,13 +139,11 @@ def build_config(recipe: Recipe, ctx: RunContext):
                           f"(Megatron's mixed-precision optimizer needs CUDA tensors); pass "
                           f"model.{key}=false")
     if ctx.on_cpu:
-        from nemo_msa import cpu_shim
-
         for name, value in cpu_shim.cpu_config_overrides().items():
             if name in recipe.model and recipe.model[name] != value:
                 raise RecipeError(
                     f"recipe key 'model.{name}' = {recipe.model[name]!r}: expected {value!r} on "
-                    "the CPU/gloo (see nemo_msa.cpu_shim)"
+                    "the CPU/gloo (see nemo_msa.megatron.cpu_shim)"
                 )
             fields[name] = value
     try:
@@ -149,15 +151,12 @@ def build_config(recipe: Recipe, ctx: RunContext):
     except (TypeError, ValueError, AssertionError) as err:
         raise RecipeError(f"the model section does not make a valid {cls.__name__}: {err}") from err
     if ctx.on_cpu:
-        from nemo_msa import cpu_shim
-
         cpu_shim.check_cpu_config(config)
     return config
 
 
 def msa_hooks_config_class():
     """The config class for the model section (MSA when available)."""
-    from nemo_msa.training.recipe import transformer_config_class
 
     return transformer_config_class()
 
@@ -565,9 +564,6 @@ def teardown() -> None:
     if _OWNED["process_group"] and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     if _OWNED["cpu_shim"]:
-        from nemo_msa import cpu_shim
-        from nemo_msa.training import cpu_extras
-
         cpu_shim.uninstall()
         cpu_extras.uninstall()
     _OWNED.update(process_group=False, cpu_shim=False)
