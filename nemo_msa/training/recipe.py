@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import torch
+import torch.nn.functional as F
 import yaml
 from omegaconf import OmegaConf
 
@@ -50,7 +51,6 @@ ACTIVATIONS = ("gelu", "silu", "relu", "squared_relu", "quick_gelu")
 
 
 def _activation(name: str):
-    import torch.nn.functional as F
     from megatron.core import activations
 
     return {"gelu": F.gelu, "silu": F.silu, "relu": F.relu,

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 
@@ -162,8 +164,6 @@ class StepTimer:
 
     def lap(self) -> float:
         """Seconds since the previous lap."""
-        import torch
-
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         now = time.perf_counter()
