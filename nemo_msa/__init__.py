@@ -10,12 +10,14 @@ Public API (CPU reference everywhere, kernels where the device has them):
   dense warm-up; cuDNN per document on the GPU).
 - :func:`require_msa_support`, :func:`check_runtime_arguments`: the support gate.
 - :func:`resolve_backend`, :func:`register_backend`: the backend registry.
+
+This file only re-exports; the modules and their one-way layers are in docs/adr/0017.
 """
 
-from nemo_msa.attention import dense_document_attention, sparse_attention
+from nemo_msa.attention.dense import dense_document_attention
 from nemo_msa.backends import MSABackend, register_backend, resolve_backend
 from nemo_msa.layout import MSAMicrobatch
-from nemo_msa.selection import select_blocks
+from nemo_msa.ops import select_blocks, sparse_attention
 from nemo_msa.support import MSATopology, check_runtime_arguments, require_msa_support
 
 __all__ = [

@@ -1,7 +1,9 @@
 """Backend registry: which implementation of selection and sparse attention runs where.
 
-A backend is three functions with the signatures of ADR 0001 plus an availability check.
-``resolve_backend`` picks one for a device:
+A backend (:class:`~nemo_msa.backend_spec.MSABackend`) is three functions with the signatures of
+ADR 0001 plus an availability check. The reference backend (nemo_msa.backends_reference) is
+registered when this module loads; the kernel backends when first asked for. ``resolve_backend``
+picks one for a device:
 
 1. the environment variable ``NEMO_MSA_BACKEND``, when set, wins (an operator's override that
    needs no recipe edit);
@@ -16,55 +18,31 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
+
+from nemo_msa import backends_reference
+from nemo_msa.backend_spec import MSABackend
+
+__all__ = [
+    "AUTO",
+    "ENV_VAR",
+    "MSABackend",
+    "get_backend",
+    "known_backends",
+    "register_backend",
+    "resolve_backend",
+]
 
 ENV_VAR = "NEMO_MSA_BACKEND"
 AUTO = "auto"
 
-
-@dataclass(frozen=True)
-class MSABackend:
-    """One implementation of the MSA ops.
-
-    Attributes:
-        name: registry key.
-        select_blocks: ``(index_q [T,H,d], index_k [T,d], msa, *, top_k, init_blocks,
-            local_blocks, score, return_scores=False) -> int32 [H,T,top_k]``; with
-            ``return_scores`` also the per-slot block scores fp32 and keys int32 [H,T,top_k].
-        attention_forward: ``(q [T,Hq,d], k [T,Hkv,d], v, q2k int32 [Hkv,T,top_k], msa,
-            softmax_scale, return_block_mass=False) -> (out [T,Hq,d], lse fp32 [Hq,T])``; with
-            ``return_block_mass`` the per-slot attention mass fp32 [Hkv,T,top_k] is appended
-            (after the residuals, if any).
-        attention_backward: ``(dout, q, k, v, out, lse, q2k, msa, softmax_scale) ->
-            (dq, dk, dv)``.
-        unavailable_reason: ``(device) -> str | None``; None when it runs on the device.
-        description: one line for the README table and error messages.
-        forward_residuals: when True, ``attention_forward`` returns ``(out, lse, residuals)``
-            and ``attention_backward`` takes them as the keyword ``residuals``: state of the
-            forward the backward reuses (the Triton backend's union lists).
-        unsupported_reason: ``(**shape) -> str | None``: why the backend cannot run a shape,
-            from the keywords it is given (``score_type``, ``head_dim``, ``index_head_dim``,
-            ``block_size``, ``top_k``, ``dtype``; absent ones are not checked), naming the
-            config field (``msa_score_type=...``); None when it can. The construction gate and
-            ``auto`` ask it before anything runs.
-    """
-
-    name: str
-    select_blocks: Callable
-    attention_forward: Callable
-    attention_backward: Callable
-    unavailable_reason: Callable[[torch.device], str | None]
-    description: str
-    forward_residuals: bool = False
-    unsupported_reason: Callable[..., str | None] = lambda **shape: None
-
-
 _REGISTRY: dict[str, MSABackend] = {}
-# Backends that register themselves on import; imported lazily so that importing nemo_msa does
-# not pull in Triton or flashinfer.
+# The kernel backends' modules, imported by name on first request: they import Triton (and
+# flashinfer's adapter), an optional heavy dependency that `import nemo_msa` must not pull in,
+# and a missing one must leave the other backends usable. Importing by name is not an upward
+# import: each module defines its ``BACKEND`` from nemo_msa.backend_spec and the kernels below
+# it, and never imports this registry; :func:`_load` registers that ``BACKEND`` here.
 _LAZY_MODULES: dict[str, str] = {
     "flashinfer": "nemo_msa.backends_flashinfer",
     "triton": "nemo_msa.backends_triton",
@@ -80,9 +58,10 @@ def register_backend(backend: MSABackend) -> None:
 def _load(name: str) -> MSABackend | None:
     if name not in _REGISTRY and name in _LAZY_MODULES:
         try:
-            importlib.import_module(_LAZY_MODULES[name])
+            module = importlib.import_module(_LAZY_MODULES[name])
         except ImportError:
             return None
+        register_backend(module.BACKEND)
     return _REGISTRY.get(name)
 
 
@@ -145,21 +124,4 @@ def resolve_backend(
     return backend
 
 
-def _reference_backend() -> MSABackend:
-    from nemo_msa.attention.naive import (
-        sparse_attention_backward_reference,
-        sparse_attention_forward_reference,
-    )
-    from nemo_msa.selection.naive import select_blocks_reference
-
-    return MSABackend(
-        name="reference",
-        select_blocks=select_blocks_reference,
-        attention_forward=sparse_attention_forward_reference,
-        attention_backward=sparse_attention_backward_reference,
-        unavailable_reason=lambda device: None,
-        description="pure PyTorch, chunked over queries; any device; the oracle",
-    )
-
-
-register_backend(_reference_backend())
+register_backend(backends_reference.BACKEND)

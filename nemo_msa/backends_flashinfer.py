@@ -1,4 +1,5 @@
-"""Registers the flashinfer (SM100/SM103) MSA backend; imported lazily by nemo_msa.backends.
+"""The flashinfer (SM100/SM103) MSA backend; nemo_msa.backends registers it when first asked
+for (this module does not import the registry).
 
 - forward: flashinfer's MSA prefill kernel (``flashinfer.msa_ops.msa_sparse_attention``, one
   sequence per document, causal), through :mod:`nemo_msa.attention.flashinfer_adapter`, which
@@ -22,7 +23,7 @@ import torch
 from nemo_msa import backends_triton as triton_backend
 from nemo_msa.attention import flashinfer_adapter
 from nemo_msa.attention.triton_fwd import triton_attention_forward
-from nemo_msa.backends import MSABackend, register_backend
+from nemo_msa.backend_spec import MSABackend
 
 logger = logging.getLogger(__name__)
 
@@ -82,4 +83,3 @@ BACKEND = MSABackend(
     description="SM100/SM103: flashinfer's MSA prefill forward, Triton selection and "
     "deterministic Triton backward",
 )
-register_backend(BACKEND)

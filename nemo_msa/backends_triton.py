@@ -1,4 +1,5 @@
-"""Registers the Triton (SM90) MSA backend; imported lazily by nemo_msa.backends.
+"""The Triton (SM90) MSA backend; nemo_msa.backends registers it when first asked for (this
+module does not import the registry).
 
 The kernels live in nemo_msa/selection/triton_select.py, nemo_msa/attention/triton_fwd.py and
 nemo_msa/attention/triton_bwd.py (design and measurements: docs/adr/0003-*). The backward uses
@@ -11,7 +12,7 @@ import torch
 
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
-from nemo_msa.backends import MSABackend, register_backend
+from nemo_msa.backend_spec import MSABackend
 from nemo_msa.selection.triton_select import triton_select_blocks
 
 
@@ -79,4 +80,3 @@ BACKEND = MSABackend(
     description="Triton kernels for SM90: fused select+top-k, hybrid union/per-token "
     "forward, deterministic backward (union/per-token dq, KV-outer dk/dv)",
 )
-register_backend(BACKEND)

@@ -35,7 +35,7 @@ from nemo_msa.document_map import (
     select_document_map_source,
     summarize_document_map,
 )
-from nemo_msa.support import SUPPORTED_BLOCK_SIZES, require_integer
+from nemo_msa.limits import SUPPORTED_BLOCK_SIZES, require_integer
 
 
 def _check_forced_blocks(block_size: int, init_blocks: int, local_blocks: int) -> None:
@@ -406,35 +406,3 @@ class MSAMicrobatch:
         return self.cached(
             "position_ids", lambda: self.unpack(self.document_positions.long())
         )
-
-    # ------------------------------------------------------------------ ops
-    def select_blocks(
-        self,
-        index_q: torch.Tensor,
-        index_k: torch.Tensor,
-        *,
-        top_k: int = 16,
-        score: str = "max",
-        backend: str | None = None,
-        return_scores: bool = False,
-    ):
-        """Top-k key blocks per index head and query token (see nemo_msa.selection).
-
-        Args:
-            index_q: [T, H, d] index queries (bf16 or float).
-            index_k: [T, d] the shared index key head.
-            top_k: blocks per query (forced blocks count inside).
-            score: ``"max"`` (the contract) or ``"lse"``.
-            backend: backend name; None picks by device (nemo_msa.backends).
-            return_scores: also return the per-slot block scores and keys attaining them (see
-                :func:`nemo_msa.selection.select_blocks`).
-
-        Returns:
-            int32 [H, T, top_k]: document-local block ids, ascending, -1 at the tail (with
-            ``return_scores``, ``(ids, scores, keys)``).
-        """
-        from nemo_msa.selection import select_blocks
-
-        return select_blocks(index_q, index_k, self, top_k=top_k, score=score, backend=backend,
-                             return_scores=return_scores)
-

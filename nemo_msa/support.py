@@ -14,31 +14,19 @@ apply_rope_fusion, fused_single_qkv_rope, context_parallel_size.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
-SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
-SUPPORTED_SCORE_TYPES = ("max", "lse")
-MAX_TOP_K = 32
-
-
-def is_integer(value: Any) -> bool:
-    """True for Python and NumPy integers, False for bools, floats (even 32.0) and the rest."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def require_integer(name: str, value: Any) -> None:
-    """Raise ValueError naming ``name`` unless ``value`` is an integer (not a float or bool).
-
-    A float such as 32.0 would pass a range or membership check (32.0 == 32) and fail later as
-    a shape or an index; it is refused here instead.
-    """
-    if not is_integer(value):
-        raise ValueError(f"{name}={value!r} must be an integer; got {type(value).__name__}")
+from nemo_msa.backends import AUTO, get_backend, resolve_backend
+from nemo_msa.limits import (
+    MAX_TOP_K,
+    SUPPORTED_BLOCK_SIZES,
+    SUPPORTED_HEAD_DIMS,
+    SUPPORTED_SCORE_TYPES,
+    is_integer,
+)
 
 
 @dataclass(frozen=True)
@@ -169,8 +157,6 @@ def require_msa_support(
         )
     topology = MSATopology.from_config(config)
     topology.validate()
-    from nemo_msa.backends import AUTO, get_backend, resolve_backend
-
     if backend is not None and backend != AUTO:
         get_backend(backend)  # ValueError for an unknown name
     if device is not None:

@@ -47,7 +47,8 @@ Usage::
     python scripts/bench_layer.py --tiny --json /tmp/layer.json   # CPU, gloo, seconds
 
 ``--tiny`` builds a tiny model (hidden 128, 4/2 heads of 32, blocks of 16, top-4, vocab 256,
-fp32 on the CPU through ``nemo_msa.cpu_shim``) so the whole script runs end to end without a GPU.
+fp32 on the CPU through ``nemo_msa.megatron.cpu_shim``) so the whole script runs end to end
+without a GPU.
 """
 
 from __future__ import annotations
@@ -82,12 +83,13 @@ from megatron.core.transformer.module import Float16Module  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from layer_specs import get_msa_decoder_block_spec  # noqa: E402
-from nemo_msa import MSAMicrobatch, cpu_shim  # noqa: E402
+from nemo_msa import MSAMicrobatch  # noqa: E402
 from nemo_msa.attention import dense_document_attention  # noqa: E402
 from nemo_msa.megatron import (  # noqa: E402
     MSAIndexerLossAutoScaler,
     MSAIndexerMetrics,
     MSATransformerConfig,
+    cpu_shim,  # noqa: E402
     set_training_iteration,
 )
 

@@ -1,200 +1,23 @@
-"""Attention on compact tokens: block-sparse (validation, autograd, backend dispatch) and dense.
+"""Attention kernels and references on compact tokens (the layer below the ops, ADR 0017).
 
-- :func:`sparse_attention`: attention over the selected key blocks (the MSA op).
-- :func:`dense_document_attention` (from :mod:`nemo_msa.attention.dense`): dense causal
-  attention within documents, for dense layers and the dense warm-up.
+- :mod:`nemo_msa.attention.dense`: dense causal attention within documents (dense layers, the
+  dense warm-up; cuDNN SDPA per run of equal-length documents on the GPU, ADR 0012);
+- :mod:`nemo_msa.attention.naive`: the plain-PyTorch sparse-attention reference and dense oracles;
+- ``triton_*`` and ``flashinfer_adapter``: the kernels of the Triton and flashinfer backends
+  (imported by their backend modules only: they need Triton).
+
+The public op :func:`nemo_msa.sparse_attention` (validation, autograd, backend dispatch) lives in
+:mod:`nemo_msa.ops`; this package only re-exports the dense attention.
 """
-
-from __future__ import annotations
-
-import math
-
-import torch
 
 from nemo_msa.attention.dense import (
     dense_document_attention,
     dense_document_attention_per_document,
     dense_document_attention_rows,
-    validate_qkv,
 )
-from nemo_msa.backends import MSABackend, resolve_backend
-from nemo_msa.layout import MSAMicrobatch
-from nemo_msa.q2k import canonical_q2k, marked_block_size
-from nemo_msa.support import reject_cuda_graph_capture
 
 __all__ = [
     "dense_document_attention",
     "dense_document_attention_per_document",
     "dense_document_attention_rows",
-    "sparse_attention",
-    "validate_attention_inputs",
-    "validate_q2k",
 ]
-
-
-def validate_attention_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q2k: torch.Tensor,
-    msa: MSAMicrobatch,
-    *,
-    require_bf16: bool = True,
-) -> None:
-    """Checks dtypes and shapes before any kernel runs.
-
-    Raises:
-        ValueError: a dtype other than bf16 (when required), or shapes that disagree; the
-            message names the tensors and their shapes.
-    """
-    if require_bf16:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if x.dtype != torch.bfloat16:
-                raise ValueError(f"{name} must be torch.bfloat16; got {x.dtype}")
-    validate_qkv(q, k, v, msa)
-    if q2k.dtype != torch.int32 or q2k.dim() != 3:
-        raise ValueError(
-            f"q2k must be int32 [kv_heads, tokens, top_k]; got {q2k.dtype} {tuple(q2k.shape)}"
-        )
-    if q2k.shape[0] != k.shape[1] or q2k.shape[1] != q.shape[0]:
-        raise ValueError(
-            f"q2k {tuple(q2k.shape)} must be [kv_heads={k.shape[1]}, tokens={q.shape[0]}, top_k]"
-        )
-    devices = {x.device for x in (q, k, v, q2k)} | {msa.device}
-    if len(devices) != 1:
-        raise ValueError(f"q, k, v, q2k and the layout must share one device; got {devices}")
-
-
-def validate_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> None:
-    """Reject a q2k that is not in the canonical form ``select_blocks`` returns.
-
-    Canonical: per (KV head, token), document-local block ids in ``0..own block`` (the token's
-    own block), strictly ascending, then -1 padding. Every backend gives a non-canonical q2k its
-    set meaning (MSA_SPEC.md); this opt-in check (``sparse_attention(validate=True)``) finds
-    hand-made or transformed q2k that was not meant to be non-canonical. Costs a few passes
-    over q2k and one host synchronization.
-
-    Raises:
-        ValueError: naming the first bad (head, token, slot) in row-major order, its value and
-            the rule it breaks.
-    """
-    own = (msa.document_positions.long() // msa.block_size)[None, :, None]
-    ids = q2k.long()
-    prev = torch.full_like(ids, -1)
-    prev[..., 1:] = ids[..., :-1]
-    real = ids != -1
-    out_of_range = real & ((ids < 0) | (ids > own))
-    after_padding = real & (prev == -1) & (torch.arange(ids.shape[-1], device=ids.device) > 0)
-    not_ascending = real & (prev != -1) & (ids <= prev)
-    bad = out_of_range | after_padding | not_ascending
-    first = bad.flatten().nonzero()
-    if first.numel() == 0:
-        return
-    h, t, slot = (int(i) for i in torch.unravel_index(first[0, 0], bad.shape))
-    value, own_block = int(ids[h, t, slot]), int(own[0, t, 0])
-    if out_of_range[h, t, slot]:
-        reason = f"outside 0..{own_block} (the token's own block)"
-    elif after_padding[h, t, slot]:
-        reason = "a block id after -1 padding (-1 belongs only at the tail)"
-    elif value == int(ids[h, t, slot - 1]):
-        reason = f"a duplicate of slot {slot - 1}"
-    else:
-        reason = f"not above slot {slot - 1} ({int(ids[h, t, slot - 1])}): ids must ascend"
-    raise ValueError(
-        f"q2k[{h}, {t}, {slot}] = {value} (head {h}, token {t}, slot {slot}) is {reason}; "
-        "expected select_blocks's canonical form: block ids in 0..own block, strictly "
-        "ascending, then -1"
-    )
-
-
-class _SparseAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, q2k, msa, softmax_scale, backend: MSABackend, block_mass: bool):
-        extra = {"return_block_mass": True} if block_mass else {}
-        result = backend.attention_forward(q, k, v, q2k, msa, softmax_scale, **extra)
-        out, lse = result[:2]
-        if backend.forward_residuals:
-            ctx.residuals = result[2]
-        mass = result[-1] if block_mass else lse.new_empty(0)
-        ctx.save_for_backward(q, k, v, q2k, out, lse)
-        ctx.msa = msa
-        ctx.softmax_scale = softmax_scale
-        ctx.backend = backend
-        ctx.mark_non_differentiable(lse, mass)
-        return out, lse, mass
-
-    @staticmethod
-    def backward(ctx, dout, _dlse, _dmass):
-        q, k, v, q2k, out, lse = ctx.saved_tensors
-        extra = {"residuals": ctx.residuals} if ctx.backend.forward_residuals else {}
-        dq, dk, dv = ctx.backend.attention_backward(
-            dout.contiguous(), q, k, v, out, lse, q2k, ctx.msa, ctx.softmax_scale, **extra
-        )
-        return dq, dk, dv, None, None, None, None, None
-
-
-def sparse_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q2k: torch.Tensor,
-    msa: MSAMicrobatch,
-    *,
-    softmax_scale: float | None = None,
-    backend: str | None = None,
-    return_lse: bool = False,
-    return_block_mass: bool = False,
-    validate: bool = False,
-):
-    """Block-sparse causal attention within documents (differentiable in q, k, v).
-
-    Args:
-        q: bf16 [T, Hq, d] compact queries.
-        k: bf16 [T, Hkv, d] compact keys; Hq is a multiple of Hkv.
-        v: bf16 [T, Hkv, d] compact values.
-        q2k: int32 [Hkv, T, top_k] document-local block ids per KV head and query, -1 unused
-            (from :func:`nemo_msa.select_blocks`).
-        msa: the batch layout.
-        softmax_scale: defaults to 1 / sqrt(d).
-        backend: backend name or "auto"/None (see nemo_msa.backends).
-        return_lse: also return the fp32 [Hq, T] log-sum-exp.
-        return_block_mass: also return the attention mass per selected slot, fp32
-            [Hkv, T, top_k] (no gradient): the softmax probability of the slot's keys summed,
-            averaged over the group's query heads, 0 at -1 slots; accumulated in the forward's
-            pass over K/V (the target of the sparse indexer loss).
-        validate: reject a q2k that is not in select_blocks's canonical form (see
-            :func:`validate_q2k`; one host synchronization). Without it any q2k means its set:
-            per (KV head, token) the distinct ids in 0..own block (MSA_SPEC.md).
-
-    Returns:
-        bf16 [T, Hq, d] output, then the LSE and the block mass when asked (in that order).
-
-    Raises:
-        ValueError: non-bf16 inputs or disagreeing shapes; with ``validate``, a non-canonical
-            q2k (naming the first bad head, token and slot).
-        RuntimeError: called during CUDA-graph capture.
-    """
-    validate_attention_inputs(q, k, v, q2k, msa)
-    if validate:
-        validate_q2k(q2k, msa)
-    made_for = marked_block_size(q2k)
-    if made_for is not None and made_for != msa.block_size:
-        raise ValueError(
-            f"q2k holds ids of {made_for}-token blocks (from select_blocks with that layout) but "
-            f"the layout's block_size is {msa.block_size}; select with the same layout"
-        )
-    if made_for is None:
-        # One meaning for every backend (MSA_SPEC.md): the kernels read the canonical form.
-        q2k = canonical_q2k(q2k, msa)
-    reject_cuda_graph_capture("sparse_attention")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    chosen = resolve_backend(
-        backend, q.device, head_dim=q.shape[-1], block_size=msa.block_size,
-        top_k=q2k.shape[-1], dtype=q.dtype,
-    )
-    out, lse, mass = _SparseAttention.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), q2k.contiguous(), msa, scale, chosen,
-        return_block_mass,
-    )
-    extra = ((lse,) if return_lse else ()) + ((mass,) if return_block_mass else ())
-    return (out, *extra) if extra else out

@@ -308,7 +308,7 @@ def dense_document_attention(
 
 def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, msa: MSAMicrobatch) -> None:
     """The checks every attention entry makes of q [T, Hq, d], k and v [T, Hkv, d] against each
-    other and the layout (dense here; :func:`nemo_msa.attention.validate_attention_inputs` adds
+    other and the layout (dense here; :func:`nemo_msa.ops.validate_attention_inputs` adds
     the sparse op's dtype and q2k checks).
 
     Raises:

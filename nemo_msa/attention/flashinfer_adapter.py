@@ -80,7 +80,7 @@ def unsupported_shape_reason(
     """Says why flashinfer's SM100/SM103 kernel cannot take these shapes, or None if it can.
 
     Shapes only (no data, no host synchronization); the caller has validated the inputs
-    (``nemo_msa.attention.validate_attention_inputs``).
+    (``nemo_msa.ops.validate_attention_inputs``).
 
     Args:
         q: [T, Hq, d] queries.

@@ -21,15 +21,11 @@ import math
 import torch
 
 from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.limits import accumulation_dtype
 from nemo_msa.q2k import canonical_q2k
 
 # Elements of one chunk's gathered K (or V) tile [C, Hkv, top_k * B, d]; bounds peak memory.
 _GATHER_ELEMENTS_PER_CHUNK = 1 << 24
-
-
-def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
-    """fp64 for fp64 inputs (the tight oracle), fp32 for everything else."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _chunk_size(msa: MSAMicrobatch, kv_heads: int, top_k: int, dim: int) -> int:

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler
+from nemo_msa.support import MSATopology
+
 __all__ = ["MSATransformerConfig", "normalize_layer_pattern"]
 
 _SPARSE_CHARS = "S"
@@ -142,8 +145,6 @@ class MSATransformerConfig(TransformerConfig):
         if self.experimental_attention_variant_loss_scale_func is None:
             # Megatron's schedules call this hook with (loss scale / num_microbatches) after each
             # forward step, so the indexer loss is scaled like the main loss (as DSA's is).
-            from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler
-
             self.experimental_attention_variant_loss_scale_func = (
                 MSAIndexerLossAutoScaler.set_loss_scale
             )
@@ -193,8 +194,6 @@ class MSATransformerConfig(TransformerConfig):
         normalize_layer_pattern(self.msa_layer_pattern, self.num_layers)
 
         # Topology and score type: the same check the layers run when they are built.
-        from nemo_msa.support import MSATopology
-
         MSATopology.from_config(self).validate()
 
         tp = self.tensor_model_parallel_size

@@ -1,16 +1,12 @@
-"""Core attention of MSA layers (and of the dense layers of a mixed pattern), on compact tokens.
+"""Core attention of MSA layers (and of the dense layers of a mixed pattern): the Megatron module.
 
 Built by Megatron's ``Attention`` with the core-attention builder signature
 (``config, layer_number, attn_mask_type, attention_type, cp_comm_type, softmax_scale,
-pg_collection``). Its forward takes compact tensors ([T, heads, dim], see ADR 0001) and the
-microbatch layout, and either
-
-- attends the selected key blocks (``q2k`` given): :func:`nemo_msa.sparse_attention` for bf16
-  (the kernels' dtype); for other dtypes (fp32 CPU tests, fp64 checks) the reference masked
-  dense path restricted to the same blocks, which computes the same function; or
-- attends densely within documents (``q2k`` None: dense layers, the dense warm-up):
-  :func:`nemo_msa.attention.dense_document_attention` (cuDNN SDPA per run of equal-length
-  documents on CUDA in fp16/bf16; per-row SDPA with a cached document mask elsewhere; ADR 0012).
+pg_collection``), it checks what Megatron hands it and holds the softmax scale and the backend
+name. Its forward takes compact tensors ([T, heads, dim], see ADR 0001) and the microbatch
+layout and runs :func:`nemo_msa.ops.document_attention`: the selected key blocks when ``q2k`` is
+given (:func:`nemo_msa.sparse_attention` for bf16, the reference masked path for other dtypes),
+else dense within documents (:func:`nemo_msa.attention.dense.dense_document_attention`, ADR 0012).
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
-from nemo_msa.attention import dense_document_attention, naive, sparse_attention
+from nemo_msa.ops import document_attention
 
 __all__ = ["MSACoreAttention"]
 
@@ -101,25 +97,7 @@ class MSACoreAttention(MegatronModule):
             [T, Hq_local, d] in query's dtype; with ``return_block_mass`` the pair
             ``(output, block_mass)``.
         """
-        if q2k is None:
-            if return_block_mass:
-                raise ValueError("return_block_mass=True needs q2k (the selected blocks)")
-            return dense_document_attention(query, key, value, msa, self.softmax_scale)
-        if query.dtype == torch.bfloat16:
-            return sparse_attention(
-                query, key, value, q2k, msa, softmax_scale=self.softmax_scale,
-                backend=self.backend, return_block_mass=return_block_mass,
-            )
-        # The kernels read bf16 only; other dtypes take the reference masked path, which is the
-        # same function (keys restricted to the selected blocks), O(T^2) memory: tests only.
-        out = naive.dense_document_attention(
-            query, key, value, msa, softmax_scale=self.softmax_scale, q2k=q2k
+        return document_attention(
+            query, key, value, msa, softmax_scale=self.softmax_scale, q2k=q2k,
+            backend=self.backend, return_block_mass=return_block_mass,
         )
-        if not return_block_mass:
-            return out
-        with torch.no_grad():
-            mass = naive.sparse_attention_forward_reference(
-                query.detach(), key.detach(), value.detach(), q2k, msa, self.softmax_scale,
-                return_block_mass=True,
-            )[2]
-        return out, mass.float()

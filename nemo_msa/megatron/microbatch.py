@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from nemo_msa.layout import MSAMicrobatch
+
 __all__ = [
     "SharedMicrobatchIterators",
     "layout_for_layer",
@@ -135,8 +137,6 @@ def layout_for_layer(
             create a new tensor per layer and defeat the per-microbatch layout), or its shape
             disagrees with the activations.
     """
-    from nemo_msa import MSAMicrobatch
-
     if attention_mask is not None:
         if attention_mask.device != torch.device(device):
             raise ValueError(

@@ -44,6 +44,8 @@ from nemo_msa.megatron.indexer_loss import (
 )
 from nemo_msa.megatron.microbatch import layout_for_layer, pack_sbhd, unpack_sbhd
 from nemo_msa.megatron.phase import dense_warmup_active
+from nemo_msa.ops import select_blocks
+from nemo_msa.support import check_runtime_arguments, require_msa_support
 
 __all__ = ["MSASelfAttention", "MSASelfAttentionSubmodules", "check_msa_layer_config"]
 
@@ -71,8 +73,6 @@ def check_msa_layer_config(
         ValueError: a topology/score type MSA cannot run, TP that splits a KV head from its
             index head, a config without the msa_* fields.
     """
-    from nemo_msa.support import require_msa_support
-
     if not hasattr(config, "msa_block_size"):
         raise ValueError(
             f"config is a {type(config).__name__} without the msa_* fields; build MSA layers "
@@ -235,8 +235,6 @@ class MSASelfAttention(SelfAttention):
         Returns:
             ``(output [s_local, b, hidden], bias or None)`` as Megatron's attention.
         """
-        from nemo_msa.support import check_runtime_arguments
-
         check_runtime_arguments(
             inference_context=inference_context,
             inference_params=inference_params,
@@ -275,9 +273,10 @@ class MSASelfAttention(SelfAttention):
             # During the dense warm-up the selection feeds only the recall metric (how much dense
             # attention mass the indexer's blocks would hold); attention stays dense.
             if sparse or log_recall:
-                selected = msa.select_blocks(
+                selected = select_blocks(
                     index_q.detach(),
                     index_k.detach(),
+                    msa,
                     top_k=self.config.msa_topk,
                     score=self.config.msa_score_type,
                     backend=self.config.msa_backend,

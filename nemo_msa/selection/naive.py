@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from nemo_msa.attention.naive import accumulation_dtype
 from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.limits import accumulation_dtype
 
 # Elements of one chunk's [H, chunk, W] score tensor; bounds the reference's peak memory.
 _SCORE_ELEMENTS_PER_CHUNK = 1 << 25

@@ -33,7 +33,7 @@ from megatron.core.optimizer.optimizer_config import ParamPredicate
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
-from nemo_msa import cpu_shim
+from nemo_msa.megatron import cpu_shim
 from nemo_msa.training import msa_hooks
 from nemo_msa.training.data import MicrobatchSource, build_train_dataset, eod_token_id
 from nemo_msa.training.recipe import Recipe, RecipeError
@@ -81,7 +81,7 @@ def build_config(recipe: Recipe, ctx: RunContext):
             if name in recipe.model and recipe.model[name] != value:
                 raise RecipeError(
                     f"recipe key 'model.{name}' = {recipe.model[name]!r}: expected {value!r} on "
-                    "the CPU/gloo (see nemo_msa.cpu_shim)"
+                    "the CPU/gloo (see nemo_msa.megatron.cpu_shim)"
                 )
             fields[name] = value
     try:

@@ -1,4 +1,4 @@
-"""CUDA calls on the training path that nemo_msa.cpu_shim does not cover (yet).
+"""CUDA calls on the training path that nemo_msa.megatron.cpu_shim does not cover (yet).
 
 Megatron's DDP asks ``torch.cuda.current_stream()`` in every grad sync, only to wait on CUDA-graph
 events that never exist on the CPU. The shim covers the model and the schedules; this adds the

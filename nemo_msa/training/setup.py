@@ -19,7 +19,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
-from nemo_msa import cpu_shim
+from nemo_msa.megatron import cpu_shim
 from nemo_msa.training import cpu_extras
 from nemo_msa.training.recipe import Recipe, RecipeError, check_parallel_layout
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from packs import packed_batches, random_document_map
 
 from nemo_msa import MSAMicrobatch, select_blocks, sparse_attention
-from nemo_msa.attention import _SparseAttention
 from nemo_msa.backends import get_backend
+from nemo_msa.ops import _SparseAttention
 
 
 def dense_reference(q, k, v, q2k, ids, block, scale):

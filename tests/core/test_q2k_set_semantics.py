@@ -18,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nemo_msa import MSAMicrobatch, select_blocks, sparse_attention
-from nemo_msa.attention import validate_q2k
 from nemo_msa.attention.naive import (
     canonical_q2k,
     dense_document_attention,
     sparse_attention_forward_reference,
 )
+from nemo_msa.ops import validate_q2k
 
 BLOCK = 16
 TOP_K = 4

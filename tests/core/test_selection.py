@@ -89,7 +89,7 @@ def test_production_topology_selection_on_bf16_inputs():
     g = torch.Generator().manual_seed(1)
     index_q = torch.randn(msa.num_tokens, 4, 128, generator=g).bfloat16()
     index_k = torch.randn(msa.num_tokens, 128, generator=g).bfloat16()
-    got = msa.select_blocks(index_q, index_k, top_k=16)
+    got = select_blocks(index_q, index_k, msa, top_k=16)
     want = brute_force_selection(ids, index_q, index_k, 128, 16, 0, 1, "max")
     assert torch.equal(got, want)
     # 1500 tokens = 12 blocks: fewer than 16 candidates, so every block is taken, -1 tail.

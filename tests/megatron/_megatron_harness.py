@@ -1,8 +1,8 @@
 """Shared pieces of the Megatron tests: tiny MSA GPT models, packed batches, gloo workers.
 
 Multi-rank tests spawn ``world_size`` processes (torch.multiprocessing, spawn) on localhost with
-gloo; each installs nemo_msa.cpu_shim, initializes Megatron's parallel state, runs a function of
-this module and returns a picklable result through a queue.
+gloo; each installs nemo_msa.megatron.cpu_shim, initializes Megatron's parallel state, runs a
+function of this module and returns a picklable result through a queue.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ def free_port() -> int:
 
 def tiny_config(**overrides):
     """A tiny MSA GPT config (fp32, local backend, CPU) with a mixed S/D pattern."""
-    from nemo_msa import cpu_shim
-    from nemo_msa.megatron import MSATransformerConfig
+    from nemo_msa.megatron import MSATransformerConfig, cpu_shim
 
     fields = dict(
         num_layers=4,
@@ -221,7 +220,7 @@ def _worker(rank: int, world_size: int, port: int, fn_name: str, kwargs: dict, q
         else:
             os.environ.setdefault("OMP_NUM_THREADS", "1")
             torch.set_num_threads(1)
-            from nemo_msa import cpu_shim
+            from nemo_msa.megatron import cpu_shim
 
             cpu_shim.install()
             cpu_shim.init_gloo_process_group(rank, world_size, port)

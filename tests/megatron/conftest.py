@@ -17,10 +17,10 @@ def single_rank():
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from nemo_msa import cpu_shim
     from nemo_msa.megatron import (
         MSAIndexerLossAutoScaler,
         MSAIndexerMetrics,
+        cpu_shim,
         set_training_iteration,
     )
 

@@ -1,4 +1,4 @@
-"""nemo_msa.cpu_shim: Megatron's CUDA assumptions mapped to the CPU, and undone afterwards.
+"""nemo_msa.megatron.cpu_shim: Megatron's CUDA assumptions mapped to the CPU, and undone afterwards.
 
 A module of its own: the other modules of this package hold the shim for their whole duration
 (the single_rank fixture), and here it must start uninstalled.
@@ -10,7 +10,7 @@ import pytest
 import torch
 from _megatron_harness import tiny_config
 
-from nemo_msa import cpu_shim
+from nemo_msa.megatron import cpu_shim
 
 
 def test_cpu_shim_maps_cuda_and_restores_everything():

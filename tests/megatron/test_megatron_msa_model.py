@@ -16,7 +16,7 @@ from _megatron_harness import (
     tiny_config,
 )
 
-from nemo_msa import MSAMicrobatch
+from nemo_msa import MSAMicrobatch, select_blocks
 from nemo_msa.megatron import (
     MSAIndexerLossAutoScaler,
     MSAIndexerMetrics,
@@ -193,7 +193,7 @@ def test_indexer_loss_matches_a_bruteforce_reference(sparse):
     index_k = torch.randn(tokens, dim, dtype=torch.float64, generator=generator)
     query = torch.randn(tokens, heads * group, dim, dtype=torch.float64, generator=generator)
     key = torch.randn(tokens, heads, dim, dtype=torch.float64, generator=generator)
-    q2k = msa.select_blocks(index_q, index_k, top_k=2) if sparse else None
+    q2k = select_blocks(index_q, index_k, msa, top_k=2) if sparse else None
     loss, stats = compute_indexer_loss(
         index_q,
         index_k,

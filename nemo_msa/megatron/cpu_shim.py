@@ -22,7 +22,7 @@ config that violates them.
 
 Usage::
 
-    from nemo_msa import cpu_shim
+    from nemo_msa.megatron import cpu_shim
 
     with cpu_shim.enabled():          # scoped: patches are undone on exit
         ...
@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel import random as mcore_random
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
@@ -151,9 +152,6 @@ class CPUShim:
             self._depth += 1
             if self._depth > 1:
                 return self
-            # Imported lazily so that `import nemo_msa` does not pull in Megatron.
-            from megatron.core.tensor_parallel import random as mcore_random
-
             self._patch(torch.cuda, "current_device", _cpu_current_device)
             self._patch(torch.cuda, "synchronize", _noop)
             self._patch(torch.cuda, "empty_cache", _noop)
@@ -181,8 +179,6 @@ class CPUShim:
             assert self._mode is not None
             self._mode.__exit__(None, None, None)
             self._mode = None
-            from megatron.core.tensor_parallel import random as mcore_random
-
             logging.getLogger(mcore_random.__name__).removeFilter(_FORK_WARNING_FILTER)
             for owner, name, value in reversed(self._saved):
                 setattr(owner, name, value)
@@ -246,7 +242,7 @@ def check_cpu_config(config: Any) -> None:
         if value != expected:
             raise ValueError(
                 f"config.{name}={value!r} is not supported on the CPU/gloo; expected {expected!r} "
-                "(see nemo_msa.cpu_shim.cpu_config_overrides)"
+                "(see nemo_msa.megatron.cpu_shim.cpu_config_overrides)"
             )
 
 

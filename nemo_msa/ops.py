@@ -1,0 +1,375 @@
+"""The public MSA ops: block selection and block-sparse attention, their validation and autograd.
+
+- :func:`select_blocks`: index scorer + top-k block selection (no gradient);
+- :func:`sparse_attention`: differentiable attention over the selected key blocks;
+- :func:`document_attention`: a layer's core attention on compact tokens, sparse over the
+  selected blocks or dense within documents (what ``MSACoreAttention`` runs).
+
+Each op checks its arguments, rejects CUDA-graph capture, resolves a backend from the registry
+(nemo_msa.backends) and calls it. The layer below (ADR 0017) is the layout, the kernels and the
+references; nothing here is imported by them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nemo_msa.attention import naive
+from nemo_msa.attention.dense import dense_document_attention, validate_qkv
+from nemo_msa.backends import MSABackend, resolve_backend
+from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.limits import MAX_TOP_K, SUPPORTED_SCORE_TYPES, require_integer
+from nemo_msa.q2k import canonical_q2k, mark_canonical, marked_block_size
+from nemo_msa.support import reject_cuda_graph_capture
+
+__all__ = [
+    "document_attention",
+    "select_blocks",
+    "sparse_attention",
+    "validate_attention_inputs",
+    "validate_q2k",
+    "validate_selection_inputs",
+]
+
+
+def validate_selection_inputs(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    msa: MSAMicrobatch,
+    top_k: int,
+    score: str,
+) -> None:
+    """Checks selection inputs before dispatch.
+
+    Raises:
+        ValueError: names the argument, its value and what was expected.
+    """
+    if not index_q.dtype.is_floating_point or index_q.dim() != 3:
+        raise ValueError(
+            f"index_q must be a float tensor [tokens, index_heads, dim]; got {index_q.dtype} "
+            f"{tuple(index_q.shape)}"
+        )
+    if index_k.dtype != index_q.dtype or index_k.dim() != 2:
+        raise ValueError(
+            f"index_k must be [tokens, dim] with index_q's dtype {index_q.dtype}; got "
+            f"{index_k.dtype} {tuple(index_k.shape)}"
+        )
+    if index_q.shape[0] != msa.num_tokens or index_k.shape[0] != msa.num_tokens:
+        raise ValueError(
+            f"index_q {tuple(index_q.shape)} and index_k {tuple(index_k.shape)} must have "
+            f"tokens={msa.num_tokens} rows (the layout's num_tokens)"
+        )
+    if index_k.shape[1] != index_q.shape[2]:
+        raise ValueError(
+            f"index_k dim {index_k.shape[1]} != index_q dim {index_q.shape[2]}"
+        )
+    if index_q.device != msa.device or index_k.device != msa.device:
+        raise ValueError(
+            f"index_q ({index_q.device}), index_k ({index_k.device}) and the layout "
+            f"({msa.device}) must share one device"
+        )
+    require_integer("top_k", top_k)
+    if not 1 <= top_k <= MAX_TOP_K:
+        raise ValueError(f"top_k={top_k}; expected 1 <= top_k <= {MAX_TOP_K}")
+    if score not in SUPPORTED_SCORE_TYPES:
+        raise ValueError(f"score={score!r}; expected one of {SUPPORTED_SCORE_TYPES}")
+    init_blocks, local_blocks = msa.forced_blocks
+    if init_blocks + local_blocks > top_k:
+        raise ValueError(
+            f"init_blocks + local_blocks = {init_blocks} + {local_blocks} exceeds top_k={top_k}; "
+            "forced blocks count inside the top-k"
+        )
+
+
+@torch.no_grad()
+def select_blocks(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    msa: MSAMicrobatch,
+    *,
+    top_k: int = 16,
+    score: str = "max",
+    backend: str | None = None,
+    return_scores: bool = False,
+):
+    """Chooses top_k key blocks per index head and query token, inside the query's document.
+
+    Forced blocks (``msa.forced_blocks`` = (init_blocks, local_blocks)) are always chosen and
+    count inside top_k; the rest go by the block score (max of q.k over the block's causally
+    visible keys), ties to the lower block id, NaN last.
+
+    Args:
+        index_q: [T, H, d] float (bf16 in production) index queries; head h serves KV head h.
+        index_k: [T, d] the one shared index key head, index_q's dtype.
+        msa: the batch layout.
+        top_k: blocks per query, 1..32.
+        score: ``"max"`` or ``"lse"``.
+        backend: backend name or "auto"/None.
+        return_scores: also return the indexer loss's by-products of the same pass, per slot:
+            the block's real score (fp32 [H, T, top_k], the unscaled max of q.k over its visible
+            keys, forced blocks included, -inf at -1 slots) and the compact row of the key that
+            attains it (int32 [H, T, top_k], -1 at -1 slots). ``score="max"`` only.
+
+    Returns:
+        int32 [H, T, top_k]: ascending document-local block ids, padded with -1 at the tail when
+        fewer than top_k blocks exist. Canonical: equal across correct implementations on inputs
+        without ties. With ``return_scores``: ``(ids, scores, keys)``.
+
+    Raises:
+        ValueError: a bad argument (named), or ``return_scores`` with ``score="lse"``.
+    """
+    validate_selection_inputs(index_q, index_k, msa, top_k, score)
+    if return_scores and score != "max":
+        raise ValueError(
+            f"return_scores=True needs score='max' (the block max and the key attaining it); "
+            f"got score={score!r}"
+        )
+    reject_cuda_graph_capture("select_blocks")
+    chosen = resolve_backend(
+        backend, index_q.device, score_type=score, index_head_dim=index_q.shape[-1],
+        block_size=msa.block_size, top_k=top_k, dtype=index_q.dtype,
+    )
+    init_blocks, local_blocks = msa.forced_blocks
+    result = chosen.select_blocks(
+        index_q.contiguous(),
+        index_k.contiguous(),
+        msa,
+        top_k=top_k,
+        init_blocks=init_blocks,
+        local_blocks=local_blocks,
+        score=score,
+        **({"return_scores": True} if return_scores else {}),
+    )
+    # Canonical by construction: sparse_attention takes it as it is.
+    mark_canonical(result[0] if return_scores else result, msa.block_size)
+    return result
+
+
+def validate_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q2k: torch.Tensor,
+    msa: MSAMicrobatch,
+    *,
+    require_bf16: bool = True,
+) -> None:
+    """Checks dtypes and shapes before any kernel runs.
+
+    Raises:
+        ValueError: a dtype other than bf16 (when required), or shapes that disagree; the
+            message names the tensors and their shapes.
+    """
+    if require_bf16:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.dtype != torch.bfloat16:
+                raise ValueError(f"{name} must be torch.bfloat16; got {x.dtype}")
+    validate_qkv(q, k, v, msa)
+    if q2k.dtype != torch.int32 or q2k.dim() != 3:
+        raise ValueError(
+            f"q2k must be int32 [kv_heads, tokens, top_k]; got {q2k.dtype} {tuple(q2k.shape)}"
+        )
+    if q2k.shape[0] != k.shape[1] or q2k.shape[1] != q.shape[0]:
+        raise ValueError(
+            f"q2k {tuple(q2k.shape)} must be [kv_heads={k.shape[1]}, tokens={q.shape[0]}, top_k]"
+        )
+    devices = {x.device for x in (q, k, v, q2k)} | {msa.device}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v, q2k and the layout must share one device; got {devices}")
+
+
+def validate_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> None:
+    """Reject a q2k that is not in the canonical form ``select_blocks`` returns.
+
+    Canonical: per (KV head, token), document-local block ids in ``0..own block`` (the token's
+    own block), strictly ascending, then -1 padding. Every backend gives a non-canonical q2k its
+    set meaning (MSA_SPEC.md); this opt-in check (``sparse_attention(validate=True)``) finds
+    hand-made or transformed q2k that was not meant to be non-canonical. Costs a few passes
+    over q2k and one host synchronization.
+
+    Raises:
+        ValueError: naming the first bad (head, token, slot) in row-major order, its value and
+            the rule it breaks.
+    """
+    own = (msa.document_positions.long() // msa.block_size)[None, :, None]
+    ids = q2k.long()
+    prev = torch.full_like(ids, -1)
+    prev[..., 1:] = ids[..., :-1]
+    real = ids != -1
+    out_of_range = real & ((ids < 0) | (ids > own))
+    after_padding = real & (prev == -1) & (torch.arange(ids.shape[-1], device=ids.device) > 0)
+    not_ascending = real & (prev != -1) & (ids <= prev)
+    bad = out_of_range | after_padding | not_ascending
+    first = bad.flatten().nonzero()
+    if first.numel() == 0:
+        return
+    h, t, slot = (int(i) for i in torch.unravel_index(first[0, 0], bad.shape))
+    value, own_block = int(ids[h, t, slot]), int(own[0, t, 0])
+    if out_of_range[h, t, slot]:
+        reason = f"outside 0..{own_block} (the token's own block)"
+    elif after_padding[h, t, slot]:
+        reason = "a block id after -1 padding (-1 belongs only at the tail)"
+    elif value == int(ids[h, t, slot - 1]):
+        reason = f"a duplicate of slot {slot - 1}"
+    else:
+        reason = f"not above slot {slot - 1} ({int(ids[h, t, slot - 1])}): ids must ascend"
+    raise ValueError(
+        f"q2k[{h}, {t}, {slot}] = {value} (head {h}, token {t}, slot {slot}) is {reason}; "
+        "expected select_blocks's canonical form: block ids in 0..own block, strictly "
+        "ascending, then -1"
+    )
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q2k, msa, softmax_scale, backend: MSABackend, block_mass: bool):
+        extra = {"return_block_mass": True} if block_mass else {}
+        result = backend.attention_forward(q, k, v, q2k, msa, softmax_scale, **extra)
+        out, lse = result[:2]
+        if backend.forward_residuals:
+            ctx.residuals = result[2]
+        mass = result[-1] if block_mass else lse.new_empty(0)
+        ctx.save_for_backward(q, k, v, q2k, out, lse)
+        ctx.msa = msa
+        ctx.softmax_scale = softmax_scale
+        ctx.backend = backend
+        ctx.mark_non_differentiable(lse, mass)
+        return out, lse, mass
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dmass):
+        q, k, v, q2k, out, lse = ctx.saved_tensors
+        extra = {"residuals": ctx.residuals} if ctx.backend.forward_residuals else {}
+        dq, dk, dv = ctx.backend.attention_backward(
+            dout.contiguous(), q, k, v, out, lse, q2k, ctx.msa, ctx.softmax_scale, **extra
+        )
+        return dq, dk, dv, None, None, None, None, None
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q2k: torch.Tensor,
+    msa: MSAMicrobatch,
+    *,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+    return_lse: bool = False,
+    return_block_mass: bool = False,
+    validate: bool = False,
+):
+    """Block-sparse causal attention within documents (differentiable in q, k, v).
+
+    Args:
+        q: bf16 [T, Hq, d] compact queries.
+        k: bf16 [T, Hkv, d] compact keys; Hq is a multiple of Hkv.
+        v: bf16 [T, Hkv, d] compact values.
+        q2k: int32 [Hkv, T, top_k] document-local block ids per KV head and query, -1 unused
+            (from :func:`select_blocks`).
+        msa: the batch layout.
+        softmax_scale: defaults to 1 / sqrt(d).
+        backend: backend name or "auto"/None (see nemo_msa.backends).
+        return_lse: also return the fp32 [Hq, T] log-sum-exp.
+        return_block_mass: also return the attention mass per selected slot, fp32
+            [Hkv, T, top_k] (no gradient): the softmax probability of the slot's keys summed,
+            averaged over the group's query heads, 0 at -1 slots; accumulated in the forward's
+            pass over K/V (the target of the sparse indexer loss).
+        validate: reject a q2k that is not in select_blocks's canonical form (see
+            :func:`validate_q2k`; one host synchronization). Without it any q2k means its set:
+            per (KV head, token) the distinct ids in 0..own block (MSA_SPEC.md).
+
+    Returns:
+        bf16 [T, Hq, d] output, then the LSE and the block mass when asked (in that order).
+
+    Raises:
+        ValueError: non-bf16 inputs or disagreeing shapes; with ``validate``, a non-canonical
+            q2k (naming the first bad head, token and slot).
+        RuntimeError: called during CUDA-graph capture.
+    """
+    validate_attention_inputs(q, k, v, q2k, msa)
+    if validate:
+        validate_q2k(q2k, msa)
+    made_for = marked_block_size(q2k)
+    if made_for is not None and made_for != msa.block_size:
+        raise ValueError(
+            f"q2k holds ids of {made_for}-token blocks (from select_blocks with that layout) but "
+            f"the layout's block_size is {msa.block_size}; select with the same layout"
+        )
+    if made_for is None:
+        # One meaning for every backend (MSA_SPEC.md): the kernels read the canonical form.
+        q2k = canonical_q2k(q2k, msa)
+    reject_cuda_graph_capture("sparse_attention")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    chosen = resolve_backend(
+        backend, q.device, head_dim=q.shape[-1], block_size=msa.block_size,
+        top_k=q2k.shape[-1], dtype=q.dtype,
+    )
+    out, lse, mass = _SparseAttention.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), q2k.contiguous(), msa, scale, chosen,
+        return_block_mass,
+    )
+    extra = ((lse,) if return_lse else ()) + ((mass,) if return_block_mass else ())
+    return (out, *extra) if extra else out
+
+
+def document_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    msa: MSAMicrobatch,
+    *,
+    softmax_scale: float,
+    q2k: torch.Tensor | None = None,
+    backend: str | None = None,
+    return_block_mass: bool = False,
+):
+    """Causal attention within documents on compact tokens: a layer's core attention.
+
+    - ``q2k`` given: attends the selected key blocks, through :func:`sparse_attention` for bf16
+      (the kernels' dtype); for other dtypes (fp32 CPU tests, fp64 checks) through the reference
+      masked dense path restricted to the same blocks, which computes the same function with
+      O(T^2) memory (tests only);
+    - ``q2k`` None (dense layers, the dense warm-up): dense within documents,
+      :func:`nemo_msa.attention.dense.dense_document_attention` (ADR 0012).
+
+    Args:
+        query: [T, Hq, d].
+        key: [T, Hkv, d].
+        value: [T, Hkv, d].
+        msa: the batch layout.
+        softmax_scale: the softmax scale.
+        q2k: int32 [Hkv, T, top_k] selected document-local blocks, or None for dense attention.
+        backend: backend name or "auto"/None (the sparse path's).
+        return_block_mass: with ``q2k``, also return the attention mass per selected slot, fp32
+            [Hkv, T, top_k] (no gradient; the sparse indexer loss's target).
+
+    Returns:
+        [T, Hq, d] in query's dtype; with ``return_block_mass`` the pair ``(output, mass)``.
+
+    Raises:
+        ValueError: ``return_block_mass`` without ``q2k``, or what the chosen path raises.
+    """
+    if q2k is None:
+        if return_block_mass:
+            raise ValueError("return_block_mass=True needs q2k (the selected blocks)")
+        return dense_document_attention(query, key, value, msa, softmax_scale)
+    if query.dtype == torch.bfloat16:
+        return sparse_attention(
+            query, key, value, q2k, msa, softmax_scale=softmax_scale, backend=backend,
+            return_block_mass=return_block_mass,
+        )
+    # The kernels read bf16 only; other dtypes take the reference masked path, which is the
+    # same function (keys restricted to the selected blocks), O(T^2) memory: tests only.
+    out = naive.dense_document_attention(query, key, value, msa, softmax_scale=softmax_scale,
+                                         q2k=q2k)
+    if not return_block_mass:
+        return out
+    with torch.no_grad():
+        mass = naive.sparse_attention_forward_reference(
+            query.detach(), key.detach(), value.detach(), q2k, msa, softmax_scale,
+            return_block_mass=True,
+        )[2]
+    return out, mass.float()
