@@ -12,6 +12,7 @@
 Layer specs live in the top-level ``layer_specs`` package.
 """
 
+from nemo_msa.indexer_loss import compute_indexer_loss
 from nemo_msa.megatron.config import MSATransformerConfig, normalize_layer_pattern
 from nemo_msa.megatron.core_attention import MSACoreAttention
 from nemo_msa.megatron.indexer import (
@@ -20,11 +21,7 @@ from nemo_msa.megatron.indexer import (
     MSAIndexerSubmodules,
     ReplicatedLinear,
 )
-from nemo_msa.megatron.indexer_loss import (
-    MSAIndexerLossAutoScaler,
-    MSAIndexerMetrics,
-    compute_indexer_loss,
-)
+from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler, MSAIndexerMetrics
 from nemo_msa.megatron.microbatch import (
     SharedMicrobatchIterators,
     layout_for_layer,

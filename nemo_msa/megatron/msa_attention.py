@@ -35,13 +35,15 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
-from nemo_msa.megatron.indexer_loss import (
-    MSAIndexerLossAutoScaler,
-    MSAIndexerMetrics,
+from nemo_msa.backends import resolve_backend
+from nemo_msa.indexer_loss import (
     compute_indexer_loss,
+    dense_indexer_loss_triton,
+    dense_loss_kernel_unsupported,
     sampled_selection_recall,
     sparse_indexer_loss_from_byproducts,
 )
+from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler, MSAIndexerMetrics
 from nemo_msa.megatron.microbatch import layout_for_layer, pack_sbhd, unpack_sbhd
 from nemo_msa.megatron.phase import dense_warmup_active
 from nemo_msa.ops import select_blocks
@@ -204,6 +206,19 @@ class MSASelfAttention(SelfAttention):
         the keys of its own; otherwise :func:`compute_indexer_loss` recomputes its target."""
         return self.config.msa_indexer_loss_type == "sparse" and self.config.msa_score_type == "max"
 
+    def fused_dense_loss(self, query, key, index_q) -> bool:
+        """Whether the dense indexer loss (dense warm-up, or ``msa_indexer_loss_type="dense"``)
+        runs fused in Triton (:func:`dense_indexer_loss_triton`, score "max", the shapes its
+        kernel runs, a Triton-based backend) rather than on the chunked reference: both compute
+        the same function."""
+        if self.config.msa_score_type != "max":
+            return False
+        backend = resolve_backend(self.config.msa_backend, query.device)
+        if backend.name == "reference":
+            return False
+        block = self.config.msa_block_size
+        return dense_loss_kernel_unsupported(query, key, index_q, block) is None
+
     # ------------------------------------------------------------------ forward
     def forward(
         self,
@@ -302,6 +317,8 @@ class MSASelfAttention(SelfAttention):
         else:
             core = run_core(query, key, value)
 
+        # The dense warm-up has no selection, so its loss is always the dense one.
+        sparse_loss = self.config.msa_indexer_loss_type == "sparse" and q2k is not None
         if byproducts:
             loss, stats = sparse_indexer_loss_from_byproducts(
                 index_q,
@@ -322,9 +339,21 @@ class MSASelfAttention(SelfAttention):
                 )
             MSAIndexerMetrics.record(self.layer_number, stats)
             core = MSAIndexerLossAutoScaler.apply(core, loss)
+        elif need_loss and not sparse_loss and self.fused_dense_loss(query, key, index_q):
+            loss, stats = dense_indexer_loss_triton(
+                index_q,
+                index_k,
+                query,
+                key,
+                msa,
+                softmax_scale=self.core_attention.softmax_scale,
+                num_index_heads_total=self.config.msa_num_index_heads,
+                loss_coeff=self.config.msa_indexer_loss_coeff,
+                q2k=selected if log_recall else None,
+            )
+            MSAIndexerMetrics.record(self.layer_number, stats)
+            core = MSAIndexerLossAutoScaler.apply(core, loss)
         elif need_loss:
-            # The dense warm-up has no selection, so its loss is always the dense one.
-            sparse_loss = self.config.msa_indexer_loss_type == "sparse" and q2k is not None
             loss, stats = compute_indexer_loss(
                 index_q,
                 index_k,

@@ -17,7 +17,7 @@ from packs import packed_batches
 
 from nemo_msa import MSAMicrobatch, select_blocks, sparse_attention
 from nemo_msa.attention.naive import sparse_attention_forward_reference
-from nemo_msa.megatron.indexer_loss import (
+from nemo_msa.indexer_loss import (
     compute_indexer_loss,
     sampled_selection_recall,
     sparse_indexer_loss_from_byproducts,
