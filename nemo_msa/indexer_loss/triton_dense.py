@@ -156,7 +156,7 @@ def _dense_kl_fwd_kernel(
         mi_new = tl.maximum(mi, sb)
         li = li * tl.exp(mi - mi_new) + tl.exp(sb - mi_new)
         mi = mi_new
-        ent += tl.where(mass > 0, mass * tl.log(tl.maximum(mass, 1e-38)), 0.0)
+        ent += tl.where(mass > 0, mass * tl.log(tl.maximum(mass, 1e-30)), 0.0)
         cross += mass * sb
         tsum += mass
         tl.store(target_ptr + out_off + j, mass, mask=tok_ok)
