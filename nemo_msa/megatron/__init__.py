@@ -4,7 +4,7 @@
 - :class:`MSASelfAttention` / :class:`MSASelfAttentionSubmodules`: the attention module.
 - :class:`MSAIndexer` / :class:`MSAIndexerSubmodules`: index_q/index_k branch.
 - :class:`MSACoreAttention`: block-sparse / dense-document core attention on compact tokens.
-- indexer loss: :func:`compute_indexer_loss`, :class:`MSAIndexerLossAutoScaler`,
+- indexer loss (computed by :mod:`nemo_msa.indexer_loss`): :class:`MSAIndexerLossAutoScaler`,
   :class:`MSAIndexerMetrics` (logging of indexer loss and selection recall).
 - training phase: :func:`set_training_iteration` (dense warm-up), parameter helpers.
 - data side: :class:`SharedMicrobatchIterators` (one layout per microbatch across VPP chunks).
@@ -12,7 +12,6 @@
 Layer specs live in the top-level ``layer_specs`` package.
 """
 
-from nemo_msa.indexer_loss import compute_indexer_loss
 from nemo_msa.megatron.config import MSATransformerConfig, normalize_layer_pattern
 from nemo_msa.megatron.core_attention import MSACoreAttention
 from nemo_msa.megatron.indexer import (
@@ -54,7 +53,6 @@ __all__ = [
     "ReplicatedLinear",
     "SharedMicrobatchIterators",
     "check_msa_layer_config",
-    "compute_indexer_loss",
     "dense_warmup_active",
     "get_training_iteration",
     "indexer_parameters",

@@ -32,8 +32,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # What every layer reads: the contract's limits, the document map and the layout built from
     # it, the canonical q2k. The kernels take the layout as their input, so it sits below them.
     ("layout", ("nemo_msa.limits", "nemo_msa.document_map", "nemo_msa.layout", "nemo_msa.q2k")),
-    # Kernels and references: attention (naive, dense, Triton, flashinfer adapter), selection.
-    ("kernels", ("nemo_msa.attention", "nemo_msa.selection")),
+    # Kernels and references: attention (naive, dense, Triton, flashinfer adapter), selection,
+    # the indexer loss (reference, by-products, fused dense).
+    ("kernels", ("nemo_msa.attention", "nemo_msa.selection", "nemo_msa.indexer_loss")),
     # The core: backend record, backend modules, registry, ops, support gate, the public facade.
     ("core", (
         "nemo_msa.backend_spec",

@@ -17,10 +17,10 @@ from _megatron_harness import (
 )
 
 from nemo_msa import MSAMicrobatch, select_blocks
+from nemo_msa.indexer_loss import compute_indexer_loss
 from nemo_msa.megatron import (
     MSAIndexerLossAutoScaler,
     MSAIndexerMetrics,
-    compute_indexer_loss,
     indexer_parameters,
     set_main_parameters_trainable,
     set_training_iteration,

