@@ -186,8 +186,26 @@ def compute_indexer_loss(
     return kl * loss_coeff, stats
 
 
-# Elements of one chunk's gathered key tile [C, H, top_k * B, d]; bounds the sparse loss memory.
-_SPARSE_GATHER_ELEMENTS = 1 << 24
+# Elements of one chunk's gathered key tile [C, H, top_k * B, d] at most (fp32: 1 GiB, with
+# about four tiles' worth live in a chunk); the host keeps the small tiles it always had.
+_SPARSE_GATHER_ELEMENTS = 1 << 28
+_SPARSE_GATHER_ELEMENTS_HOST = 1 << 24
+# Share of the device's free memory the chunk's tiles may take.
+_SPARSE_FREE_SHARE = 0.25
+
+
+def _sparse_chunk_tokens(per_token: int, work: torch.dtype, device: torch.device) -> int:
+    """Query tokens per chunk of the sparse reference, sized by memory: as many as fit
+    :data:`_SPARSE_GATHER_ELEMENTS` and a quarter of the device's free memory over the chunk's
+    ~4 live tiles of ``per_token`` elements on CUDA (a 16-token loop at MiniMax-M3's shape would
+    be launch-bound), :data:`_SPARSE_GATHER_ELEMENTS_HOST` elsewhere."""
+    budget = _SPARSE_GATHER_ELEMENTS_HOST
+    if device.type == "cuda":
+        budget = _SPARSE_GATHER_ELEMENTS
+        free, _ = torch.cuda.mem_get_info(device)
+        itemsize = torch.empty((), dtype=work).element_size()
+        budget = min(budget, int(free * _SPARSE_FREE_SHARE) // (4 * itemsize))
+    return max(1, budget // max(1, per_token))
 
 
 def _sparse_chunk_kl(
@@ -245,7 +263,7 @@ def _sparse_indexer_loss(
         offsets = torch.arange(block, device=device)
         head_index = torch.arange(heads, device=device)[None, :, None]
     index_k_ws = msa.to_workspace(index_k)
-    chunk = max(1, _SPARSE_GATHER_ELEMENTS // (heads * top_k * block * max(head_dim, index_dim)))
+    chunk = _sparse_chunk_tokens(heads * top_k * block * max(head_dim, index_dim), work, device)
     kl_total = torch.zeros((), dtype=work, device=device)
     for start in range(0, tokens, chunk):
         stop = min(tokens, start + chunk)
