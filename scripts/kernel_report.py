@@ -114,7 +114,7 @@ def _union_build(cfg):
     qt = tf.union_tile_tokens(cfg["union_qt"], BS, G)
     tp, warps = tf.union_build_launch(cfg)
     constexprs = dict(TOPK=TOPK, QT=qt, BS=BS, WIDTH=qt * TOPK, W=next_pow2(qt * TOPK),
-                      SCAN=cfg["union_build"] == "triton_scan", TP=tp)
+                      TP=tp)
     sig = _signature(tf._tile_union_kernel, constexprs, {}, set(), {})
     return tf._tile_union_kernel, sig, constexprs, {"num_warps": warps}
 

@@ -76,12 +76,8 @@ CONFIG = {"bn": 128, "num_warps": 4, "num_stages": 2,
           # it) slowed from 72.2 to 75.5 ms (4: 74.6), so 1 (ADR 0003 v11).
           "tile_grid_tiles": 1,
           # union_build: the union lists of the hybrid split (forward and dq) built by torch
-          # sorts in chunks ("torch") or by one Triton kernel ("triton": 1.4 ms faster and
-          # 79 MiB less at 131072 tokens, ADR 0003 v8; it takes 0.99 ms there). "triton_scan":
-          # the same kernel deduplicating by one sort and two scans (predecessor, place)
-          # instead of a quadratic comparison and a sort, over union_build_tiles tiles per
-          # program of union_build_warps warps: 0.11 ms with one tile of one warp (0.11-0.19
-          # for the others measured, ADR 0003 v11). dq reuses the forward's lists.
+          # sorts in chunks ("torch") or by one Triton kernel ("triton_scan"), over
+          # union_build_tiles tiles per program of union_build_warps warps.
           "union_build": "triton_scan",
           "union_build_tiles": 1,
           "union_build_warps": 1,
@@ -311,15 +307,13 @@ def _previous_of_segment(n1, prev1, last1, n2, prev2, last2):
 def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, block_local_ptr,
                        stride_sg, stride_st, stride_ug, stride_ut, num_tiles,
                        TOPK: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                       WIDTH: tl.constexpr, W: tl.constexpr, SCAN: tl.constexpr,
-                       TP: tl.constexpr):
+                       WIDTH: tl.constexpr, W: tl.constexpr, TP: tl.constexpr):
     """``TP`` union tiles of one KV head: the sorted distinct blocks their tokens selected, in
     registers (no sort temporaries in memory), one [TP, W] row per tile.
 
-    Without SCAN an entry is kept where no earlier entry equals it (a [W, W] comparison, TP = 1),
-    and the kept ones are sorted. With SCAN the entries are sorted first; an entry is kept where
-    it differs from its predecessor (:func:`_previous_of_segment`), and an inclusive count of
-    the kept ones gives each its place in the list (a scan instead of the second sort)."""
+    The entries are sorted; an entry is kept where it differs from its predecessor
+    (:func:`_previous_of_segment`), and an inclusive count of the kept ones gives each its place
+    in the list, so no second sort is needed."""
     BIG: tl.constexpr = 2147483647
     tiles = tl.program_id(0) * TP + tl.arange(0, TP)
     g = tl.program_id(1)
@@ -333,26 +327,16 @@ def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, blo
                   + (i % TOPK)[None, :], mask=valid, other=-1)
     key = tl.where(ids >= 0, ids, BIG)
     dst = union_ptr + g * stride_ug + tiles[:, None] * stride_ut
-    if SCAN:
-        key = tl.sort(key)
-        n, prev, _ = tl.associative_scan((tl.full((TP, W), 1, tl.int32), key, key), 1,
-                                         _previous_of_segment)
-        kept = (key != BIG) & ((n < 2) | (prev != key))
-        place = tl.cumsum(kept.to(tl.int32), axis=1) - 1
-        count = tl.sum(kept.to(tl.int32), axis=1)
-        # The kept entries go to places 0..count-1, zeros to count..WIDTH-1: disjoint stores.
-        tl.store(dst + place, key, mask=live[:, None] & kept)
-        tl.store(dst + i[None, :], tl.zeros((TP, W), tl.int32),
-                 mask=(live[:, None] & (i < WIDTH)[None, :]) & (i[None, :] >= count[:, None]))
-    else:
-        earlier_equal = (key[:, :, None] == key[:, None, :]) & (i[None, None, :]
-                                                               < i[None, :, None])
-        key = tl.where(tl.max(earlier_equal.to(tl.int32), axis=2) > 0, BIG, key)
-        srt = tl.sort(key)
-        real = srt != BIG
-        count = tl.sum(real.to(tl.int32), axis=1)
-        tl.store(dst + i[None, :], tl.where(real, srt, 0), mask=live[:, None]
-                 & (i < WIDTH)[None, :])
+    key = tl.sort(key)
+    n, prev, _ = tl.associative_scan((tl.full((TP, W), 1, tl.int32), key, key), 1,
+                                     _previous_of_segment)
+    kept = (key != BIG) & ((n < 2) | (prev != key))
+    place = tl.cumsum(kept.to(tl.int32), axis=1) - 1
+    count = tl.sum(kept.to(tl.int32), axis=1)
+    # The kept entries go to places 0..count-1, zeros to count..WIDTH-1: disjoint stores.
+    tl.store(dst + place, key, mask=live[:, None] & kept)
+    tl.store(dst + i[None, :], tl.zeros((TP, W), tl.int32),
+             mask=(live[:, None] & (i < WIDTH)[None, :]) & (i[None, :] >= count[:, None]))
     tl.store(count_ptr + g * num_tiles + tiles, count, mask=live)
 
 
@@ -371,15 +355,10 @@ def tiles_per_program(config: dict, key: str) -> int:
 
 def union_build_launch(config: dict) -> tuple[int, int]:
     """``(tiles per program, warps)`` of the Triton union build from ``config`` (the keys
-    ``union_build``, ``union_build_tiles`` and ``union_build_warps`` of :data:`CONFIG`),
-    validated: the quadratic comparison of ``"triton"`` takes one tile per program."""
-    build, tp, warps = (config[k] for k in ("union_build", "union_build_tiles",
-                                             "union_build_warps"))
+    ``union_build_tiles`` and ``union_build_warps`` of :data:`CONFIG`), validated."""
+    tp, warps = config["union_build_tiles"], config["union_build_warps"]
     if not isinstance(tp, int) or tp < 1 or tp & (tp - 1):
         raise ValueError(f"CONFIG['union_build_tiles']={tp!r}: expected a power of two >= 1")
-    if build == "triton" and tp != 1:
-        raise ValueError(f"CONFIG['union_build_tiles']={tp} needs union_build='triton_scan' "
-                         f"(the 'triton' build's [W, W] comparison takes one tile per program)")
     if warps not in (1, 2, 4, 8):
         raise ValueError(f"CONFIG['union_build_warps']={warps!r}: expected 1, 2, 4 or 8")
     return tp, warps
@@ -408,9 +387,8 @@ def tile_unions(q2k: torch.Tensor, blocks, msa, qt: int):
     dev = q2k.device
     width = qt * top_k
     build = CONFIG["union_build"]
-    if build not in ("torch", "triton", "triton_scan"):
-        raise ValueError(f"CONFIG['union_build']={build!r}: expected 'torch', 'triton' or "
-                         f"'triton_scan'")
+    if build not in ("torch", "triton_scan"):
+        raise ValueError(f"CONFIG['union_build']={build!r}: expected 'torch' or 'triton_scan'")
     if build != "torch":
         tp, warps = union_build_launch(CONFIG)
         union = torch.empty((hkv, tiles, width), dtype=torch.int32, device=dev)
@@ -419,7 +397,7 @@ def tile_unions(q2k: torch.Tensor, blocks, msa, qt: int):
             q2k, union, count, msa.cu_seqlens, blocks.block_doc, blocks.block_local,
             q2k.stride(0), q2k.stride(1), union.stride(0), union.stride(1), tiles,
             TOPK=top_k, QT=qt, BS=bs, WIDTH=width, W=next_pow2(width),
-            SCAN=build == "triton_scan", TP=tp, num_warps=warps)
+            TP=tp, num_warps=warps)
         return union, count
     # Local block ids stay below max_seqlen / bs: 16-bit sort keys when they fit.
     max_blocks = -(-int(getattr(msa, "max_seqlen", 2**31 - 1)) // bs)

@@ -59,14 +59,9 @@ def test_kernel_report_shows_the_flat_dq_loop_taking_one_key_tile_per_step():
     assert flat_shared < shared
 
 
-def test_kernel_report_compiles_both_union_builds():
-    """The union-list build with the quadratic deduplication and with the sort-scan-sort one
-    compile for sm_90a; the latter needs fewer registers (no [128, 128] comparison)."""
-    regs = {}
-    for build in ("triton", "triton_scan"):
-        res = _run("--kernel", "union_build", "--set", f"fwd.union_build={build}")
-        assert res.returncode == 0, res.stderr[-2000:]
-        head = re.match(r"union_build: (\d+) registers, spills 0 B stored", res.stdout)
-        assert head, res.stdout
-        regs[build] = int(head.group(1))
-    assert regs["triton_scan"] < regs["triton"]
+def test_kernel_report_compiles_the_union_build():
+    """The union-list build (sort, predecessor scan, place scan) compiles for sm_90a without
+    spills."""
+    res = _run("--kernel", "union_build")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert re.match(r"union_build: (\d+) registers, spills 0 B stored", res.stdout), res.stdout

@@ -244,8 +244,8 @@ def test_union_flat_loop_and_own_block_by_tma_match_reference(monkeypatch, flat,
 
 
 @pytest.mark.parametrize("max_count", [1000, 2])
-@pytest.mark.parametrize("tile_grid,tiles,build", [(True, 1, "triton"), (True, 3, "triton_scan"),
-                                                   (False, 1, "torch")])
+@pytest.mark.parametrize("tile_grid,tiles,build", [(True, 1, "triton_scan"),
+                                                   (True, 3, "triton_scan"), (False, 1, "torch")])
 def test_per_token_grids_match_reference(monkeypatch, max_count, tile_grid, tiles, build):
     """The hybrid's variants together against float64: the per-token kernels' tile grid (one
     program per union tile doing the tokens the union kernel left, or per 3 tiles, a count that
@@ -287,16 +287,15 @@ def test_union_build_programs_write_only_their_tiles(monkeypatch):
     tf._tile_union_kernel[(-(-tiles // 8), 1)](
         dq2k, union, count, dmsa.cu_seqlens, dblocks.block_doc, dblocks.block_local,
         dq2k.stride(0), dq2k.stride(1), union.stride(0), union.stride(1), tiles,
-        TOPK=16, QT=8, BS=16, WIDTH=128, W=128, SCAN=True, TP=8)
+        TOPK=16, QT=8, BS=16, WIDTH=128, W=128, TP=8)
     union, count = union.cpu(), count.cpu()
     assert torch.equal(union[:, :tiles], want) and torch.equal(count[:tiles], want_count[0])
     assert (union[:, tiles:] == -7).all() and (count[tiles:] == -7).all()
 
 
 @pytest.mark.parametrize(("key", "value", "build", "match"), [
-    ("union_build", "bitonic", "bitonic", "expected 'torch', 'triton' or 'triton_scan'"),
+    ("union_build", "triton", "triton", "expected 'torch' or 'triton_scan'"),
     ("union_build_tiles", 3, "triton_scan", "union_build_tiles'\\]=3: expected a power of two"),
-    ("union_build_tiles", 4, "triton", "union_build_tiles'\\]=4 needs union_build='triton_scan'"),
     ("union_build_warps", 16, "triton_scan", "union_build_warps'\\]=16: expected 1, 2, 4 or 8"),
 ])
 def test_union_build_rejects_bad_settings(monkeypatch, key, value, build, match):
@@ -370,7 +369,7 @@ def test_tile_unions_are_the_same_in_chunks_and_by_kernel(monkeypatch):
     # Several tiles per program, with a tile count that is not a multiple of them (the last
     # program's surplus tiles must write nothing).
     assert want[0].shape[1] % 8 != 0
-    for build, tp, warps in (("triton", 1, 4), ("triton_scan", 1, 4), ("triton_scan", 8, 2)):
+    for build, tp, warps in (("triton_scan", 1, 4), ("triton_scan", 8, 2)):
         monkeypatch.setitem(tf.CONFIG, "union_build", build)
         monkeypatch.setitem(tf.CONFIG, "union_build_tiles", tp)
         monkeypatch.setitem(tf.CONFIG, "union_build_warps", warps)
