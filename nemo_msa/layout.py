@@ -321,6 +321,15 @@ class MSAMicrobatch:
             self._cache[name] = value
         return value
 
+    def kernel_layout(self, block_size: int | None = None):
+        """The Triton kernels' typed view of this layout for ``block_size`` (default: the
+        layout's), built once and shared by every layer
+        (:class:`nemo_msa.attention.triton_layout.KernelLayout`)."""
+        from nemo_msa.attention.triton_layout import build_kernel_layout
+
+        bs = self.block_size if block_size is None else int(block_size)
+        return self.cached(f"triton_kernel_layout_{bs}", lambda: build_kernel_layout(self, bs))
+
     @property
     def token_document_starts(self) -> torch.Tensor:
         """int64 [T]: compact row of the first token of each token's document."""

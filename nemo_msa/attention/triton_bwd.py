@@ -26,18 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_fwd import (
-    TileUnions,
-    check_attention_inputs,
-    hybrid_plan,
-    q2k_identity,
-    tiles_per_program,
-)
+from nemo_msa.attention.triton_launch import BackwardLaunch, current_launch
 from nemo_msa.attention.triton_layout import (
     INTERPRET,
+    KernelLayout,
     block_query_csr,
+    check_attention_inputs,
+    check_block_size,
     check_kernel_devices,
-    doc_blocks,
+    kernel_layout,
 )
 from nemo_msa.attention.triton_tiles import (
     LOG2E,
@@ -66,27 +63,7 @@ from nemo_msa.attention.triton_tiles import (
     union_tile_rows,
     union_tile_skipped,
 )
-
-# Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003). dq: keys per tile, warps,
-# stages. dkdv: keys per program (a block is split into bs / kv_bn programs), rows per query
-# tile (tokens x padded group), warps, stages.
-# dq_union_*: the query-tile union path of dq (as the forward's union_*); 0 tokens disables it.
-CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2,
-          "dq_union_qt": 8, "dq_union_max": 30, "dq_union_warps": 8, "dq_union_bn": 64,
-          "dq_union_stages": 2, "dq_union_split": True, "dq_union_tma": True,
-          "dq_tile_grid": True,  # as the forward's tile_grid (1.2 ms faster, ADR 0003 v8)
-          # As the forward's tile_grid_tiles; for dq 8 per program is faster with either
-          # kind of selection: per-token dq 0.35 -> 0.24 ms coherent, backward 131.9 -> 129.3
-          # ms random (ADR 0003 v11).
-          "dq_tile_grid_tiles": 8,
-          # As the forward's union_flat and union_own_tma: 3 ms slower at one program per SM
-          # (ADR 0003 v10). dq_union_maxnreg caps the registers (None: Triton's), but two dq
-          # programs also need <= 113 KB of shared memory each, and the flat dq (Q and dO
-          # tiles too) takes 131.6 KB; not yet timed.
-          "dq_union_flat": False, "dq_union_own_tma": False, "dq_union_maxnreg": None,
-          "kv_bn": 64, "kv_rows": 64, "kv_warps": 4, "kv_stages": 2,
-          # Benchmark hook only: "dq" or "dkdv" leaves that kernel out to time the other.
-          "skip": ""}
+from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
 
 
 @triton.jit
@@ -308,49 +285,68 @@ def _dkdv_kernel(
              dv.to(dv_ptr.dtype.element_ty), mask=kvalid[:, None])
 
 
-def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
-               t, hkv, top_k, grp, gp, bs, bn, d, unions):
+def _launch_dq(cfg: BackwardLaunch, view: KernelLayout, rows: dict, q2k_, scale, t, hkv, top_k,
+               grp, gp, d, unions):
     """dq and delta: the union kernel for tiles with a small union, per token for the rest
-    (with the forward's union lists when ``unions`` holds them for dq's tile size)."""
-    common = (q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0),
-              v_.stride(1), do_.stride(0), do_.stride(1), o_.stride(0), o_.stride(1),
-              dq.stride(0), dq.stride(1), q2k_.stride(0), q2k_.stride(1), lse_.stride(0))
-    plan = hybrid_plan(q2k_, blocks, msa, CONFIG["dq_union_qt"], CONFIG["dq_union_max"], gp,
-                       delta, unions=unions)
+    (with the forward's union lists when ``unions`` holds them for dq's tile size).
+    ``rows``: the q, k, v, dO, O, lse, delta and dq tensors by kernel argument name."""
+    bs = view.block_size
+    k_, v_ = rows["k_ptr"], rows["v_ptr"]
+    args = dict(rows, q2k_ptr=q2k_, **_row_strides(rows), stride_sg=q2k_.stride(0),
+                stride_st=q2k_.stride(1), scale=scale, scale_log2=scale * LOG2E,
+                block_doc_ptr=view.block_doc, block_local_ptr=view.block_local,
+                cu_ptr=view.cu_seqlens, TOPK=top_k, G=grp, GP=gp, BS=bs, D=d,
+                FP32_DOT=INTERPRET)
+    plan = hybrid_plan(q2k_, view, cfg.dq_union_qt, cfg.dq_union_max, gp, rows["delta_ptr"],
+                       build_tiles=cfg.dq_union_build_tiles,
+                       build_warps=cfg.dq_union_build_warps, unions=unions)
+    args.update(count_ptr=plan.count, num_tiles=plan.num_tiles, max_count=plan.max_count)
     if plan.enabled:
-        ubn = min(bs, CONFIG["dq_union_bn"]) if d == 128 else bs
-        split = bool(CONFIG["dq_union_split"])
-        descs = kv_descriptors(k_, v_, ubn, INTERPRET) if split and CONFIG["dq_union_tma"] \
-            else None
+        ubn = min(bs, cfg.dq_union_bn) if d == 128 else bs
+        descs = (kv_descriptors(k_, v_, ubn, INTERPRET)
+                 if cfg.dq_union_split and cfg.dq_union_tma else None)
+        k_desc, v_desc = descs or (k_, v_)
         _dq_union_kernel[(plan.num_tiles, hkv)](
-            q_, k_, v_, *(descs or (k_, v_)), do_, o_, lse_, delta, dq, q2k_, plan.union,
-            plan.count, msa.cu_seqlens, blocks.block_doc, blocks.block_local,
-            plan.num_tiles, plan.max_count, *common, plan.union.stride(0), plan.union.stride(1),
-            scale, scale * LOG2E,
-            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
-            FP32_DOT=INTERPRET, SPLIT=split, TMA=descs is not None,
-            UW=next_pow2(plan.union.shape[2]), FLAT=bool(CONFIG["dq_union_flat"]),
-            OWN_TMA=descs is not None and bool(CONFIG["dq_union_own_tma"]),
-            num_warps=CONFIG["dq_union_warps"], num_stages=CONFIG["dq_union_stages"],
-            **register_cap(CONFIG["dq_union_maxnreg"], INTERPRET),
+            **args, k_desc=k_desc, v_desc=v_desc, union_ptr=plan.union,
+            stride_ug=plan.union.stride(0), stride_ut=plan.union.stride(1),
+            KP=next_pow2(top_k), QT=plan.qt, BN=ubn, SPLIT=cfg.dq_union_split,
+            TMA=descs is not None, UW=next_pow2(plan.union.shape[2]), FLAT=cfg.dq_union_flat,
+            OWN_TMA=descs is not None and cfg.dq_union_own_tma,
+            num_warps=cfg.dq_union_warps, num_stages=cfg.dq_union_stages,
+            **register_cap(cfg.dq_union_maxnreg, INTERPRET),
         )
-    tile_grid = plan.enabled and bool(CONFIG["dq_tile_grid"])
-    tpp = tiles_per_program(CONFIG, "dq_tile_grid_tiles") if tile_grid else 1
+    tile_grid = plan.enabled and cfg.dq_tile_grid
+    tpp = cfg.dq_tile_grid_tiles if tile_grid else 1
     _dq_kernel[(triton.cdiv(plan.num_tiles, tpp) if tile_grid else t, hkv)](
-        q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks.token_start, blocks.token_pos,
-        *common, scale, scale * LOG2E, plan.count, plan.tok_tile, blocks.block_doc,
-        blocks.block_local, msa.cu_seqlens, plan.num_tiles, plan.max_count, TOPK=top_k, G=grp,
-        GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
-        HYBRID=plan.enabled, QT=max(plan.qt, 1),
-        TILE_GRID=tile_grid, TPP=tpp,
-        num_warps=CONFIG["dq_warps"], num_stages=CONFIG["dq_stages"],
+        **args, tok_start_ptr=view.token_start, tok_pos_ptr=view.token_pos,
+        tok_tile_ptr=plan.tok_tile, BN=min(bs, cfg.dq_bn) if d == 128 else bs,
+        HYBRID=plan.enabled, QT=max(plan.qt, 1), TILE_GRID=tile_grid, TPP=tpp,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )
+
+
+#: The row strides each kernel takes, by the tensor argument they belong to.
+_STRIDES = {"q_ptr": ("stride_qt", "stride_qh"), "k_ptr": ("stride_kt", "stride_kh"),
+            "v_ptr": ("stride_vt", "stride_vh"), "do_ptr": ("stride_dot", "stride_doh"),
+            "o_ptr": ("stride_ot", "stride_oh"), "dq_ptr": ("stride_dqt", "stride_dqh"),
+            "dk_ptr": ("stride_dkt", "stride_dkh"), "dv_ptr": ("stride_dvt", "stride_dvh")}
+
+
+def _row_strides(rows: dict) -> dict:
+    """The (token, head) strides of the [T, heads, d] tensors in ``rows``, and the head stride
+    ``stride_lh`` of lse / delta, as kernel keyword arguments."""
+    out = {"stride_lh": rows["lse_ptr"].stride(0)}
+    for name, (st, sh) in _STRIDES.items():
+        if name in rows:
+            out[st], out[sh] = rows[name].stride(0), rows[name].stride(1)
+    return out
 
 
 def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                               q2k: torch.Tensor, msa, softmax_scale: float | None = None, *,
-                              block_size: int | None = None, unions: TileUnions | None = None):
+                              block_size: int | None = None, unions: TileUnions | None = None,
+                              launch: BackwardLaunch | None = None):
     """Gradients of the sparse MSA attention; deterministic (no atomics).
 
     Args:
@@ -366,6 +362,8 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         block_size: key block size; defaults to ``msa.block_size``.
         unions: the forward's union lists of this q2k (``return_unions=True``); dq uses them
             instead of building its own when its tile size is theirs. None: dq builds them.
+        launch: launch parameters; None takes
+            :func:`~nemo_msa.attention.triton_launch.current_launch` ``("bwd")``.
 
     Returns:
         ``(dq, dk, dv)`` with q's, k's and v's shapes and dtypes.
@@ -373,15 +371,18 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     Raises:
         ValueError: on a bad argument (the message names it, its value and the expectation).
     """
-    bs = int(block_size if block_size is not None else getattr(msa, "block_size", 128))
-    t, hq, hkv, d, grp, top_k = check_attention_inputs(q, k, v, q2k, msa, bs)
+    cfg = current_launch("bwd") if launch is None else launch
+    bs = int(block_size if block_size is not None else msa.block_size)
+    check_block_size(bs)
+    view = kernel_layout(msa, bs)
+    t, hq, hkv, d, grp, top_k = check_attention_inputs(q, k, v, q2k, view)
     for name, x in (("dout", dout), ("out", out)):
         if x.shape != q.shape:
             raise ValueError(f"{name} shape {tuple(x.shape)} must equal q's {tuple(q.shape)}")
     if lse.shape != (hq, t) or lse.dtype != torch.float32:
         raise ValueError(f"lse must be fp32 [Hq={hq}, T={t}], got {lse.dtype} "
                          f"{tuple(lse.shape)}")
-    check_kernel_devices(msa, dout=dout, out=out, lse=lse)
+    check_kernel_devices(view, dout=dout, out=out, lse=lse)
     if unions is not None and unions.source != q2k_identity(q2k):
         raise ValueError(f"unions were built from another q2k (data_ptr, version, shape) = "
                          f"{unions.source}, got {q2k_identity(q2k)}: pass the forward's "
@@ -392,33 +393,28 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     dv = torch.empty_like(v)
     if t == 0:
         return dq, dk, dv
-    blocks = doc_blocks(msa, bs)
     q_, k_, v_, do_, o_ = (x if x.stride(-1) == 1 else x.contiguous()
                            for x in (q, k, v, dout, out))
     lse_ = lse.contiguous()
     q2k_ = q2k.contiguous()
     delta = torch.empty_like(lse_)
     gp = max(16, next_pow2(grp))
-    bn = min(bs, CONFIG["dq_bn"]) if d == 128 else bs
-    if CONFIG["skip"] != "dq":
-        _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
-                   t, hkv, top_k, grp, gp, bs, bn, d, unions)
-    csr = block_query_csr(q2k_, blocks, msa)
-    qt = max(1, CONFIG["kv_rows"] // gp)
-    bn_kv = min(bs, CONFIG["kv_bn"])
-    grid = (hkv * blocks.num_blocks_bound * (bs // bn_kv),)
-    if CONFIG["skip"] == "dkdv":
+    if cfg.skip != "dq":
+        rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, o_ptr=o_, lse_ptr=lse_,
+                    delta_ptr=delta, dq_ptr=dq)
+        _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions)
+    csr = block_query_csr(q2k_, view)
+    bn_kv = min(bs, cfg.kv_bn)
+    if cfg.skip == "dkdv":
         return dq, dk, dv
-    warps = CONFIG["kv_warps"] if d == 128 else 4
-    _dkdv_kernel[grid](
-        q_, k_, v_, do_, lse_, delta, dk, dv,
-        csr.offsets, csr.tokens, csr.order, blocks.block_doc, blocks.block_local,
-        msa.cu_seqlens, blocks.token_pos,
-        q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
-        do_.stride(0), do_.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        lse_.stride(0),
-        blocks.num_blocks_bound, scale, scale * LOG2E,
-        G=grp, GP=gp, QT=qt, BS=bs, BN=bn_kv, D=d, FP32_DOT=INTERPRET,
-        num_warps=warps, num_stages=CONFIG["kv_stages"],
+    rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, lse_ptr=lse_, delta_ptr=delta,
+                dk_ptr=dk, dv_ptr=dv)
+    _dkdv_kernel[(hkv * view.num_blocks_bound * (bs // bn_kv),)](
+        **rows, **_row_strides(rows), offsets_ptr=csr.offsets, list_ptr=csr.tokens,
+        order_ptr=csr.order, block_doc_ptr=view.block_doc, block_local_ptr=view.block_local,
+        cu_ptr=view.cu_seqlens, tok_pos_ptr=view.token_pos,
+        num_blocks_bound=view.num_blocks_bound, scale=scale, scale_log2=scale * LOG2E,
+        G=grp, GP=gp, QT=max(1, cfg.kv_rows // gp), BS=bs, BN=bn_kv, D=d, FP32_DOT=INTERPRET,
+        num_warps=cfg.kv_warps if d == 128 else 4, num_stages=cfg.kv_stages,
     )
     return dq, dk, dv
