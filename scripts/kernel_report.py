@@ -63,10 +63,10 @@ def _selection(cfg, emit):
                                                  "num_stages": cfg.num_stages}
 
 
-def _union_kernel(cfg, prefix, fn, pointers, floats, cap_rule, emit):
+def _union_kernel(cfg, prefix, fn, pointers, floats, emit):
     """The shared build of the two union kernels' reports (forward: ``union_*`` fields, dq:
-    ``dq_union_*``): the launch's constexprs, typed arguments and options. ``cap_rule`` maps
-    (the configured cap, own block by TMA) to the cap the launch uses."""
+    ``dq_union_*``): the launch's constexprs, typed arguments and options. Only the forward
+    has the flat loop, the own block by TMA and the register cap."""
     from nemo_msa.attention.triton_tiles import next_pow2, register_cap
     from nemo_msa.attention.triton_union import union_tile_tokens
 
@@ -75,15 +75,17 @@ def _union_kernel(cfg, prefix, fn, pointers, floats, cap_rule, emit):
 
     bn = field("bn")
     qt = union_tile_tokens(field("qt"), BS, G)  # the tile the launch would use
-    own_tma = field("tma") and field("own_tma")
     constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
-                      SPLIT=field("split"), TMA=field("tma"), UW=next_pow2(qt * TOPK),
-                      FLAT=field("flat"), OWN_TMA=own_tma)
-    if "EMIT" in fn.arg_names:
-        constexprs["EMIT"] = emit
+                      SPLIT=field("split"), TMA=field("tma"), UW=next_pow2(qt * TOPK))
+    options = {"num_warps": field("warps"), "num_stages": field("stages")}
+    if "FLAT" in fn.arg_names:  # the forward
+        import nemo_msa.attention.triton_fwd as tf
+
+        own_tma = field("tma") and field("own_tma")
+        constexprs.update(FLAT=field("flat"), OWN_TMA=own_tma, EMIT=emit)
+        options.update(register_cap(tf.union_register_cap(field("maxnreg"), own_tma),
+                                    interpret=False))
     sig = _signature(fn, constexprs, pointers, floats, {"k_desc": (bn, D), "v_desc": (bn, D)})
-    options = {"num_warps": field("warps"), "num_stages": field("stages"),
-               **register_cap(cap_rule(field("maxnreg"), own_tma), interpret=False)}
     return fn, sig, constexprs, options
 
 
@@ -92,8 +94,7 @@ def _forward_union(cfg, emit):
 
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     pointers.update(lse_ptr="*fp32", mass_ptr="*fp32")
-    return _union_kernel(cfg, "union_", tf._fwd_union_kernel, pointers, {"scale_log2"},
-                         tf.union_register_cap, emit)
+    return _union_kernel(cfg, "union_", tf._fwd_union_kernel, pointers, {"scale_log2"}, emit)
 
 
 def _dq_union(cfg, emit):
@@ -102,7 +103,7 @@ def _dq_union(cfg, emit):
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "o_ptr", "dq_ptr")}
     pointers.update(lse_ptr="*fp32", delta_ptr="*fp32")
     return _union_kernel(cfg, "dq_union_", tb._dq_union_kernel, pointers,
-                         {"scale", "scale_log2"}, lambda cap, own_tma: cap, emit)
+                         {"scale", "scale_log2"}, emit)
 
 
 def _union_build(cfg, emit):

@@ -12,10 +12,8 @@ Two kernels:
   summation order are fixed) in tiles of ``QT`` tokens x ``G`` heads (M = 64 rows at G = 16) and
   accumulates ``dv += P^T dO`` and ``dk += scale * dS^T Q`` in registers. Every key row belongs
   to exactly one program, so dk/dv are written once, without atomics; the result is bitwise
-  reproducible run to run.
-
-(A fused variant that added dq into an fp32 accumulator with atomics from the dk/dv kernel, as
-FlashAttention's backward does, measured slower on the H200 and is deleted: ADR 0003.)
+  reproducible run to run. dq is not added from this kernel (FlashAttention's scheme): the
+  fp32 atomics would cost more than the recomputation they save and break reproducibility.
 """
 
 from __future__ import annotations
@@ -47,19 +45,15 @@ from nemo_msa.attention.triton_tiles import (
     load_dq_rows,
     load_kv_tile,
     load_masked_union_tile,
-    load_own_union_tile_tma,
     load_rows,
     load_selection_rows,
     load_whole_kv_tile,
     next_pow2,
-    register_cap,
     rows_selecting,
     tile_tokens_left,
     token_rows,
     token_taken_by_union,
-    union_flat_step,
     union_full_blocks,
-    union_masked_end,
     union_tile_rows,
     union_tile_skipped,
 )
@@ -155,11 +149,13 @@ def _dq_union_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    FLAT: tl.constexpr, OWN_TMA: tl.constexpr,
 ):
     """dq of QT tokens of one document block x G heads in one pass over the union of their
     selected blocks (the forward's union tile); a row only sees blocks its token selected.
-    SPLIT and TMA: as in the forward's union kernel (whole blocks first, no per-score mask)."""
+    SPLIT and TMA: as in the forward's union kernel (whole blocks first, no per-score mask).
+    Unlike the forward, a whole block's key tiles are unrolled in one step and the own block
+    is read by pointer loads: with its Q and dO tiles two dq programs do not fit an SM, and
+    the forward's flat loop and own-block TMA made dq slower at one program per SM."""
     BM: tl.constexpr = QT * GP
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -178,33 +174,21 @@ def _dq_union_kernel(
     kn = tl.arange(0, BN)
     urow = union_ptr + g * stride_ug + tile * stride_ut
     full = union_full_blocks(urow, count, own, UW, SPLIT)
-    if FLAT:
-        for step in range(full * (BS // BN)):
-            sel, k, v = union_flat_step(k_ptr, v_ptr, k_desc, v_desc, urow, step, selection,
-                                        rmask, start, g, stride_kt, stride_kh, stride_vt,
-                                        stride_vh, BS, BN, D, FP32_DOT, TMA)
-            dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
-    else:
-        for u in range(full):
-            b = tl.load(urow + u)
-            sel = rows_selecting(selection, b) & rmask
-            for c in tl.static_range(0, BS, BN):
-                k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
-                                          stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
-                                          FP32_DOT, TMA)
-                dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
-    last = union_masked_end(urow, count, own, UW, OWN_TMA)  # as in the forward
-    for u in tl.range(full, last, num_stages=1 if OWN_TMA else None):
+    for u in range(full):
         b = tl.load(urow + u)
         sel = rows_selecting(selection, b) & rmask
         for c in tl.static_range(0, BS, BN):
-            if OWN_TMA:
-                k, v, vis = load_own_union_tile_tma(k_desc, v_desc, b * BS + c, start, length,
-                                                    pos, sel, g, BN, D, FP32_DOT, True)
-            else:
-                k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length,
-                                                   pos, sel, g, stride_kt, stride_kh, stride_vt,
-                                                   stride_vh, D, FP32_DOT)
+            k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
+                                      FP32_DOT, TMA)
+            dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
+    for u in range(full, count):
+        b = tl.load(urow + u)
+        sel = rows_selecting(selection, b) & rmask
+        for c in tl.static_range(0, BS, BN):
+            k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length,
+                                               pos, sel, g, stride_kt, stride_kh, stride_vt,
+                                               stride_vh, D, FP32_DOT)
             dq += dq_tile(q, do, k, v, vis, lse2, delta, scale_log2)
     dq = dq * scale
     tl.store(dq_ptr + tok[:, None] * stride_dqt + heads[:, None] * stride_dqh + dd[None, :],
@@ -310,10 +294,8 @@ def _launch_dq(cfg: BackwardLaunch, view: KernelLayout, rows: dict, q2k_, scale,
             **args, k_desc=k_desc, v_desc=v_desc, union_ptr=plan.union,
             stride_ug=plan.union.stride(0), stride_ut=plan.union.stride(1),
             KP=next_pow2(top_k), QT=plan.qt, BN=ubn, SPLIT=cfg.dq_union_split,
-            TMA=descs is not None, UW=next_pow2(plan.union.shape[2]), FLAT=cfg.dq_union_flat,
-            OWN_TMA=descs is not None and cfg.dq_union_own_tma,
+            TMA=descs is not None, UW=next_pow2(plan.union.shape[2]),
             num_warps=cfg.dq_union_warps, num_stages=cfg.dq_union_stages,
-            **register_cap(cfg.dq_union_maxnreg, INTERPRET),
         )
     tile_grid = plan.enabled and cfg.dq_tile_grid
     tpp = cfg.dq_tile_grid_tiles if tile_grid else 1

@@ -10,7 +10,8 @@ Union kernel. One program owns ``union_qt`` consecutive tokens of one document b
 union_qt * G rows) and walks the sorted union of their blocks; a row sees only blocks its own
 token selected. Tiles whose union is small (coherent selections, as trained indexers give) run
 here and share each K/V read; the others exit and are done by the per-token kernel. The split
-is decided per tile on the device (no host sync). ADR 0003 has the measurements.
+is decided per tile on the device (no host sync); the union lists and the split are built in
+:mod:`nemo_msa.attention.triton_union`. ADR 0003 gives the schedule's reasons.
 
 Masking. Key ``j`` (document-local) of block ``b`` is visible to the query at position ``p``
 iff ``b >= 0`` and ``j <= p``; ``j <= p`` also keeps the reads inside the document, so q2k
@@ -224,7 +225,7 @@ def _fwd_union_kernel(
         for c in tl.static_range(0, BS, BN):
             if OWN_TMA:
                 k, v, vis = load_own_union_tile_tma(k_desc, v_desc, b * BS + c, start, length,
-                                                    pos, sel, g, BN, D, FP32_DOT, False)
+                                                    pos, sel, g, BN, D, FP32_DOT)
             else:
                 k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length,
                                                    pos, sel, g, stride_kt, stride_kh, stride_vt,

@@ -116,11 +116,11 @@ class BackwardLaunch:
     Attributes:
         dq_bn, dq_warps, dq_stages: per-token dq kernel: keys per tile, warps, stages.
         dq_union_qt, dq_union_max, dq_union_warps, dq_union_bn, dq_union_stages,
-        dq_union_split, dq_union_tma, dq_union_flat, dq_union_own_tma, dq_union_maxnreg,
-        dq_tile_grid, dq_tile_grid_tiles, dq_union_build_tiles, dq_union_build_warps: as the
-            forward's ``union_*`` / ``tile_grid*`` fields, for dq (its union lists are the
-            forward's when their tile size is dq's). The flat loop and the own block by TMA
-            are off for dq: with the Q and dO tiles two dq programs do not fit an SM.
+        dq_union_split, dq_union_tma, dq_tile_grid, dq_tile_grid_tiles, dq_union_build_tiles,
+        dq_union_build_warps: as the forward's ``union_*`` / ``tile_grid*`` fields, for dq
+            (its union lists are the forward's when their tile size is dq's). dq has no flat
+            loop, own block by TMA or register cap: with its Q and dO tiles two dq programs do
+            not fit an SM.
         kv_bn: dk/dv: keys per program (a block is split into ``bs / kv_bn`` programs).
         kv_rows: dk/dv: rows per query tile (tokens x padded group).
         kv_warps, kv_stages: dk/dv: warps and stages.
@@ -138,9 +138,6 @@ class BackwardLaunch:
     dq_union_stages: int = 2
     dq_union_split: bool = True
     dq_union_tma: bool = True
-    dq_union_flat: bool = False
-    dq_union_own_tma: bool = False
-    dq_union_maxnreg: int | None = None
     dq_tile_grid: bool = True
     dq_tile_grid_tiles: int = 8
     dq_union_build_tiles: int = 1

@@ -179,16 +179,13 @@ def union_masked_end(union_row_ptr, count, own_block, UW: tl.constexpr, SKIP_PAS
 
 @triton.jit
 def load_own_union_tile_tma(k_desc, v_desc, j0, start, length, pos, sel, g, BN: tl.constexpr,
-                            D: tl.constexpr, FP32_DOT: tl.constexpr, ZERO_K: tl.constexpr):
+                            D: tl.constexpr, FP32_DOT: tl.constexpr):
     """:func:`load_masked_union_tile` by TMA for the tile of document keys ``j0 .. j0 + BN -
     1`` of the own block. Rows past a partial last block belong to the next document (or read
-    as 0 past T): their V is zeroed, and with ZERO_K their K (where dS multiplies K), so that a
-    probability or dS of 0 never meets an inf there."""
+    as 0 past T): their V is zeroed, so that a probability of 0 never meets an inf there."""
     j = j0 + tl.arange(0, BN)
     k, v = load_kv_tile_tma(k_desc, v_desc, start + j0, g, D, FP32_DOT)
     inside = (j < length)[:, None]
-    if ZERO_K:
-        k = tl.where(inside, k, 0.0)
     v = tl.where(inside, v, 0.0)
     return k, v, (j[None, :] <= pos[:, None]) & sel[:, None]
 

@@ -183,13 +183,13 @@ def test_union_register_cap_only_with_the_own_block_by_tma():
 @pytest.mark.parametrize("flat,own_tma", [(False, False), (True, False), (False, True),
                                           (True, True)])
 def test_union_flat_loop_and_own_block_by_tma_match_reference(set_launch, flat, own_tma):
-    """The union forward's and dq's flat whole-block loop (one 64-key tile per step, d = 128
-    and block 128 so that a block is two tiles) and their own block read by TMA, against
+    """The union forward's flat whole-block loop (one 64-key tile per step, d = 128 and block
+    128 so that a block is two tiles) and its own block read by TMA, with the union dq, against
     float64. The documents end inside a block, the next document starts with infinite K and V
     rows (a zero probability or dS must not meet them), and some rows select a block past
     their own (it holds no visible key and must contribute nothing)."""
-    for prefix in ("fwd.union_", "bwd.dq_union_"):
-        set_launch({prefix + "max": 1000, prefix + "flat": flat, prefix + "own_tma": own_tma})
+    set_launch({"fwd.union_max": 1000, "fwd.union_flat": flat, "fwd.union_own_tma": own_tma,
+                "bwd.dq_union_max": 1000})
     bs, hq, hkv, d, top_k = 128, 16, 1, 128, 3
     gen = torch.Generator().manual_seed(31)
     msa = make_layout([[200, 60], [140]], 300, bs)
