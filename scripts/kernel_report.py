@@ -76,7 +76,7 @@ def _union_kernel(cfg, prefix, fn, pointers, floats, emit):
     bn = field("bn")
     qt = union_tile_tokens(field("qt"), BS, G)  # the tile the launch would use
     constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
-                      SPLIT=field("split"), TMA=field("tma"), UW=next_pow2(qt * TOPK))
+                      TMA=field("tma"), UW=next_pow2(qt * TOPK))
     options = {"num_warps": field("warps"), "num_stages": field("stages")}
     if "FLAT" in fn.arg_names:  # the forward
         import nemo_msa.attention.triton_fwd as tf

@@ -52,7 +52,6 @@ from nemo_msa.attention.triton_tiles import (
     rows_selecting,
     tile_tokens_left,
     token_rows,
-    token_taken_by_union,
     union_full_blocks,
     union_tile_rows,
     union_tile_skipped,
@@ -67,17 +66,16 @@ def _dq_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
     stride_sg, stride_st, stride_lh,
-    scale, scale_log2, count_ptr, tok_tile_ptr, block_doc_ptr, block_local_ptr, cu_ptr,
+    scale, scale_log2, count_ptr, block_doc_ptr, block_local_ptr, cu_ptr,
     num_tiles, max_count,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
-    HYBRID: tl.constexpr, QT: tl.constexpr, TILE_GRID: tl.constexpr, TPP: tl.constexpr,
+    HYBRID: tl.constexpr, QT: tl.constexpr, TPP: tl.constexpr,
 ):
     """Per-token dq: the grids of the per-token forward (one program per token, or with
-    HYBRID and TILE_GRID one per ``TPP`` union tiles doing the tokens the union kernel
-    left)."""
+    HYBRID one per ``TPP`` union tiles doing the tokens the union kernel left)."""
     g = tl.program_id(1)
-    if HYBRID and TILE_GRID:
+    if HYBRID:
         for j in range(TPP):
             n, start, p0 = tile_tokens_left(tl.program_id(0) * TPP + j, g, count_ptr,
                                             num_tiles, max_count, block_doc_ptr,
@@ -91,16 +89,12 @@ def _dq_kernel(
                           TOPK, G, GP, BS, BN, D, FP32_DOT)
     else:
         t = tl.program_id(0)
-        left = True
-        if HYBRID:
-            left = not token_taken_by_union(count_ptr, tok_tile_ptr, t, g, num_tiles, max_count)
-        if left:
-            _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
-                      t, g, tl.load(tok_start_ptr + t), tl.load(tok_pos_ptr + t),
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                      stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
-                      stride_sg, stride_st, stride_lh, scale, scale_log2,
-                      TOPK, G, GP, BS, BN, D, FP32_DOT)
+        _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
+                  t, g, tl.load(tok_start_ptr + t), tl.load(tok_pos_ptr + t),
+                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                  stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
+                  stride_sg, stride_st, stride_lh, scale, scale_log2,
+                  TOPK, G, GP, BS, BN, D, FP32_DOT)
 
 
 @triton.jit
@@ -148,11 +142,12 @@ def _dq_union_kernel(
     scale, scale_log2,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
+    FP32_DOT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
 ):
     """dq of QT tokens of one document block x G heads in one pass over the union of their
     selected blocks (the forward's union tile); a row only sees blocks its token selected.
-    SPLIT and TMA: as in the forward's union kernel (whole blocks first, no per-score mask).
+    As in the forward's union kernel, the whole blocks come first, without a per-score mask
+    (read by TMA when TMA is set).
     Unlike the forward, a whole block's key tiles are unrolled in one step and the own block
     is read by pointer loads: with its Q and dO tiles two dq programs do not fit an SM, and
     the forward's flat loop and own-block TMA made dq slower at one program per SM."""
@@ -173,7 +168,7 @@ def _dq_union_kernel(
     dq = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
     urow = union_ptr + g * stride_ug + tile * stride_ut
-    full = union_full_blocks(urow, count, own, UW, SPLIT)
+    full = union_full_blocks(urow, count, own, UW)
     for u in range(full):
         b = tl.load(urow + u)
         sel = rows_selecting(selection, b) & rmask
@@ -287,22 +282,20 @@ def _launch_dq(cfg: BackwardLaunch, view: KernelLayout, rows: dict, q2k_, scale,
     args.update(count_ptr=plan.count, num_tiles=plan.num_tiles, max_count=plan.max_count)
     if plan.enabled:
         ubn = min(bs, cfg.dq_union_bn) if d == 128 else bs
-        descs = (kv_descriptors(k_, v_, ubn, INTERPRET)
-                 if cfg.dq_union_split and cfg.dq_union_tma else None)
+        descs = kv_descriptors(k_, v_, ubn, INTERPRET) if cfg.dq_union_tma else None
         k_desc, v_desc = descs or (k_, v_)
         _dq_union_kernel[(plan.num_tiles, hkv)](
             **args, k_desc=k_desc, v_desc=v_desc, union_ptr=plan.union,
             stride_ug=plan.union.stride(0), stride_ut=plan.union.stride(1),
-            KP=next_pow2(top_k), QT=plan.qt, BN=ubn, SPLIT=cfg.dq_union_split,
+            KP=next_pow2(top_k), QT=plan.qt, BN=ubn,
             TMA=descs is not None, UW=next_pow2(plan.union.shape[2]),
             num_warps=cfg.dq_union_warps, num_stages=cfg.dq_union_stages,
         )
-    tile_grid = plan.enabled and cfg.dq_tile_grid
-    tpp = cfg.dq_tile_grid_tiles if tile_grid else 1
-    _dq_kernel[(triton.cdiv(plan.num_tiles, tpp) if tile_grid else t, hkv)](
+    tpp = cfg.dq_tile_grid_tiles if plan.enabled else 1
+    _dq_kernel[(triton.cdiv(plan.num_tiles, tpp) if plan.enabled else t, hkv)](
         **args, tok_start_ptr=view.token_start, tok_pos_ptr=view.token_pos,
-        tok_tile_ptr=plan.tok_tile, BN=min(bs, cfg.dq_bn) if d == 128 else bs,
-        HYBRID=plan.enabled, QT=max(plan.qt, 1), TILE_GRID=tile_grid, TPP=tpp,
+        BN=min(bs, cfg.dq_bn) if d == 128 else bs,
+        HYBRID=plan.enabled, QT=max(plan.qt, 1), TPP=tpp,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )
 

@@ -51,7 +51,6 @@ from nemo_msa.attention.triton_tiles import (
     register_cap,
     rows_selecting,
     tile_tokens_left,
-    token_taken_by_union,
     union_flat_step,
     union_full_blocks,
     union_masked_end,
@@ -66,19 +65,19 @@ def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, tok_start_ptr, tok_pos_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_sg, stride_st, stride_lh,
-    scale_log2, count_ptr, tok_tile_ptr, block_doc_ptr, block_local_ptr, cu_ptr, num_tiles,
+    scale_log2, count_ptr, block_doc_ptr, block_local_ptr, cu_ptr, num_tiles,
     max_count, mass_ptr, stride_mg, stride_mt,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
-    HYBRID: tl.constexpr, QT: tl.constexpr, TILE_GRID: tl.constexpr, TPP: tl.constexpr,
+    HYBRID: tl.constexpr, QT: tl.constexpr, TPP: tl.constexpr,
     KP: tl.constexpr, EMIT: tl.constexpr,
 ):
-    """Per-token forward: one program per (token, KV head); with HYBRID it skips the tokens
-    of the union kernel's tiles, and with TILE_GRID too there is one program per (``TPP``
-    union tiles, KV head) doing the tiles' tokens one by one where the union kernel left
-    them."""
+    """Per-token forward: one program per (token, KV head); with HYBRID one program per
+    (``TPP`` union tiles, KV head) doing the tiles' tokens one by one where the union kernel
+    left them (a grid per tile, not per token: with coherent selections nearly every program
+    finds its tiles taken and exits)."""
     g = tl.program_id(1)
-    if HYBRID and TILE_GRID:
+    if HYBRID:
         for j in range(TPP):
             n, start, p0 = tile_tokens_left(tl.program_id(0) * TPP + j, g, count_ptr,
                                             num_tiles, max_count, block_doc_ptr,
@@ -91,15 +90,11 @@ def _fwd_kernel(
                            BS, BN, D, FP32_DOT, KP, EMIT)
     else:
         t = tl.program_id(0)
-        left = True
-        if HYBRID:
-            left = not token_taken_by_union(count_ptr, tok_tile_ptr, t, g, num_tiles, max_count)
-        if left:
-            _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g,
-                       tl.load(tok_start_ptr + t), tl.load(tok_pos_ptr + t), stride_qt,
-                       stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
-                       stride_oh, stride_sg, stride_st, stride_lh, scale_log2, mass_ptr,
-                       stride_mg, stride_mt, TOPK, G, GP, BS, BN, D, FP32_DOT, KP, EMIT)
+        _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g,
+                   tl.load(tok_start_ptr + t), tl.load(tok_pos_ptr + t), stride_qt,
+                   stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                   stride_oh, stride_sg, stride_st, stride_lh, scale_log2, mass_ptr,
+                   stride_mg, stride_mt, TOPK, G, GP, BS, BN, D, FP32_DOT, KP, EMIT)
 
 
 @triton.jit
@@ -160,15 +155,15 @@ def _fwd_union_kernel(
     scale_log2, mass_ptr, stride_mg, stride_mt,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
+    FP32_DOT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
     FLAT: tl.constexpr, OWN_TMA: tl.constexpr, EMIT: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected.
 
-    With SPLIT, the union entries before the tile's own block (whole blocks, every key visible
-    to every row) run first without a per-score mask, read by TMA when TMA is set; the rest
-    (the own block, and any entry past it) run with the causal mask and masked pointer loads.
+    The union entries before the tile's own block (whole blocks, every key visible to every
+    row) run first without a per-score mask, read by TMA when TMA is set; the rest (the own
+    block, and any entry past it) run with the causal mask.
 
     With EMIT each row also keeps its softmax mass per selected slot, and the group's mean per
     (token, slot) is written to ``mass``.
@@ -193,7 +188,7 @@ def _fwd_union_kernel(
     mass = tl.zeros((BM, KP), tl.float32)
     kn = tl.arange(0, BN)
     urow = union_ptr + g * stride_ug + tile * stride_ut
-    full = union_full_blocks(urow, count, own, UW, SPLIT)
+    full = union_full_blocks(urow, count, own, UW)
     if FLAT:
         for step in range(full * (BS // BN)):
             sel, k, v = union_flat_step(k_ptr, v_ptr, k_desc, v_desc, urow, step, selection,
@@ -330,25 +325,23 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  FP32_DOT=INTERPRET, EMIT=return_block_mass)
     if plan.enabled:
         ubn = min(bs, cfg.union_bn) if d == 128 else bs
-        descs = (kv_descriptors(k_, v_, ubn, INTERPRET)
-                 if cfg.union_split and cfg.union_tma else None)
+        descs = kv_descriptors(k_, v_, ubn, INTERPRET) if cfg.union_tma else None
         own_tma = descs is not None and cfg.union_own_tma
         k_desc, v_desc = descs or (k_, v_)
         _fwd_union_kernel[(plan.num_tiles, hkv)](
             **tensors, **strides, k_desc=k_desc, v_desc=v_desc, union_ptr=plan.union,
             stride_ug=plan.union.stride(0), stride_ut=plan.union.stride(1),
-            scale_log2=scale * LOG2E, **shape, QT=plan.qt, BN=ubn, SPLIT=cfg.union_split,
+            scale_log2=scale * LOG2E, **shape, QT=plan.qt, BN=ubn,
             TMA=descs is not None, UW=next_pow2(plan.union.shape[2]), FLAT=cfg.union_flat,
             OWN_TMA=own_tma, num_warps=cfg.union_warps, num_stages=cfg.union_stages,
             **register_cap(union_register_cap(cfg.union_maxnreg, own_tma), INTERPRET),
         )
-    tile_grid = plan.enabled and cfg.tile_grid
-    tpp = cfg.tile_grid_tiles if tile_grid else 1
-    _fwd_kernel[(triton.cdiv(plan.num_tiles, tpp) if tile_grid else t, hkv)](
+    tpp = cfg.tile_grid_tiles if plan.enabled else 1
+    _fwd_kernel[(triton.cdiv(plan.num_tiles, tpp) if plan.enabled else t, hkv)](
         **tensors, **strides, tok_start_ptr=view.token_start, tok_pos_ptr=view.token_pos,
-        tok_tile_ptr=plan.tok_tile, scale_log2=scale * LOG2E, **shape,
+        scale_log2=scale * LOG2E, **shape,
         BN=min(bs, cfg.bn) if d == 128 else bs, HYBRID=plan.enabled, QT=max(plan.qt, 1),
-        TILE_GRID=tile_grid, TPP=tpp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TPP=tpp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     unions = (TileUnions(plan.qt, plan.union, plan.count, q2k_identity(q2k)) if plan.enabled
               else None)

@@ -68,17 +68,16 @@ class ForwardLaunch:
         union_warps: union kernel: warps.
         union_bn: union kernel: keys per inner tile (d = 128).
         union_stages: union kernel: pipeline depth.
-        union_split: walk the whole blocks before a tile's own block without a per-score mask.
-        union_tma: read those whole blocks by TMA (needs ``union_split``; Hopper or newer).
+        union_tma: read the whole blocks before a tile's own block by TMA (Hopper or newer;
+            False forces the pointer loads other GPUs take).
         union_flat: the whole-block loop takes one key tile per step (one K/V buffer per stage,
             so that two programs fit an SM's shared memory).
         union_own_tma: read the own block by TMA too (no int64 pointer tiles in registers).
         union_maxnreg: register cap per thread of the union kernel (None: Triton's), applied
             only with the own block by TMA (else it spills the pointer tiles); with it two
             8-warp programs share an SM.
-        tile_grid: the per-token kernel of a hybrid launch gets one program per union tile
-            (doing the tokens the union kernel left) instead of one per token.
-        tile_grid_tiles: union tiles per program of that grid (1..64).
+        tile_grid_tiles: union tiles per program of the per-token kernel's grid in a hybrid
+            launch (1..64); each program does the tokens the union kernel left.
         union_build_tiles: union-list build: tiles per program (a power of two).
         union_build_warps: union-list build: warps (1, 2, 4 or 8).
     """
@@ -91,12 +90,10 @@ class ForwardLaunch:
     union_warps: int = 8
     union_bn: int = 64
     union_stages: int = 2
-    union_split: bool = True
     union_tma: bool = True
     union_flat: bool = True
     union_own_tma: bool = True
     union_maxnreg: int | None = 128
-    tile_grid: bool = True
     tile_grid_tiles: int = 1
     union_build_tiles: int = 1
     union_build_warps: int = 1
@@ -116,11 +113,10 @@ class BackwardLaunch:
     Attributes:
         dq_bn, dq_warps, dq_stages: per-token dq kernel: keys per tile, warps, stages.
         dq_union_qt, dq_union_max, dq_union_warps, dq_union_bn, dq_union_stages,
-        dq_union_split, dq_union_tma, dq_tile_grid, dq_tile_grid_tiles, dq_union_build_tiles,
-        dq_union_build_warps: as the forward's ``union_*`` / ``tile_grid*`` fields, for dq
-            (its union lists are the forward's when their tile size is dq's). dq has no flat
-            loop, own block by TMA or register cap: with its Q and dO tiles two dq programs do
-            not fit an SM.
+        dq_union_tma, dq_tile_grid_tiles, dq_union_build_tiles, dq_union_build_warps: as the
+            forward's ``union_*`` / ``tile_grid_tiles`` fields, for dq (its union lists are the
+            forward's when their tile size is dq's). dq has no flat loop, own block by TMA or
+            register cap: with its Q and dO tiles two dq programs do not fit an SM.
         kv_bn: dk/dv: keys per program (a block is split into ``bs / kv_bn`` programs).
         kv_rows: dk/dv: rows per query tile (tokens x padded group).
         kv_warps, kv_stages: dk/dv: warps and stages.
@@ -136,9 +132,7 @@ class BackwardLaunch:
     dq_union_warps: int = 8
     dq_union_bn: int = 64
     dq_union_stages: int = 2
-    dq_union_split: bool = True
     dq_union_tma: bool = True
-    dq_tile_grid: bool = True
     dq_tile_grid_tiles: int = 8
     dq_union_build_tiles: int = 1
     dq_union_build_warps: int = 1

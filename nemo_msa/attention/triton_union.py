@@ -110,8 +110,6 @@ class HybridPlan:
         union: int32 [Hkv, tiles, qt * top_k] union lists (None when off).
         count: int32 [Hkv, tiles] union sizes; tiles with ``count <= max_count`` run the union
             kernel, the others the per-token kernel (a never-read placeholder when off).
-        tok_tile: int32 [T] the tile of each token, for the per-token kernel's token grid
-            (placeholder when off).
         num_tiles: tiles per KV head (0 when off).
         max_count: the largest union the union kernel takes.
     """
@@ -119,7 +117,6 @@ class HybridPlan:
     qt: int
     union: torch.Tensor | None
     count: torch.Tensor
-    tok_tile: torch.Tensor
     num_tiles: int
     max_count: int
 
@@ -167,7 +164,7 @@ def hybrid_plan(q2k: torch.Tensor, view: KernelLayout, union_qt: int, union_max:
     against q2k by the caller) are used instead of building the lists again; otherwise they are
     built with ``build_tiles`` tiles per program of ``build_warps`` warps."""
     if union_qt <= 0:
-        return HybridPlan(0, None, placeholder, placeholder, 0, 0)
+        return HybridPlan(0, None, placeholder, 0, 0)
     bs = view.block_size
     qt = union_tile_tokens(union_qt, bs, gp)
     if unions is not None and unions.qt == qt:
@@ -175,6 +172,4 @@ def hybrid_plan(q2k: torch.Tensor, view: KernelLayout, union_qt: int, union_max:
     else:
         union, count = tile_unions(q2k, view, qt, tiles_per_program=build_tiles,
                                    warps=build_warps)
-    tok_tile = ((view.token_first_block + view.token_pos // bs) * (bs // qt)
-                + (view.token_pos % bs) // qt).to(torch.int32)
-    return HybridPlan(qt, union, count, tok_tile, union.shape[1], int(union_max))
+    return HybridPlan(qt, union, count, union.shape[1], int(union_max))

@@ -21,10 +21,10 @@ def _bench():
 def test_overrides_set_json_values_and_plain_strings():
     from nemo_msa.attention.triton_launch import ForwardLaunch, current_launch
 
-    with _bench().apply_overrides(["fwd.union_max=48", "bwd.skip=dq", "bwd.dq_tile_grid=false",
+    with _bench().apply_overrides(["fwd.union_max=48", "bwd.skip=dq", "bwd.dq_union_tma=false",
                                    "sel.tma=false", "fwd.union_maxnreg=null"]) as launches:
         assert launches["fwd"].union_max == 48 and launches["fwd"].union_maxnreg is None
-        assert launches["bwd"].skip == "dq" and launches["bwd"].dq_tile_grid is False
+        assert launches["bwd"].skip == "dq" and launches["bwd"].dq_union_tma is False
         assert current_launch("sel").tma is False
     assert current_launch("fwd") == ForwardLaunch()
 

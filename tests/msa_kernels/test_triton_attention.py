@@ -150,13 +150,11 @@ def test_dq_reuses_the_forward_union_lists(monkeypatch, set_launch):
         triton_attention_backward(*args, unions=unions)
 
 
-@pytest.mark.parametrize("split,tma", [(True, False), (False, False)])
-def test_union_loop_variants_match_reference(set_launch, split, tma):
-    """The union kernels' other loop variants (the default, whole blocks first by TMA, runs in
-    the test above): whole blocks first by pointer loads, and every block under the mask."""
+def test_union_pointer_loads_match_reference(set_launch):
+    """The union kernels with the whole blocks read by pointer loads (the path of GPUs without
+    TMA; the default, by TMA, runs in the test above)."""
     for prefix in ("fwd.union_", "bwd.dq_union_"):
-        set_launch({prefix + "qt": 4, prefix + "max": 1000, prefix + "split": split,
-                    prefix + "tma": tma})
+        set_launch({prefix + "qt": 4, prefix + "max": 1000, prefix + "tma": False})
     _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=5, drop_own=True)
 
 
@@ -221,17 +219,15 @@ def test_union_flat_loop_and_own_block_by_tma_match_reference(set_launch, flat, 
 
 
 @pytest.mark.parametrize("max_count", [1000, 2])
-@pytest.mark.parametrize("tile_grid,tiles,build_tiles", [(True, 1, 1), (True, 3, 4),
-                                                         (False, 1, 1)])
-def test_per_token_grids_match_reference(set_launch, max_count, tile_grid, tiles, build_tiles):
-    """The hybrid's variants together against float64: the per-token kernels' tile grid (one
-    program per union tile doing the tokens the union kernel left, or per 3 tiles, a count that
-    leaves the last program short) and the token grid, with union builds of one and of four
-    tiles per program; every tile to the union kernel, and a mix (max_count 2)."""
+@pytest.mark.parametrize("tiles,build_tiles", [(1, 1), (3, 4)])
+def test_per_token_grids_match_reference(set_launch, max_count, tiles, build_tiles):
+    """The hybrid's variants together against float64: the per-token kernels' grid with one
+    union tile per program doing the tokens the union kernel left, or 3 (a count that leaves
+    the last program short), with union builds of one and of four tiles per program; every
+    tile to the union kernel, and a mix (max_count 2)."""
     for prefix in ("fwd.", "bwd.dq_"):
-        set_launch({prefix + "tile_grid_tiles": tiles, prefix + "tile_grid": tile_grid,
-                    prefix + "union_qt": 4, prefix + "union_max": max_count,
-                    prefix + "union_build_tiles": build_tiles})
+        set_launch({prefix + "tile_grid_tiles": tiles, prefix + "union_qt": 4,
+                    prefix + "union_max": max_count, prefix + "union_build_tiles": build_tiles})
     _run_case([[37, 1], [18, 3]], 40, 16, 8, 2, 16, 3, seed=17, drop_own=True)
 
 
@@ -356,7 +352,7 @@ def test_tile_unions_by_kernel_equal_the_reference():
         assert torch.equal(got[0].cpu(), want[0]), tp
         assert torch.equal(got[1].cpu(), want[1]), tp
     assert int(want[1].max()) > 16  # the tiles' tokens disagree: real unions
-    tok_tile = tu.hybrid_plan(q2k, view, 4, 30, 16, q2k).tok_tile
+    tok_tile = (view.token_first_block + view.token_pos // 16) * 4 + (view.token_pos % 16) // 4
     for g in range(2):
         for tile in torch.unique(tok_tile).tolist():
             toks = (tok_tile == tile).nonzero().flatten()
