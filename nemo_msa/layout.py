@@ -35,6 +35,7 @@ from nemo_msa.document_map import (
     select_document_map_source,
     summarize_document_map,
 )
+from nemo_msa.kernel_layout import build_kernel_layout
 from nemo_msa.limits import SUPPORTED_BLOCK_SIZES, require_integer
 
 
@@ -320,6 +321,13 @@ class MSAMicrobatch:
             value = make()
             self._cache[name] = value
         return value
+
+    def kernel_layout(self, block_size: int | None = None):
+        """The Triton kernels' typed view of this layout for ``block_size`` (default: the
+        layout's), built once and shared by every layer
+        (:class:`nemo_msa.kernel_layout.KernelLayout`)."""
+        bs = self.block_size if block_size is None else int(block_size)
+        return self.cached(f"triton_kernel_layout_{bs}", lambda: build_kernel_layout(self, bs))
 
     @property
     def token_document_starts(self) -> torch.Tensor:

@@ -6,7 +6,7 @@ per thread, spill bytes, shared memory, and, per loop that issues tensor-core MM
 size in instructions, its program-wide barriers (BAR.SYNC) and its local-memory accesses
 (spills inside the loop). Launch variants are the benchmark's ``--set KERNEL.KEY=VALUE``.
 
-This screens variants before device time is spent (ADR 0003, v9): a variant that spills in
+This screens variants before device time is spent (ADR 0003): a variant that spills in
 its hot loop, or needs more registers or shared memory than two programs per SM allow, can be
 dropped here. Timing still needs the GPU (scripts/bench_msa.py).
 
@@ -31,9 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The production topology (MSA_SPEC.md): d = 128, block 128, top-k 16, 16 query heads per KV head.
 D, BS, TOPK, G = 128, 128, 16, 16
-# Set in a report's config by --emit: the selection and the union forward compiled with the
-# indexer loss's by-products (EMIT), as the training step with the sparse loss launches them.
-EMIT_KEY = "_emit"
 
 
 def _signature(fn, constexprs, pointers, floats, descs):
@@ -55,68 +52,69 @@ def _signature(fn, constexprs, pointers, floats, descs):
     return sig
 
 
-def _selection(cfg):
+def _selection(cfg, emit):
     import nemo_msa.selection.triton_select as ts
 
-    bn = cfg["bn"]
-    constexprs = dict(BS=BS, BM=cfg["bm"], BN=bn, D=D, KP=TOPK, FP32_DOT=False, TMA=cfg["tma"],
-                      EMIT=bool(cfg.get(EMIT_KEY)))
+    constexprs = dict(BS=BS, BM=cfg.bm, BN=cfg.bn, D=D, KP=TOPK, FP32_DOT=False, TMA=cfg.tma,
+                      EMIT=emit)
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "score_ptr": "*fp32"}
-    sig = _signature(ts._select_kernel, constexprs, pointers, set(), {"k_desc": (bn, D)})
-    return ts._select_kernel, sig, constexprs, {"num_warps": cfg["num_warps"],
-                                                 "num_stages": cfg["num_stages"]}
+    sig = _signature(ts._select_kernel, constexprs, pointers, set(), {"k_desc": (cfg.bn, D)})
+    return ts._select_kernel, sig, constexprs, {"num_warps": cfg.num_warps,
+                                                 "num_stages": cfg.num_stages}
 
 
-def _union_kernel(cfg, prefix, fn, pointers, floats, cap_rule):
-    """The shared build of the two union kernels' reports (forward: ``union_*`` keys, dq:
-    ``dq_union_*``): the launch's constexprs, typed arguments and options. ``cap_rule`` maps
-    (the configured cap, own block by TMA) to the cap the launch uses."""
-    from nemo_msa.attention.triton_fwd import union_tile_tokens
+def _union_kernel(cfg, prefix, fn, pointers, floats, emit):
+    """The shared build of the two union kernels' reports (forward: ``union_*`` fields, dq:
+    ``dq_union_*``): the launch's constexprs, typed arguments and options. Only the forward
+    has the flat loop, the own block by TMA and the register cap."""
     from nemo_msa.attention.triton_tiles import next_pow2, register_cap
+    from nemo_msa.attention.triton_union import union_tile_tokens
 
-    bn = cfg[prefix + "bn"]
-    qt = union_tile_tokens(cfg[prefix + "qt"], BS, G)  # the tile the launch would use
-    own_tma = bool(cfg[prefix + "tma"] and cfg[prefix + "own_tma"])
+    def field(name):
+        return getattr(cfg, prefix + name)
+
+    bn = field("bn")
+    qt = union_tile_tokens(field("qt"), BS, G)  # the tile the launch would use
     constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
-                      SPLIT=cfg[prefix + "split"], TMA=cfg[prefix + "tma"],
-                      UW=next_pow2(qt * TOPK),
-                      FLAT=bool(cfg[prefix + "flat"]), OWN_TMA=own_tma)
-    if "EMIT" in fn.arg_names:
-        constexprs["EMIT"] = bool(cfg.get(EMIT_KEY))
+                      TMA=field("tma"), UW=next_pow2(qt * TOPK))
+    options = {"num_warps": field("warps"), "num_stages": field("stages")}
+    if "FLAT" in fn.arg_names:  # the forward
+        import nemo_msa.attention.triton_fwd as tf
+
+        own_tma = field("tma") and field("own_tma")
+        constexprs.update(FLAT=field("flat"), OWN_TMA=own_tma, EMIT=emit)
+        options.update(register_cap(tf.union_register_cap(field("maxnreg"), own_tma),
+                                    interpret=False))
     sig = _signature(fn, constexprs, pointers, floats, {"k_desc": (bn, D), "v_desc": (bn, D)})
-    options = {"num_warps": cfg[prefix + "warps"], "num_stages": cfg[prefix + "stages"],
-               **register_cap(cap_rule(cfg[prefix + "maxnreg"], own_tma), interpret=False)}
     return fn, sig, constexprs, options
 
 
-def _forward_union(cfg):
+def _forward_union(cfg, emit):
     import nemo_msa.attention.triton_fwd as tf
 
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     pointers.update(lse_ptr="*fp32", mass_ptr="*fp32")
-    return _union_kernel(cfg, "union_", tf._fwd_union_kernel, pointers, {"scale_log2"},
-                         tf.union_register_cap)
+    return _union_kernel(cfg, "union_", tf._fwd_union_kernel, pointers, {"scale_log2"}, emit)
 
 
-def _dq_union(cfg):
+def _dq_union(cfg, emit):
     import nemo_msa.attention.triton_bwd as tb
 
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "o_ptr", "dq_ptr")}
     pointers.update(lse_ptr="*fp32", delta_ptr="*fp32")
     return _union_kernel(cfg, "dq_union_", tb._dq_union_kernel, pointers,
-                         {"scale", "scale_log2"}, lambda cap, own_tma: cap)
+                         {"scale", "scale_log2"}, emit)
 
 
-def _union_build(cfg):
-    import nemo_msa.attention.triton_fwd as tf
+def _union_build(cfg, emit):
+    import nemo_msa.attention.triton_union as tu
     from nemo_msa.attention.triton_tiles import next_pow2
 
-    qt = tf.union_tile_tokens(cfg["union_qt"], BS, G)
-    tp, warps = tf.union_build_launch(cfg)
+    qt = tu.union_tile_tokens(cfg.union_qt, BS, G)
     constexprs = dict(TOPK=TOPK, QT=qt, BS=BS, WIDTH=qt * TOPK, W=next_pow2(qt * TOPK),
-                      SCAN=cfg["union_build"] == "triton_scan", TP=tp)
-    sig = _signature(tf._tile_union_kernel, constexprs, {}, set(), {})
-    return tf._tile_union_kernel, sig, constexprs, {"num_warps": warps}
+                      TP=cfg.union_build_tiles)
+    sig = _signature(tu._tile_union_kernel, constexprs, {}, set(), {})
+    return tu._tile_union_kernel, sig, constexprs, {"num_warps": cfg.union_build_warps}
 
 
 KERNELS = {"sel": ("sel", _selection), "fwd_union": ("fwd", _forward_union),
@@ -155,13 +153,15 @@ def _mma_loops(sass):
             for s, e, c in inner]
 
 
-def report(kernel, cfg):
-    """Compiles one kernel with the launch parameters ``cfg`` and returns its report lines."""
+def report(kernel, cfg, emit=False):
+    """Compiles one kernel with the launch parameters ``cfg`` (its launch dataclass; ``emit``:
+    with the indexer loss's by-products, as the training step with the sparse loss launches
+    the selection and the union forward) and returns its report lines."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, sig, constexprs, options = KERNELS[kernel][1](cfg)
+    fn, sig, constexprs, options = KERNELS[kernel][1](cfg, emit)
     compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
@@ -192,15 +192,10 @@ def main(argv=None):
         sys.exit("kernel_report.py compiles the kernels: unset TRITON_INTERPRET")
     from bench_msa import apply_overrides
 
-    apply_overrides(args.set)
-    import nemo_msa.attention.triton_bwd as tb
-    import nemo_msa.attention.triton_fwd as tf
-    import nemo_msa.selection.triton_select as ts
-
-    configs = {"sel": ts.CONFIG, "fwd": tf.CONFIG, "bwd": tb.CONFIG}
-    for kernel in KERNELS if args.kernel == "all" else [args.kernel]:
-        for line in report(kernel, {**configs[KERNELS[kernel][0]], EMIT_KEY: args.emit}):
-            print(line, flush=True)
+    with apply_overrides(args.set) as launches:
+        for kernel in KERNELS if args.kernel == "all" else [args.kernel]:
+            for line in report(kernel, launches[KERNELS[kernel][0]], args.emit):
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,8 @@ Two kernels:
   summation order are fixed) in tiles of ``QT`` tokens x ``G`` heads (M = 64 rows at G = 16) and
   accumulates ``dv += P^T dO`` and ``dk += scale * dS^T Q`` in registers. Every key row belongs
   to exactly one program, so dk/dv are written once, without atomics; the result is bitwise
-  reproducible run to run.
-
-(A fused variant that added dq into an fp32 accumulator with atomics from the dk/dv kernel, as
-FlashAttention's backward does, measured slower on the H200 and is deleted: ADR 0003.)
+  reproducible run to run. dq is not added from this kernel (FlashAttention's scheme): the
+  fp32 atomics would cost more than the recomputation they save and break reproducibility.
 """
 
 from __future__ import annotations
@@ -26,19 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_fwd import (
-    TileUnions,
-    check_attention_inputs,
-    hybrid_plan,
-    q2k_identity,
-    tiles_per_program,
-)
-from nemo_msa.attention.triton_layout import (
-    INTERPRET,
-    block_query_csr,
-    check_kernel_devices,
-    doc_blocks,
-)
+from nemo_msa.attention.triton_launch import BackwardLaunch, current_launch
 from nemo_msa.attention.triton_tiles import (
     LOG2E,
     LOG2E_C,
@@ -50,43 +36,27 @@ from nemo_msa.attention.triton_tiles import (
     load_dq_rows,
     load_kv_tile,
     load_masked_union_tile,
-    load_own_union_tile_tma,
     load_rows,
     load_selection_rows,
     load_whole_kv_tile,
     next_pow2,
-    register_cap,
     rows_selecting,
     tile_tokens_left,
     token_rows,
-    token_taken_by_union,
-    union_flat_step,
     union_full_blocks,
-    union_masked_end,
     union_tile_rows,
     union_tile_skipped,
 )
-
-# Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003). dq: keys per tile, warps,
-# stages. dkdv: keys per program (a block is split into bs / kv_bn programs), rows per query
-# tile (tokens x padded group), warps, stages.
-# dq_union_*: the query-tile union path of dq (as the forward's union_*); 0 tokens disables it.
-CONFIG = {"dq_bn": 64, "dq_warps": 4, "dq_stages": 2,
-          "dq_union_qt": 8, "dq_union_max": 30, "dq_union_warps": 8, "dq_union_bn": 64,
-          "dq_union_stages": 2, "dq_union_split": True, "dq_union_tma": True,
-          "dq_tile_grid": True,  # as the forward's tile_grid (1.2 ms faster, ADR 0003 v8)
-          # As the forward's tile_grid_tiles; for dq 8 per program is faster with either
-          # kind of selection: per-token dq 0.35 -> 0.24 ms coherent, backward 131.9 -> 129.3
-          # ms random (ADR 0003 v11).
-          "dq_tile_grid_tiles": 8,
-          # As the forward's union_flat and union_own_tma: 3 ms slower at one program per SM
-          # (ADR 0003 v10). dq_union_maxnreg caps the registers (None: Triton's), but two dq
-          # programs also need <= 113 KB of shared memory each, and the flat dq (Q and dO
-          # tiles too) takes 131.6 KB; not yet timed.
-          "dq_union_flat": False, "dq_union_own_tma": False, "dq_union_maxnreg": None,
-          "kv_bn": 64, "kv_rows": 64, "kv_warps": 4, "kv_stages": 2,
-          # Benchmark hook only: "dq" or "dkdv" leaves that kernel out to time the other.
-          "skip": ""}
+from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
+from nemo_msa.kernel_layout import (
+    INTERPRET,
+    KernelLayout,
+    block_query_csr,
+    check_attention_inputs,
+    check_block_size,
+    check_kernel_devices,
+    kernel_layout,
+)
 
 
 @triton.jit
@@ -96,17 +66,16 @@ def _dq_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
     stride_sg, stride_st, stride_lh,
-    scale, scale_log2, count_ptr, tok_tile_ptr, block_doc_ptr, block_local_ptr, cu_ptr,
+    scale, scale_log2, count_ptr, block_doc_ptr, block_local_ptr, cu_ptr,
     num_tiles, max_count,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
-    HYBRID: tl.constexpr, QT: tl.constexpr, TILE_GRID: tl.constexpr, TPP: tl.constexpr,
+    HYBRID: tl.constexpr, QT: tl.constexpr, TPP: tl.constexpr,
 ):
     """Per-token dq: the grids of the per-token forward (one program per token, or with
-    HYBRID and TILE_GRID one per ``TPP`` union tiles doing the tokens the union kernel
-    left)."""
+    HYBRID one per ``TPP`` union tiles doing the tokens the union kernel left)."""
     g = tl.program_id(1)
-    if HYBRID and TILE_GRID:
+    if HYBRID:
         for j in range(TPP):
             n, start, p0 = tile_tokens_left(tl.program_id(0) * TPP + j, g, count_ptr,
                                             num_tiles, max_count, block_doc_ptr,
@@ -120,16 +89,12 @@ def _dq_kernel(
                           TOPK, G, GP, BS, BN, D, FP32_DOT)
     else:
         t = tl.program_id(0)
-        left = True
-        if HYBRID:
-            left = not token_taken_by_union(count_ptr, tok_tile_ptr, t, g, num_tiles, max_count)
-        if left:
-            _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
-                      t, g, tl.load(tok_start_ptr + t), tl.load(tok_pos_ptr + t),
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                      stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
-                      stride_sg, stride_st, stride_lh, scale, scale_log2,
-                      TOPK, G, GP, BS, BN, D, FP32_DOT)
+        _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
+                  t, g, tl.load(tok_start_ptr + t), tl.load(tok_pos_ptr + t),
+                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                  stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
+                  stride_sg, stride_st, stride_lh, scale, scale_log2,
+                  TOPK, G, GP, BS, BN, D, FP32_DOT)
 
 
 @triton.jit
@@ -177,12 +142,15 @@ def _dq_union_kernel(
     scale, scale_log2,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    FLAT: tl.constexpr, OWN_TMA: tl.constexpr,
+    FP32_DOT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
 ):
     """dq of QT tokens of one document block x G heads in one pass over the union of their
     selected blocks (the forward's union tile); a row only sees blocks its token selected.
-    SPLIT and TMA: as in the forward's union kernel (whole blocks first, no per-score mask)."""
+    As in the forward's union kernel, the whole blocks come first, without a per-score mask
+    (read by TMA when TMA is set).
+    Unlike the forward, a whole block's key tiles are unrolled in one step and the own block
+    is read by pointer loads: with its Q and dO tiles two dq programs do not fit an SM, and
+    the forward's flat loop and own-block TMA made dq slower at one program per SM."""
     BM: tl.constexpr = QT * GP
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -200,34 +168,22 @@ def _dq_union_kernel(
     dq = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
     urow = union_ptr + g * stride_ug + tile * stride_ut
-    full = union_full_blocks(urow, count, own, UW, SPLIT)
-    if FLAT:
-        for step in range(full * (BS // BN)):
-            sel, k, v = union_flat_step(k_ptr, v_ptr, k_desc, v_desc, urow, step, selection,
-                                        rmask, start, g, stride_kt, stride_kh, stride_vt,
-                                        stride_vh, BS, BN, D, FP32_DOT, TMA)
-            dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
-    else:
-        for u in range(full):
-            b = tl.load(urow + u)
-            sel = rows_selecting(selection, b) & rmask
-            for c in tl.static_range(0, BS, BN):
-                k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
-                                          stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
-                                          FP32_DOT, TMA)
-                dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
-    last = union_masked_end(urow, count, own, UW, OWN_TMA)  # as in the forward
-    for u in tl.range(full, last, num_stages=1 if OWN_TMA else None):
+    full = union_full_blocks(urow, count, own, UW)
+    for u in range(full):
         b = tl.load(urow + u)
         sel = rows_selecting(selection, b) & rmask
         for c in tl.static_range(0, BS, BN):
-            if OWN_TMA:
-                k, v, vis = load_own_union_tile_tma(k_desc, v_desc, b * BS + c, start, length,
-                                                    pos, sel, g, BN, D, FP32_DOT, True)
-            else:
-                k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length,
-                                                   pos, sel, g, stride_kt, stride_kh, stride_vt,
-                                                   stride_vh, D, FP32_DOT)
+            k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
+                                      FP32_DOT, TMA)
+            dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
+    for u in range(full, count):
+        b = tl.load(urow + u)
+        sel = rows_selecting(selection, b) & rmask
+        for c in tl.static_range(0, BS, BN):
+            k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length,
+                                               pos, sel, g, stride_kt, stride_kh, stride_vt,
+                                               stride_vh, D, FP32_DOT)
             dq += dq_tile(q, do, k, v, vis, lse2, delta, scale_log2)
     dq = dq * scale
     tl.store(dq_ptr + tok[:, None] * stride_dqt + heads[:, None] * stride_dqh + dd[None, :],
@@ -308,49 +264,64 @@ def _dkdv_kernel(
              dv.to(dv_ptr.dtype.element_ty), mask=kvalid[:, None])
 
 
-def _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
-               t, hkv, top_k, grp, gp, bs, bn, d, unions):
+def _launch_dq(cfg: BackwardLaunch, view: KernelLayout, rows: dict, q2k_, scale, t, hkv, top_k,
+               grp, gp, d, unions):
     """dq and delta: the union kernel for tiles with a small union, per token for the rest
-    (with the forward's union lists when ``unions`` holds them for dq's tile size)."""
-    common = (q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0),
-              v_.stride(1), do_.stride(0), do_.stride(1), o_.stride(0), o_.stride(1),
-              dq.stride(0), dq.stride(1), q2k_.stride(0), q2k_.stride(1), lse_.stride(0))
-    plan = hybrid_plan(q2k_, blocks, msa, CONFIG["dq_union_qt"], CONFIG["dq_union_max"], gp,
-                       delta, unions=unions)
+    (with the forward's union lists when ``unions`` holds them for dq's tile size).
+    ``rows``: the q, k, v, dO, O, lse, delta and dq tensors by kernel argument name."""
+    bs = view.block_size
+    k_, v_ = rows["k_ptr"], rows["v_ptr"]
+    args = dict(rows, q2k_ptr=q2k_, **_row_strides(rows), stride_sg=q2k_.stride(0),
+                stride_st=q2k_.stride(1), scale=scale, scale_log2=scale * LOG2E,
+                block_doc_ptr=view.block_doc, block_local_ptr=view.block_local,
+                cu_ptr=view.cu_seqlens, TOPK=top_k, G=grp, GP=gp, BS=bs, D=d,
+                FP32_DOT=INTERPRET)
+    plan = hybrid_plan(q2k_, view, cfg.dq_union_qt, cfg.dq_union_max, gp, rows["delta_ptr"],
+                       build_tiles=cfg.dq_union_build_tiles,
+                       build_warps=cfg.dq_union_build_warps, unions=unions)
+    args.update(count_ptr=plan.count, num_tiles=plan.num_tiles, max_count=plan.max_count)
     if plan.enabled:
-        ubn = min(bs, CONFIG["dq_union_bn"]) if d == 128 else bs
-        split = bool(CONFIG["dq_union_split"])
-        descs = kv_descriptors(k_, v_, ubn, INTERPRET) if split and CONFIG["dq_union_tma"] \
-            else None
+        ubn = min(bs, cfg.dq_union_bn) if d == 128 else bs
+        descs = kv_descriptors(k_, v_, ubn, INTERPRET) if cfg.dq_union_tma else None
+        k_desc, v_desc = descs or (k_, v_)
         _dq_union_kernel[(plan.num_tiles, hkv)](
-            q_, k_, v_, *(descs or (k_, v_)), do_, o_, lse_, delta, dq, q2k_, plan.union,
-            plan.count, msa.cu_seqlens, blocks.block_doc, blocks.block_local,
-            plan.num_tiles, plan.max_count, *common, plan.union.stride(0), plan.union.stride(1),
-            scale, scale * LOG2E,
-            TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, QT=plan.qt, BS=bs, BN=ubn, D=d,
-            FP32_DOT=INTERPRET, SPLIT=split, TMA=descs is not None,
-            UW=next_pow2(plan.union.shape[2]), FLAT=bool(CONFIG["dq_union_flat"]),
-            OWN_TMA=descs is not None and bool(CONFIG["dq_union_own_tma"]),
-            num_warps=CONFIG["dq_union_warps"], num_stages=CONFIG["dq_union_stages"],
-            **register_cap(CONFIG["dq_union_maxnreg"], INTERPRET),
+            **args, k_desc=k_desc, v_desc=v_desc, union_ptr=plan.union,
+            stride_ug=plan.union.stride(0), stride_ut=plan.union.stride(1),
+            KP=next_pow2(top_k), QT=plan.qt, BN=ubn,
+            TMA=descs is not None, UW=next_pow2(plan.union.shape[2]),
+            num_warps=cfg.dq_union_warps, num_stages=cfg.dq_union_stages,
         )
-    tile_grid = plan.enabled and bool(CONFIG["dq_tile_grid"])
-    tpp = tiles_per_program(CONFIG, "dq_tile_grid_tiles") if tile_grid else 1
-    _dq_kernel[(triton.cdiv(plan.num_tiles, tpp) if tile_grid else t, hkv)](
-        q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks.token_start, blocks.token_pos,
-        *common, scale, scale * LOG2E, plan.count, plan.tok_tile, blocks.block_doc,
-        blocks.block_local, msa.cu_seqlens, plan.num_tiles, plan.max_count, TOPK=top_k, G=grp,
-        GP=gp, BS=bs, BN=bn, D=d, FP32_DOT=INTERPRET,
-        HYBRID=plan.enabled, QT=max(plan.qt, 1),
-        TILE_GRID=tile_grid, TPP=tpp,
-        num_warps=CONFIG["dq_warps"], num_stages=CONFIG["dq_stages"],
+    tpp = cfg.dq_tile_grid_tiles if plan.enabled else 1
+    _dq_kernel[(triton.cdiv(plan.num_tiles, tpp) if plan.enabled else t, hkv)](
+        **args, tok_start_ptr=view.token_start, tok_pos_ptr=view.token_pos,
+        BN=min(bs, cfg.dq_bn) if d == 128 else bs,
+        HYBRID=plan.enabled, QT=max(plan.qt, 1), TPP=tpp,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )
+
+
+#: The row strides each kernel takes, by the tensor argument they belong to.
+_STRIDES = {"q_ptr": ("stride_qt", "stride_qh"), "k_ptr": ("stride_kt", "stride_kh"),
+            "v_ptr": ("stride_vt", "stride_vh"), "do_ptr": ("stride_dot", "stride_doh"),
+            "o_ptr": ("stride_ot", "stride_oh"), "dq_ptr": ("stride_dqt", "stride_dqh"),
+            "dk_ptr": ("stride_dkt", "stride_dkh"), "dv_ptr": ("stride_dvt", "stride_dvh")}
+
+
+def _row_strides(rows: dict) -> dict:
+    """The (token, head) strides of the [T, heads, d] tensors in ``rows``, and the head stride
+    ``stride_lh`` of lse / delta, as kernel keyword arguments."""
+    out = {"stride_lh": rows["lse_ptr"].stride(0)}
+    for name, (st, sh) in _STRIDES.items():
+        if name in rows:
+            out[st], out[sh] = rows[name].stride(0), rows[name].stride(1)
+    return out
 
 
 def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                               q2k: torch.Tensor, msa, softmax_scale: float | None = None, *,
-                              block_size: int | None = None, unions: TileUnions | None = None):
+                              block_size: int | None = None, unions: TileUnions | None = None,
+                              launch: BackwardLaunch | None = None):
     """Gradients of the sparse MSA attention; deterministic (no atomics).
 
     Args:
@@ -366,6 +337,8 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         block_size: key block size; defaults to ``msa.block_size``.
         unions: the forward's union lists of this q2k (``return_unions=True``); dq uses them
             instead of building its own when its tile size is theirs. None: dq builds them.
+        launch: launch parameters; None takes
+            :func:`~nemo_msa.attention.triton_launch.current_launch` ``("bwd")``.
 
     Returns:
         ``(dq, dk, dv)`` with q's, k's and v's shapes and dtypes.
@@ -373,15 +346,18 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     Raises:
         ValueError: on a bad argument (the message names it, its value and the expectation).
     """
-    bs = int(block_size if block_size is not None else getattr(msa, "block_size", 128))
-    t, hq, hkv, d, grp, top_k = check_attention_inputs(q, k, v, q2k, msa, bs)
+    cfg = current_launch("bwd") if launch is None else launch
+    bs = int(block_size if block_size is not None else msa.block_size)
+    check_block_size(bs)
+    view = kernel_layout(msa, bs)
+    t, hq, hkv, d, grp, top_k = check_attention_inputs(q, k, v, q2k, view)
     for name, x in (("dout", dout), ("out", out)):
         if x.shape != q.shape:
             raise ValueError(f"{name} shape {tuple(x.shape)} must equal q's {tuple(q.shape)}")
     if lse.shape != (hq, t) or lse.dtype != torch.float32:
         raise ValueError(f"lse must be fp32 [Hq={hq}, T={t}], got {lse.dtype} "
                          f"{tuple(lse.shape)}")
-    check_kernel_devices(msa, dout=dout, out=out, lse=lse)
+    check_kernel_devices(view, dout=dout, out=out, lse=lse)
     if unions is not None and unions.source != q2k_identity(q2k):
         raise ValueError(f"unions were built from another q2k (data_ptr, version, shape) = "
                          f"{unions.source}, got {q2k_identity(q2k)}: pass the forward's "
@@ -392,33 +368,28 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     dv = torch.empty_like(v)
     if t == 0:
         return dq, dk, dv
-    blocks = doc_blocks(msa, bs)
     q_, k_, v_, do_, o_ = (x if x.stride(-1) == 1 else x.contiguous()
                            for x in (q, k, v, dout, out))
     lse_ = lse.contiguous()
     q2k_ = q2k.contiguous()
     delta = torch.empty_like(lse_)
     gp = max(16, next_pow2(grp))
-    bn = min(bs, CONFIG["dq_bn"]) if d == 128 else bs
-    if CONFIG["skip"] != "dq":
-        _launch_dq(q_, k_, v_, do_, o_, lse_, delta, dq, q2k_, blocks, msa, scale,
-                   t, hkv, top_k, grp, gp, bs, bn, d, unions)
-    csr = block_query_csr(q2k_, blocks, msa)
-    qt = max(1, CONFIG["kv_rows"] // gp)
-    bn_kv = min(bs, CONFIG["kv_bn"])
-    grid = (hkv * blocks.num_blocks_bound * (bs // bn_kv),)
-    if CONFIG["skip"] == "dkdv":
+    if cfg.skip != "dq":
+        rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, o_ptr=o_, lse_ptr=lse_,
+                    delta_ptr=delta, dq_ptr=dq)
+        _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions)
+    csr = block_query_csr(q2k_, view)
+    bn_kv = min(bs, cfg.kv_bn)
+    if cfg.skip == "dkdv":
         return dq, dk, dv
-    warps = CONFIG["kv_warps"] if d == 128 else 4
-    _dkdv_kernel[grid](
-        q_, k_, v_, do_, lse_, delta, dk, dv,
-        csr.offsets, csr.tokens, csr.order, blocks.block_doc, blocks.block_local,
-        msa.cu_seqlens, blocks.token_pos,
-        q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1),
-        do_.stride(0), do_.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        lse_.stride(0),
-        blocks.num_blocks_bound, scale, scale * LOG2E,
-        G=grp, GP=gp, QT=qt, BS=bs, BN=bn_kv, D=d, FP32_DOT=INTERPRET,
-        num_warps=warps, num_stages=CONFIG["kv_stages"],
+    rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, lse_ptr=lse_, delta_ptr=delta,
+                dk_ptr=dk, dv_ptr=dv)
+    _dkdv_kernel[(hkv * view.num_blocks_bound * (bs // bn_kv),)](
+        **rows, **_row_strides(rows), offsets_ptr=csr.offsets, list_ptr=csr.tokens,
+        order_ptr=csr.order, block_doc_ptr=view.block_doc, block_local_ptr=view.block_local,
+        cu_ptr=view.cu_seqlens, tok_pos_ptr=view.token_pos,
+        num_blocks_bound=view.num_blocks_bound, scale=scale, scale_log2=scale * LOG2E,
+        G=grp, GP=gp, QT=max(1, cfg.kv_rows // gp), BS=bs, BN=bn_kv, D=d, FP32_DOT=INTERPRET,
+        num_warps=cfg.kv_warps if d == 128 else 4, num_stages=cfg.kv_stages,
     )
     return dq, dk, dv

@@ -30,7 +30,7 @@ def next_pow2(x: int) -> int:
 
 @triton.jit
 def doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr):
-    """Global block ``blk`` of the doc-block map (``triton_layout.doc_blocks``): ``(doc,
+    """Global block ``blk`` of the doc-block map (``kernel_layout.KernelLayout``): ``(doc,
     local block, document start row, document length)``. ``doc`` is -1 for the surplus ids
     past the last block; their start and length are then document 0's (never used)."""
     doc = tl.load(block_doc_ptr + blk)
@@ -172,23 +172,20 @@ def union_masked_end(union_row_ptr, count, own_block, UW: tl.constexpr, SKIP_PAS
     """Where a union program's masked loop stops: ``count``, or with SKIP_PAST after the own
     block (the sorted entries past it hold no key visible to any row of the tile)."""
     if SKIP_PAST:
-        return union_full_blocks(union_row_ptr, count, own_block + 1, UW, True)
+        return union_full_blocks(union_row_ptr, count, own_block + 1, UW)
     else:
         return count
 
 
 @triton.jit
 def load_own_union_tile_tma(k_desc, v_desc, j0, start, length, pos, sel, g, BN: tl.constexpr,
-                            D: tl.constexpr, FP32_DOT: tl.constexpr, ZERO_K: tl.constexpr):
+                            D: tl.constexpr, FP32_DOT: tl.constexpr):
     """:func:`load_masked_union_tile` by TMA for the tile of document keys ``j0 .. j0 + BN -
     1`` of the own block. Rows past a partial last block belong to the next document (or read
-    as 0 past T): their V is zeroed, and with ZERO_K their K (where dS multiplies K), so that a
-    probability or dS of 0 never meets an inf there."""
+    as 0 past T): their V is zeroed, so that a probability of 0 never meets an inf there."""
     j = j0 + tl.arange(0, BN)
     k, v = load_kv_tile_tma(k_desc, v_desc, start + j0, g, D, FP32_DOT)
     inside = (j < length)[:, None]
-    if ZERO_K:
-        k = tl.where(inside, k, 0.0)
     v = tl.where(inside, v, 0.0)
     return k, v, (j[None, :] <= pos[:, None]) & sel[:, None]
 
@@ -220,12 +217,9 @@ def online_softmax_rows(sc, v, sel, m_i, l_i, acc, scale_log2):
 
 
 @triton.jit
-def union_full_blocks(union_row_ptr, count, own_block, UW: tl.constexpr, SPLIT: tl.constexpr):
+def union_full_blocks(union_row_ptr, count, own_block, UW: tl.constexpr):
     """How many of a tile's ``count`` sorted union entries lie before the tile's own block:
-    those blocks are whole (inside the document) and causally visible to every row. 0 when
-    not ``SPLIT`` (every entry then takes the masked loop)."""
-    if not SPLIT:
-        return 0
+    those blocks are whole (inside the document) and causally visible to every row."""
     uu = tl.arange(0, UW)
     entries = tl.load(union_row_ptr + uu, mask=uu < count, other=2147483647)
     return tl.sum((entries < own_block).to(tl.int32))
@@ -363,23 +357,16 @@ def union_tile_skipped(tile, g, count_ptr, num_tiles, max_count, block_doc_ptr,
     """The hybrid split seen from a union program: ``(doc, count, skipped)``, the tile's
     document and union size, and whether the tile is skipped: it lies past the last document
     block, or its union is larger than ``max_count`` (the per-token kernel then does its
-    tokens, see :func:`tile_tokens_left` and :func:`token_taken_by_union`)."""
+    tokens, see :func:`tile_tokens_left`)."""
     doc = tl.load(block_doc_ptr + tile // (BS // QT))
     count = tl.load(count_ptr + g * num_tiles + tile)
     return doc, count, (doc < 0) | (count > max_count)
 
 
 @triton.jit
-def token_taken_by_union(count_ptr, tok_tile_ptr, t, g, num_tiles, max_count):
-    """The split seen from a per-token program of the token grid: True when token ``t``'s tile
-    ran in the union kernel (its union has at most ``max_count`` blocks)."""
-    return tl.load(count_ptr + g * num_tiles + tl.load(tok_tile_ptr + t)) <= max_count
-
-
-@triton.jit
 def tile_tokens_left(tile, g, count_ptr, num_tiles, max_count, block_doc_ptr, block_local_ptr,
                      cu_ptr, QT: tl.constexpr, BS: tl.constexpr):
-    """The same split seen from a per-token program of the hybrid grid (one program per union
+    """The split seen from a per-token program of the hybrid grid (one program per union
     tile): ``(n, start, p0)``, the tile's tokens left to it (document positions ``p0 .. p0 +
     n - 1`` of the document starting at compact row ``start``). ``n`` is 0 when the union
     kernel ran the tile (union of at most ``max_count`` blocks), or the tile lies past the last

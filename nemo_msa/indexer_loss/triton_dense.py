@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_layout import INTERPRET, check_kernel_devices, doc_blocks
 from nemo_msa.attention.triton_tiles import LOG2E, union_tile_span
+from nemo_msa.kernel_layout import INTERPRET, check_kernel_devices, kernel_layout
 
 __all__ = ["dense_indexer_loss_triton", "dense_loss_kernel_unsupported"]
 
@@ -249,11 +249,10 @@ class _DenseKL(torch.autograd.Function):
     the gradients of index_q and index_k from the stored target and argmax keys."""
 
     @staticmethod
-    def forward(ctx, index_q, index_k, kl_rows, target, argkey, lse, tsum, blocks, msa,
-                index_scale, denominator):
+    def forward(ctx, index_q, index_k, kl_rows, target, argkey, lse, tsum, blocks, index_scale,
+                denominator):
         ctx.save_for_backward(index_q, index_k, target, argkey, lse, tsum)
         ctx.blocks = blocks
-        ctx.cu_seqlens = msa.cu_seqlens
         ctx.index_scale = index_scale
         ctx.denominator = denominator
         ctx.consumed = False
@@ -282,14 +281,14 @@ class _DenseKL(torch.autograd.Function):
         )
         dk_heads = torch.empty(heads, tokens, dim, dtype=torch.float32, device=index_q.device)
         _dense_kl_dk_kernel[(blocks.num_blocks_bound, heads)](
-            index_q, blocks.block_doc, blocks.block_local, ctx.cu_seqlens, target, argkey,
+            index_q, blocks.block_doc, blocks.block_local, blocks.cu_seqlens, target, argkey,
             dk_heads, index_q.stride(0), index_q.stride(1), target.stride(0), target.stride(1),
             dk_heads.stride(0), dk_heads.stride(1),
             BS=block, BT=_BT_DK, DI=dim, FP32_DOT=INTERPRET,
         )
         dk = dk_heads.sum(0)
         return (dq.to(index_q.dtype), dk.to(index_k.dtype), None, None, None, None, None, None,
-                None, None, None)
+                None, None)
 
 
 def dense_indexer_loss_triton(
@@ -330,12 +329,12 @@ def dense_indexer_loss_triton(
     reason = dense_loss_kernel_unsupported(query, key, index_q, msa.block_size)
     if reason is not None:
         raise ValueError(f"dense_indexer_loss_triton cannot run {reason}")
-    check_kernel_devices(msa, index_q=index_q, index_k=index_k, query=query, key=key)
+    blocks = kernel_layout(msa, msa.block_size)
+    check_kernel_devices(blocks, index_q=index_q, index_k=index_k, query=query, key=key)
     tokens, heads, index_dim = index_q.shape
     q_heads, head_dim = query.shape[1], query.shape[2]
     group = q_heads // heads
     block = msa.block_size
-    blocks = doc_blocks(msa, block)
     width = max(1, -(-int(msa.max_seqlen) // block))
     device = index_q.device
     query = query.detach().contiguous()
@@ -349,7 +348,7 @@ def dense_indexer_loss_triton(
     tsum = torch.empty_like(kl_rows)
     grid = (blocks.num_blocks_bound * (block // _QT), heads)
     _dense_kl_fwd_kernel[grid](
-        query, key, iq, ik, blocks.block_doc, blocks.block_local, msa.cu_seqlens,
+        query, key, iq, ik, blocks.block_doc, blocks.block_local, blocks.cu_seqlens,
         target, argkey, kl_rows, lse, tsum,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), iq.stride(0),
         iq.stride(1), ik.stride(0), target.stride(0), target.stride(1), kl_rows.stride(0),
@@ -368,7 +367,7 @@ def dense_indexer_loss_triton(
         stats["recall_mass"] = torch.where(live, mass, 0.0).sum()
         stats["recall_count"] = torch.full((), float(tokens * heads), device=device)
     denominator = float(tokens * num_index_heads_total)
-    kl = _DenseKL.apply(index_q, index_k, kl_rows, target, argkey, lse, tsum, blocks, msa,
+    kl = _DenseKL.apply(index_q, index_k, kl_rows, target, argkey, lse, tsum, blocks,
                         1.0 / math.sqrt(index_dim), denominator)
     stats["kl"] = kl.detach()
     return kl * loss_coeff, stats

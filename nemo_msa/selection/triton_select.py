@@ -18,8 +18,7 @@ ties go to the lower block id. Empty slots are -1, so any candidate displaces th
 NaN. The reference's ``amax`` propagates NaN, while ``tl.max`` drops it (it lowers to the
 IEEE maxNum, ``max.f32``). The block max is therefore a reduction whose combine keeps NaN
 (``max.NaN.f32``, the same instruction cost), so a block scores NaN exactly when one of its
-visible q.k does, as in the reference, +-inf inputs included. (Per-token non-finite flags, the
-earlier scheme, measured slower and were exact for finite inputs only: ADR 0003 v9.)
+visible q.k does, as in the reference, +-inf inputs included, and it costs no extra pass.
 """
 
 from __future__ import annotations
@@ -28,19 +27,18 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_layout import INTERPRET, check_kernel_devices, doc_blocks
+from nemo_msa.attention.triton_launch import SelectLaunch, current_launch
 from nemo_msa.attention.triton_tiles import doc_block, next_pow2, row_descriptor
+from nemo_msa.kernel_layout import (
+    INTERPRET,
+    check_block_size,
+    check_kernel_devices,
+    kernel_layout,
+)
 
 _FORCED_CODE = tl.constexpr(0xFFFFFFF0)
 _NAN_CODE = tl.constexpr(1)
 _LOW_MASK = tl.constexpr(0x7FFFFFFF)
-
-# Launch parameters (scripts/bench_msa.py sweeps them; ADR 0003): query rows per program, keys
-# per inner tile at d = 128, warps, stages; "tma": the whole key blocks are read by TMA (Hopper;
-# pointer loads elsewhere). The top-k update runs branch-free for the whole blocks (0.5 ms
-# faster at 131072 tokens than skipping blocks no row takes, ADR 0003 v9).
-CONFIG = {"bm": 128, "bn": 128, "num_warps": 4, "num_stages": 2, "tma": True}
-
 
 @triton.jit
 def _max_keep_nan(a, b):
@@ -226,7 +224,8 @@ def _select_kernel(
 
 def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, top_k: int,
                          init_blocks: int, local_blocks: int, score: str = "max",
-                         block_size: int | None = None, return_scores: bool = False):
+                         block_size: int | None = None, return_scores: bool = False,
+                         launch: SelectLaunch | None = None):
     """Selects ``top_k`` key blocks per (index head, query token) with one fused kernel.
 
     Args:
@@ -244,6 +243,8 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
             unscaled max of q.k over its visible keys, forced blocks included; -inf at -1
             slots) and the compact row of the key attaining it (int32 [H, T, top_k], -1 at -1
             slots), found in the same pass (the indexer loss's by-products).
+        launch: launch parameters; None takes
+            :func:`~nemo_msa.attention.triton_launch.current_launch` ``("sel")``.
 
     Returns:
         int32 [H, T, top_k]: document-local block ids ascending, -1 at the tail; with
@@ -252,7 +253,8 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     Raises:
         ValueError: on a bad argument; the message names it, its value and the expectation.
     """
-    bs = int(block_size if block_size is not None else getattr(msa, "block_size", 128))
+    cfg = current_launch("sel") if launch is None else launch
+    bs = int(block_size if block_size is not None else msa.block_size)
     if score != "max":
         raise ValueError(f"score={score!r}: the Triton selection implements 'max' only")
     if index_q.dim() != 3:
@@ -266,16 +268,16 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
                          f"and {index_k.dtype}")
     if d not in (16, 32, 64, 128):
         raise ValueError(f"index head dim d={d}: expected one of 16, 32, 64, 128")
-    if bs not in (16, 32, 64, 128):
-        raise ValueError(f"block_size={bs}: expected one of 16, 32, 64, 128")
+    check_block_size(bs)
     if not 1 <= top_k <= 32:
         raise ValueError(f"top_k={top_k}: expected 1 <= top_k <= 32")
     if init_blocks < 0 or local_blocks < 0 or init_blocks + local_blocks > top_k:
         raise ValueError(f"init_blocks={init_blocks}, local_blocks={local_blocks}: expected "
                          f"non-negative with a sum <= top_k={top_k}")
-    if t != getattr(msa, "num_tokens", t):
-        raise ValueError(f"index_q has T={t} tokens but msa.num_tokens={msa.num_tokens}")
-    check_kernel_devices(msa, index_q=index_q, index_k=index_k)
+    view = kernel_layout(msa, bs)
+    if t != view.num_tokens:
+        raise ValueError(f"index_q has T={t} tokens but msa.num_tokens={view.num_tokens}")
+    check_kernel_devices(view, index_q=index_q, index_k=index_k)
     out = torch.empty((h, t, top_k), dtype=torch.int32, device=index_q.device)
     scores = (torch.empty((h, t, top_k), dtype=torch.float32, device=index_q.device)
               if return_scores else out)
@@ -285,20 +287,17 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
         return result
     q = index_q.contiguous()
     k = index_k.contiguous()
-    blocks = doc_blocks(msa, bs)
-    bm = min(bs, CONFIG["bm"])
-    bn = min(bs, CONFIG["bn"]) if d == 128 else bs
-    kp = max(next_pow2(top_k), 2)
-    grid = (blocks.num_blocks_bound * (bs // bm), h)
-    k_desc = row_descriptor(k, bn, d, INTERPRET) if CONFIG["tma"] else None
-    _select_kernel[grid](
-        q, k, k if k_desc is None else k_desc, out, scores, keys, msa.cu_seqlens,
-        blocks.block_doc, blocks.block_local,
-        q.stride(0), q.stride(1), k.stride(0), out.stride(0), out.stride(1),
-        blocks.num_blocks_bound, top_k, init_blocks, local_blocks,
-        BS=bs, BM=bm, BN=bn, D=d, KP=kp, FP32_DOT=INTERPRET, TMA=k_desc is not None,
-        EMIT=return_scores,
-        num_warps=CONFIG["num_warps"] if bm * bn >= 64 * 64 else 4,
-        num_stages=CONFIG["num_stages"],
+    bm = min(bs, cfg.bm)
+    bn = min(bs, cfg.bn) if d == 128 else bs
+    k_desc = row_descriptor(k, bn, d, INTERPRET) if cfg.tma else None
+    _select_kernel[(view.num_blocks_bound * (bs // bm), h)](
+        q_ptr=q, k_ptr=k, k_desc=k if k_desc is None else k_desc, out_ptr=out,
+        score_ptr=scores, arg_ptr=keys, cu_ptr=view.cu_seqlens, block_doc_ptr=view.block_doc,
+        block_local_ptr=view.block_local, stride_qt=q.stride(0), stride_qh=q.stride(1),
+        stride_kt=k.stride(0), stride_oh=out.stride(0), stride_ot=out.stride(1),
+        num_blocks_bound=view.num_blocks_bound, top_k=top_k, init_blocks=init_blocks,
+        local_blocks=local_blocks, BS=bs, BM=bm, BN=bn, D=d, KP=max(next_pow2(top_k), 2),
+        FP32_DOT=INTERPRET, TMA=k_desc is not None, EMIT=return_scores,
+        num_warps=cfg.num_warps if bm * bn >= 64 * 64 else 4, num_stages=cfg.num_stages,
     )
     return result

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,43 +15,25 @@ from packs import packed_batches, random_document_map
 from nemo_msa import MSAMicrobatch, select_blocks, sparse_attention
 from nemo_msa.backends import get_backend
 from nemo_msa.ops import _SparseAttention
+from nemo_msa.testing.oracle import attention_f64
 
 
 def dense_reference(q, k, v, q2k, ids, block, scale):
-    """Float64 attention over explicit masks built token by token from the document map."""
-    docs = ids.reshape(-1)[ids.reshape(-1) > 0]
-    rows = ids.shape[0]
-    # Document index and position per compact token, read off the map directly.
-    doc_index, pos = [], []
-    d = -1
-    for r in range(rows):
+    """Float64 attention (nemo_msa.testing.oracle's) over documents read off the document map
+    token by token, not through the package's layout."""
+    lengths = []
+    for r in range(ids.shape[0]):
         prev = 0
-        p = 0
         for value in ids[r].tolist():
+            if value > 0 and value != prev:
+                lengths.append(0)
             if value > 0:
-                if value != prev:
-                    d += 1
-                    p = 0
-                doc_index.append(d)
-                pos.append(p)
-                p += 1
+                lengths[-1] += 1
             prev = value
-    assert len(doc_index) == docs.numel()
-    doc_index = torch.tensor(doc_index)
-    pos = torch.tensor(pos)
-    same = (doc_index[:, None] == doc_index[None, :]) & (pos[None, :] <= pos[:, None])
-    key_block = pos // block
-    group = q.shape[1] // k.shape[1]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for g in range(k.shape[1]):
-        chosen = (q2k[g].long()[:, :, None] == key_block[None, None, :]).any(1)  # [T, T]
-        mask = same & chosen
-        for h in range(g * group, (g + 1) * group):
-            s = (q[:, h].double() @ k[:, g].double().T) * scale
-            s = s.masked_fill(~mask, -math.inf)
-            p = torch.softmax(s, -1).nan_to_num(0.0)
-            out[:, h] = p @ v[:, g].double()
-    return out
+    assert sum(lengths) == int((ids > 0).sum())
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    docs = SimpleNamespace(cu_seqlens=cu)
+    return attention_f64(q, k, v, q2k, docs, scale, block)[0]
 
 
 def relative_error(a, b):

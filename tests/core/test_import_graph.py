@@ -31,7 +31,9 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # What every layer reads: the contract's limits, the document map and the layout built from
     # it, the canonical q2k. The kernels take the layout as their input, so it sits below them.
-    ("layout", ("nemo_msa.limits", "nemo_msa.document_map", "nemo_msa.layout", "nemo_msa.q2k")),
+    # The kernels' typed view of the layout (device index tensors, torch only) sits with it.
+    ("layout", ("nemo_msa.limits", "nemo_msa.document_map", "nemo_msa.layout", "nemo_msa.q2k",
+                "nemo_msa.kernel_layout")),
     # Kernels and references: attention (naive, dense, Triton, flashinfer adapter), selection,
     # the indexer loss (reference, by-products, fused dense).
     ("kernels", ("nemo_msa.attention", "nemo_msa.selection", "nemo_msa.indexer_loss")),

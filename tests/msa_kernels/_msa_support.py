@@ -1,12 +1,10 @@
-"""Shared helpers of the Triton kernel tests: a small layout stand-in and float64 references.
+"""Shared helpers of the Triton kernel tests: a small layout stand-in and random selections.
 
-The references here are deliberately independent of the package's own reference backend: dense
-masked attention in float64 and brute-force block scores, written from MSA_SPEC.md.
+The float64 references are nemo_msa.testing.oracle's (shared with scripts/bench_msa.py).
 """
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import torch
@@ -67,96 +65,6 @@ def make_layout(rows: list[list[int]], seq_len: int, block_size: int, device="cp
     )
 
 
-def doc_spans(msa):
-    cu = msa.cu_seqlens.tolist()
-    return list(zip(cu[:-1], cu[1:], strict=True))
-
-
-def block_scores_f64(index_q, index_k, msa, block_size):
-    """Per document: float64 scores [H, n, nblk] (-inf where no visible key / past own block)."""
-    out = []
-    for s, e in doc_spans(msa):
-        q = index_q[s:e].double()  # [n, H, d]
-        k = index_k[s:e].double()  # [n, d]
-        n = e - s
-        nblk = -(-n // block_size)
-        qk = torch.einsum("phd,jd->hpj", q, k)
-        causal = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
-        qk = qk.masked_fill(~causal, float("-inf"))
-        pad = nblk * block_size - n
-        qk = torch.nn.functional.pad(qk, (0, pad), value=float("-inf"))
-        sc = qk.view(qk.shape[0], n, nblk, block_size)
-        # amax propagates NaN like the contract's "max over visible keys".
-        vis = torch.nn.functional.pad(causal, (0, pad), value=False).view(n, nblk, block_size)
-        sc = torch.where(vis[None], sc, torch.tensor(float("-inf"), dtype=sc.dtype))
-        out.append(sc.amax(-1))
-    return out
-
-
-def select_reference(index_q, index_k, msa, *, top_k, init_blocks, local_blocks, block_size):
-    """Brute-force canonical selection: int32 [H, T, top_k]; also returns the scores."""
-    t, h, _ = index_q.shape
-    res = torch.full((h, t, top_k), -1, dtype=torch.int32)
-    all_scores = block_scores_f64(index_q, index_k, msa, block_size)
-    for (s, _e), scores in zip(doc_spans(msa), all_scores, strict=True):
-        for hh in range(h):
-            for p in range(scores.shape[1]):
-                o = p // block_size
-                cands = []
-                for b in range(o + 1):
-                    v = scores[hh, p, b].item()
-                    forced = b < init_blocks or b > o - local_blocks
-                    nan = math.isnan(v)
-                    cands.append((not forced, nan, -v if not nan else 0.0, b))
-                cands.sort()
-                chosen = sorted(c[3] for c in cands[:top_k])
-                res[hh, s + p, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
-    return res, all_scores
-
-
-def attention_reference(q, k, v, q2k, msa, scale, block_size):
-    """Dense masked attention in float64: out [T, Hq, d] fp64, lse [Hq, T] fp64.
-
-    Query (p, hq) sees key j of its document iff j <= p and block j // bs is in q2k[hq // G, p].
-    """
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    grp = hq // hkv
-    outs, lses = [], []
-    for s, e in doc_spans(msa):
-        n = e - s
-        nblk = -(-n // block_size)
-        sel = torch.zeros((hkv, n, nblk + 1), dtype=torch.bool)
-        qk_idx = q2k[:, s:e].long().clamp(min=-1)
-        qk_idx = torch.where(qk_idx < 0, nblk, qk_idx.clamp(max=nblk))
-        sel.scatter_(2, qk_idx, True)
-        sel = sel[:, :, :nblk]
-        keyblk = torch.arange(n) // block_size
-        mask = sel[:, :, keyblk]  # [hkv, n, n]
-        mask &= torch.arange(n)[None, None, :] <= torch.arange(n)[None, :, None]
-        mask = mask.repeat_interleave(grp, dim=0)  # [hq, n, n]
-        qd = q[s:e].double().transpose(0, 1)
-        kd = k[s:e].double().transpose(0, 1).repeat_interleave(grp, dim=0)
-        vd = v[s:e].double().transpose(0, 1).repeat_interleave(grp, dim=0)
-        sc = torch.einsum("hpd,hjd->hpj", qd, kd) * scale
-        sc = sc.masked_fill(~mask, float("-inf"))
-        l_ = torch.logsumexp(sc, -1)
-        # Rows with no visible key: p = 0 and lse = -inf, as the op contract says.
-        empty = ~mask.any(-1, keepdim=True)
-        pr = torch.exp(sc - torch.where(empty, 0.0, l_[..., None]))
-        pr = torch.where(empty | ~mask, 0.0, pr)
-        outs.append(torch.einsum("hpj,hjd->hpd", pr, vd).transpose(0, 1))
-        lses.append(l_)
-    return torch.cat(outs, 0), torch.cat(lses, 1)
-
-
-def rel_err(x, ref):
-    x = x.double()
-    ref = ref.double()
-    assert torch.isfinite(x).all(), "non-finite values in the kernel output"
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def random_q2k(msa, hkv, top_k, block_size, gen, drop_own=False):
     """Random canonical-looking q2k int32 [hkv, T, top_k]: own block + random earlier ones.
 
@@ -178,11 +86,3 @@ def random_q2k(msa, hkv, top_k, block_size, gen, drop_own=False):
             chosen = sorted(chosen)
             out[g, i, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
     return out
-
-
-def attention_reference_grads(q, k, v, q2k, msa, scale, block_size, dout):
-    """float64 out, lse and (dq, dk, dv) by autograd through :func:`attention_reference`."""
-    qd, kd, vd = (x.detach().double().requires_grad_(True) for x in (q, k, v))
-    out, lse = attention_reference(qd, kd, vd, q2k, msa, scale, block_size)
-    out.backward(dout.double())
-    return out.detach(), lse.detach(), qd.grad, kd.grad, vd.grad

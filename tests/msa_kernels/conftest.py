@@ -7,15 +7,18 @@ another test already imported them compiled-for-nothing, they are reloaded.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
 
+import pytest
 import torch
 
 KERNEL_MODULES = (
-    "nemo_msa.attention.triton_layout",
+    "nemo_msa.kernel_layout",
     "nemo_msa.selection.triton_select",
+    "nemo_msa.attention.triton_union",
     "nemo_msa.attention.triton_fwd",
     "nemo_msa.attention.triton_bwd",
 )
@@ -25,3 +28,13 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     for name in KERNEL_MODULES:
         if name in sys.modules:
             importlib.reload(sys.modules[name])
+
+
+@pytest.fixture
+def set_launch():
+    """``set_launch({"fwd.union_qt": 0, ...})``: launch parameters for the rest of the test
+    (``launch_overrides`` blocks entered in order and left when the test ends)."""
+    from nemo_msa.attention.triton_launch import launch_overrides
+
+    with contextlib.ExitStack() as stack:
+        yield lambda settings: stack.enter_context(launch_overrides(settings))

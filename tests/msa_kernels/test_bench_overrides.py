@@ -18,21 +18,20 @@ def _bench():
     return module
 
 
-def test_overrides_set_json_values_and_plain_strings(monkeypatch):
-    import nemo_msa.attention.triton_bwd as tb
-    import nemo_msa.attention.triton_fwd as tf
-    import nemo_msa.selection.triton_select as ts
+def test_overrides_set_json_values_and_plain_strings():
+    from nemo_msa.attention.triton_launch import ForwardLaunch, current_launch
 
-    for mod, key in ((tf, "union_max"), (tf, "union_build"), (tb, "dq_tile_grid"), (ts, "tma")):
-        monkeypatch.setitem(mod.CONFIG, key, mod.CONFIG[key])
-    _bench().apply_overrides(["fwd.union_max=48", "fwd.union_build=torch",
-                              "bwd.dq_tile_grid=false", "sel.tma=false"])
-    assert tf.CONFIG["union_max"] == 48 and tf.CONFIG["union_build"] == "torch"
-    assert tb.CONFIG["dq_tile_grid"] is False and ts.CONFIG["tma"] is False
+    with _bench().apply_overrides(["fwd.union_max=48", "bwd.skip=dq", "bwd.dq_union_tma=false",
+                                   "sel.tma=false", "fwd.union_maxnreg=null"]) as launches:
+        assert launches["fwd"].union_max == 48 and launches["fwd"].union_maxnreg is None
+        assert launches["bwd"].skip == "dq" and launches["bwd"].dq_union_tma is False
+        assert current_launch("sel").tma is False
+    assert current_launch("fwd") == ForwardLaunch()
 
 
-@pytest.mark.parametrize("item", ["fwd.no_such_key=1", "attn.union_max=1", "fwd.union_max="])
-def test_overrides_reject_unknown_kernels_keys_and_empty_values(item):
+@pytest.mark.parametrize("item", ["fwd.no_such_key=1", "attn.union_max=1", "fwd.union_max=",
+                                  "fwd.union_max=4.5", "fwd.union_build=triton", "bwd.skip=dk"])
+def test_overrides_reject_unknown_kernels_keys_and_bad_values(item):
     with pytest.raises(SystemExit, match="expected KERNEL.KEY=VALUE"):
         _bench().apply_overrides([item])
 

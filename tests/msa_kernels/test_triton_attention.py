@@ -7,20 +7,18 @@ inputs and float64 references are the same host tensors either way.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
-from _msa_support import (
-    attention_reference_grads,
-    layout_on_kernel_device,
-    make_layout,
-    on_kernel_device,
-    random_q2k,
-    rel_err,
-)
+from _msa_support import layout_on_kernel_device, make_layout, on_kernel_device, random_q2k
 
+import nemo_msa.attention.triton_union as tu
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
+from nemo_msa.attention.triton_launch import ForwardLaunch
+from nemo_msa.kernel_layout import kernel_layout
+from nemo_msa.testing.oracle import attention_grads_f64, rel_err, tile_unions_reference
 
 TOL = 1e-2  # bf16 operands: MSA_SPEC.md's bound on ||x - ref|| / ||ref||
 
@@ -41,7 +39,7 @@ def _run_case_with_config(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own, 
     dout = torch.randn((t, hq, d), generator=gen).to(torch.bfloat16)
     q2k = random_q2k(msa, hkv, top_k, bs, gen, drop_own=drop_own)
     scale = 1.0 / math.sqrt(d)
-    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = attention_reference_grads(
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = attention_grads_f64(
         q, k, v, q2k, msa, scale, bs, dout)
     dmsa = layout_on_kernel_device(msa)
     dev = on_kernel_device(q, k, v, q2k, dout)
@@ -80,14 +78,11 @@ def _run_case_with_config(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own, 
         ([[64, 31]], 100, 32, 2, 1, 64, 2, False),
     ],
 )
-def test_attention_matches_reference(monkeypatch, rows, seq_len, bs, hq, hkv, d, top_k,
+def test_attention_matches_reference(set_launch, rows, seq_len, bs, hq, hkv, d, top_k,
                                      drop_own):
-    import nemo_msa.attention.triton_bwd as tb
-    import nemo_msa.attention.triton_fwd as tf
-
     # The per-token forward and dq alone; the union/hybrid paths have their own tests below.
-    monkeypatch.setitem(tf.CONFIG, "union_qt", 0)
-    monkeypatch.setitem(tb.CONFIG, "dq_union_qt", 0)
+    set_launch({"fwd.union_qt": 0})
+    set_launch({"bwd.dq_union_qt": 0})
     _run_case(rows, seq_len, bs, hq, hkv, d, top_k, seed=seq_len * 31 + d, drop_own=drop_own,
               repeat=hq // hkv == 16)
 
@@ -109,29 +104,23 @@ def test_attention_rejects_bad_inputs():
 
 
 @pytest.mark.parametrize("qt,max_count", [(2, 1000), (4, 1000), (4, 3), (8, 2)])
-def test_union_forward_and_dq_match_reference(monkeypatch, qt, max_count):
+def test_union_forward_and_dq_match_reference(set_launch, qt, max_count):
     """The query-tile union forward and dq alone (max_count 1000), and the hybrids (tiles with
     more than ``max_count`` union blocks go to the per-token kernels), against float64."""
-    import nemo_msa.attention.triton_bwd as tb
-    import nemo_msa.attention.triton_fwd as tf
-
-    monkeypatch.setitem(tf.CONFIG, "union_qt", qt)
-    monkeypatch.setitem(tf.CONFIG, "union_max", max_count)
-    monkeypatch.setitem(tb.CONFIG, "dq_union_qt", qt)
-    monkeypatch.setitem(tb.CONFIG, "dq_union_max", max_count)
+    set_launch({"fwd.union_qt": qt})
+    set_launch({"fwd.union_max": max_count})
+    set_launch({"bwd.dq_union_qt": qt})
+    set_launch({"bwd.dq_union_max": max_count})
     # G = 4 (padded to 16 rows) at bs 16, and G = 16 with tiles that straddle a document end.
     rows, seq_len, hq, hkv = ([[1, 37], [18, 3]], 40, 8, 2) if qt < 8 else ([[45, 30]], 80, 16, 1)
     _run_case(rows, seq_len, 16, hq, hkv, 16, 2, seed=13 + qt, drop_own=True, repeat=True)
 
 
-def test_dq_reuses_the_forward_union_lists(monkeypatch):
+def test_dq_reuses_the_forward_union_lists(monkeypatch, set_launch):
     """With the forward's unions the backward builds no union lists and gives bitwise the
     gradients it gives when it builds its own; unions of another (or changed) q2k are refused,
     and unions for another tile size are not used."""
-    import nemo_msa.attention.triton_bwd as tb
-    import nemo_msa.attention.triton_fwd as tf
-
-    monkeypatch.setitem(tb.CONFIG, "dq_union_max", 3)  # a hybrid: union and per-token tiles
+    set_launch({"bwd.dq_union_max": 3})  # a hybrid: union and per-token tiles
     gen = torch.Generator().manual_seed(31)
     msa = make_layout([[45, 30]], 80, 16)
     t = msa.num_tokens
@@ -143,15 +132,15 @@ def test_dq_reuses_the_forward_union_lists(monkeypatch):
     out, lse, unions = triton_attention_forward(q, k, v, q2k, dmsa, 0.25, return_unions=True)
     assert unions is not None and unions.qt == 8
     builds = []
-    build = tf.tile_unions
-    monkeypatch.setattr(tf, "tile_unions", lambda *a: builds.append(1) or build(*a))
+    build = tu.tile_unions
+    monkeypatch.setattr(tu, "tile_unions", lambda *a, **kw: builds.append(1) or build(*a, **kw))
     args = (dout, q, k, v, out, lse, q2k, dmsa, 0.25)
     reused = triton_attention_backward(*args, unions=unions)
     assert builds == []
     built = triton_attention_backward(*args)
     assert builds == [1]
     assert all(torch.equal(a, b) for a, b in zip(reused, built, strict=True))
-    monkeypatch.setitem(tb.CONFIG, "dq_union_qt", 4)  # another tile size: dq builds its own
+    set_launch({"bwd.dq_union_qt": 4})  # another tile size: dq builds its own
     triton_attention_backward(*args, unions=unions)
     assert builds == [1, 1]
     with pytest.raises(ValueError, match="unions were built from another q2k"):
@@ -161,37 +150,28 @@ def test_dq_reuses_the_forward_union_lists(monkeypatch):
         triton_attention_backward(*args, unions=unions)
 
 
-@pytest.mark.parametrize("split,tma", [(True, False), (False, False)])
-def test_union_loop_variants_match_reference(monkeypatch, split, tma):
-    """The union kernels' other loop variants (the default, whole blocks first by TMA, runs in
-    the test above): whole blocks first by pointer loads, and every block under the mask."""
-    import nemo_msa.attention.triton_bwd as tb
-    import nemo_msa.attention.triton_fwd as tf
-
-    for mod, prefix in ((tf, "union_"), (tb, "dq_union_")):
-        monkeypatch.setitem(mod.CONFIG, prefix + "qt", 4)
-        monkeypatch.setitem(mod.CONFIG, prefix + "max", 1000)
-        monkeypatch.setitem(mod.CONFIG, prefix + "split", split)
-        monkeypatch.setitem(mod.CONFIG, prefix + "tma", tma)
+def test_union_pointer_loads_match_reference(set_launch):
+    """The union kernels with the whole blocks read by pointer loads (the path of GPUs without
+    TMA; the default, by TMA, runs in the test above)."""
+    for prefix in ("fwd.union_", "bwd.dq_union_"):
+        set_launch({prefix + "qt": 4, prefix + "max": 1000, prefix + "tma": False})
     _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=5, drop_own=True)
 
 
 @pytest.mark.parametrize("maxnreg", [None, 128])
-def test_union_forward_register_cap_matches_reference(monkeypatch, maxnreg):
+def test_union_forward_register_cap_matches_reference(set_launch, maxnreg):
     """The union forward without and with its register cap (ignored by the interpreter; on a
     GPU the cap spills, which must not change the result), against float64."""
-    import nemo_msa.attention.triton_fwd as tf
-
-    monkeypatch.setitem(tf.CONFIG, "union_qt", 4)
-    monkeypatch.setitem(tf.CONFIG, "union_max", 1000)
-    monkeypatch.setitem(tf.CONFIG, "union_maxnreg", maxnreg)
+    set_launch({"fwd.union_qt": 4})
+    set_launch({"fwd.union_max": 1000})
+    set_launch({"fwd.union_maxnreg": maxnreg})
     _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=21, drop_own=True)
 
 
 def test_union_register_cap_only_with_the_own_block_by_tma():
     """The union kernel's register cap applies only where the own block is read by TMA: with
     pointer-loaded own-block tiles (no TMA on the GPU, or union_own_tma off) it would spill
-    their addresses (ADR 0003 v10)."""
+    their addresses."""
     import nemo_msa.attention.triton_fwd as tf
 
     assert tf.union_register_cap(128, True) == 128
@@ -200,19 +180,14 @@ def test_union_register_cap_only_with_the_own_block_by_tma():
 
 @pytest.mark.parametrize("flat,own_tma", [(False, False), (True, False), (False, True),
                                           (True, True)])
-def test_union_flat_loop_and_own_block_by_tma_match_reference(monkeypatch, flat, own_tma):
-    """The union forward's and dq's flat whole-block loop (one 64-key tile per step, d = 128
-    and block 128 so that a block is two tiles) and their own block read by TMA, against
+def test_union_flat_loop_and_own_block_by_tma_match_reference(set_launch, flat, own_tma):
+    """The union forward's flat whole-block loop (one 64-key tile per step, d = 128 and block
+    128 so that a block is two tiles) and its own block read by TMA, with the union dq, against
     float64. The documents end inside a block, the next document starts with infinite K and V
     rows (a zero probability or dS must not meet them), and some rows select a block past
     their own (it holds no visible key and must contribute nothing)."""
-    import nemo_msa.attention.triton_bwd as tb
-    import nemo_msa.attention.triton_fwd as tf
-
-    for mod, prefix in ((tf, "union_"), (tb, "dq_union_")):
-        monkeypatch.setitem(mod.CONFIG, prefix + "max", 1000)
-        monkeypatch.setitem(mod.CONFIG, prefix + "flat", flat)
-        monkeypatch.setitem(mod.CONFIG, prefix + "own_tma", own_tma)
+    set_launch({"fwd.union_max": 1000, "fwd.union_flat": flat, "fwd.union_own_tma": own_tma,
+                "bwd.dq_union_max": 1000})
     bs, hq, hkv, d, top_k = 128, 16, 1, 128, 3
     gen = torch.Generator().manual_seed(31)
     msa = make_layout([[200, 60], [140]], 300, bs)
@@ -226,7 +201,7 @@ def test_union_flat_loop_and_own_block_by_tma_match_reference(monkeypatch, flat,
     past_own = (pos < bs) & (torch.arange(t) % 3 == 0)
     q2k[0, past_own, top_k - 1] = 1  # block 1: past the own block 0 of these rows
     scale = 1.0 / math.sqrt(d)
-    ref_out, ref_lse, ref_dq, _, _ = attention_reference_grads(q, k, v, q2k, msa, scale, bs,
+    ref_out, ref_lse, ref_dq, _, _ = attention_grads_f64(q, k, v, q2k, msa, scale, bs,
                                                                dout)
     dev = on_kernel_device(q, k, v, q2k, dout)
     dmsa = layout_on_kernel_device(msa)
@@ -244,88 +219,91 @@ def test_union_flat_loop_and_own_block_by_tma_match_reference(monkeypatch, flat,
 
 
 @pytest.mark.parametrize("max_count", [1000, 2])
-@pytest.mark.parametrize("tile_grid,tiles,build", [(True, 1, "triton"), (True, 3, "triton_scan"),
-                                                   (False, 1, "torch")])
-def test_per_token_grids_match_reference(monkeypatch, max_count, tile_grid, tiles, build):
-    """The hybrid's variants together against float64: the per-token kernels' tile grid (one
-    program per union tile doing the tokens the union kernel left, or per 3 tiles, a count that
-    leaves the last program short) with the Triton union builds, and the token grid with the
-    torch build; every tile to the union kernel, and a mix (max_count 2)."""
-    import nemo_msa.attention.triton_bwd as tb
-    import nemo_msa.attention.triton_fwd as tf
-
-    monkeypatch.setitem(tf.CONFIG, "tile_grid_tiles", tiles)
-    monkeypatch.setitem(tb.CONFIG, "dq_tile_grid_tiles", tiles)
-
-    for mod, prefix in ((tf, "union_"), (tb, "dq_union_")):
-        monkeypatch.setitem(mod.CONFIG, prefix + "qt", 4)
-        monkeypatch.setitem(mod.CONFIG, prefix + "max", max_count)
-    monkeypatch.setitem(tf.CONFIG, "tile_grid", tile_grid)
-    monkeypatch.setitem(tb.CONFIG, "dq_tile_grid", tile_grid)
-    monkeypatch.setitem(tf.CONFIG, "union_build", build)
+@pytest.mark.parametrize("tiles,build_tiles", [(1, 1), (3, 4)])
+def test_per_token_grids_match_reference(set_launch, max_count, tiles, build_tiles):
+    """The hybrid's variants together against float64: the per-token kernels' grid with one
+    union tile per program doing the tokens the union kernel left, or 3 (a count that leaves
+    the last program short), with union builds of one and of four tiles per program; every
+    tile to the union kernel, and a mix (max_count 2)."""
+    for prefix in ("fwd.", "bwd.dq_"):
+        set_launch({prefix + "tile_grid_tiles": tiles, prefix + "union_qt": 4,
+                    prefix + "union_max": max_count, prefix + "union_build_tiles": build_tiles})
     _run_case([[37, 1], [18, 3]], 40, 16, 8, 2, 16, 3, seed=17, drop_own=True)
 
 
-def test_union_build_programs_write_only_their_tiles(monkeypatch):
+def test_union_build_programs_write_only_their_tiles():
     """With several tiles per program the last program's surplus tiles write nothing: the
     lists and counts sit in larger buffers whose tails must keep their sentinel."""
-    import nemo_msa.attention.triton_fwd as tf
-    from nemo_msa.attention.triton_layout import doc_blocks
-
     msa = make_layout([[300, 20]], 320, 16)
     q2k = random_q2k(msa, 1, 16, 16, torch.Generator().manual_seed(5))
-    blocks = doc_blocks(msa, 16)
-    monkeypatch.setitem(tf.CONFIG, "union_build", "torch")  # the host-side oracle
-    want, want_count = tf.tile_unions(q2k, blocks, msa, 8)
+    want, want_count = tile_unions_reference(q2k, kernel_layout(msa, 16), 8)
     tiles = want.shape[1]
     assert tiles % 8 != 0
-    dmsa = layout_on_kernel_device(msa)
-    dblocks = doc_blocks(dmsa, 16)
+    view = kernel_layout(layout_on_kernel_device(msa), 16)
     union, count = on_kernel_device(torch.full((1, tiles + 8, 128), -7, dtype=torch.int32),
                                     torch.full((tiles + 8,), -7, dtype=torch.int32))
     dq2k = on_kernel_device(q2k)
-    tf._tile_union_kernel[(-(-tiles // 8), 1)](
-        dq2k, union, count, dmsa.cu_seqlens, dblocks.block_doc, dblocks.block_local,
-        dq2k.stride(0), dq2k.stride(1), union.stride(0), union.stride(1), tiles,
-        TOPK=16, QT=8, BS=16, WIDTH=128, W=128, SCAN=True, TP=8)
+    tu._tile_union_kernel[(-(-tiles // 8), 1)](
+        q2k_ptr=dq2k, union_ptr=union, count_ptr=count, cu_ptr=view.cu_seqlens,
+        block_doc_ptr=view.block_doc, block_local_ptr=view.block_local,
+        stride_sg=dq2k.stride(0), stride_st=dq2k.stride(1), stride_ug=union.stride(0),
+        stride_ut=union.stride(1), num_tiles=tiles, TOPK=16, QT=8, BS=16, WIDTH=128, W=128,
+        TP=8)
     union, count = union.cpu(), count.cpu()
     assert torch.equal(union[:, :tiles], want) and torch.equal(count[:tiles], want_count[0])
     assert (union[:, tiles:] == -7).all() and (count[tiles:] == -7).all()
 
 
-@pytest.mark.parametrize(("key", "value", "build", "match"), [
-    ("union_build", "bitonic", "bitonic", "expected 'torch', 'triton' or 'triton_scan'"),
-    ("union_build_tiles", 3, "triton_scan", "union_build_tiles'\\]=3: expected a power of two"),
-    ("union_build_tiles", 4, "triton", "union_build_tiles'\\]=4 needs union_build='triton_scan'"),
-    ("union_build_warps", 16, "triton_scan", "union_build_warps'\\]=16: expected 1, 2, 4 or 8"),
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("fwd.union_build_tiles", 3, "fwd.union_build_tiles=3: expected a power of two"),
+    ("bwd.dq_union_build_warps", 16, "bwd.dq_union_build_warps=16: expected 1, 2, 4 or 8"),
+    ("fwd.tile_grid_tiles", 0, "fwd.tile_grid_tiles=0: expected an int in 1..64"),
+    ("bwd.dq_tile_grid_tiles", 65, "bwd.dq_tile_grid_tiles=65: expected an int in 1..64"),
+    ("fwd.tile_grid_tiles", 2.0, "fwd.tile_grid_tiles=2.0: expected int"),
+    ("fwd.union_tma", 1, "fwd.union_tma=1: expected bool"),
+    ("fwd.union_maxnreg", "128", "fwd.union_maxnreg='128': expected int or None"),
+    ("bwd.skip", "dk", "bwd.skip='dk': expected '' or 'dq' or 'dkdv'"),
+    ("fwd.union_build", "torch", "unknown launch parameter 'fwd.union_build'"),
+    ("attn.union_max", 1, "unknown launch parameter 'attn.union_max'"),
 ])
-def test_union_build_rejects_bad_settings(monkeypatch, key, value, build, match):
-    """A bad union-build setting is named with its value before anything launches."""
-    import nemo_msa.attention.triton_fwd as tf
-    from nemo_msa.attention.triton_layout import doc_blocks
+def test_launch_settings_are_validated(key, value, match):
+    """A bad launch setting is named with its value before anything launches."""
+    from nemo_msa.attention.triton_launch import launch_overrides
 
+    with pytest.raises(ValueError, match=re.escape(match)):
+        with launch_overrides({key: value}):
+            pass
+
+
+def test_launch_overrides_restore_the_defaults_and_launchers_take_instances():
+    from nemo_msa.attention.triton_launch import current_launch, launch_overrides
+
+    with launch_overrides({"fwd.union_max": 48}, fwd=ForwardLaunch(union_qt=4)) as launches:
+        assert launches["fwd"] == ForwardLaunch(union_qt=4, union_max=48)
+        assert current_launch("fwd") == launches["fwd"]
+        with launch_overrides({"bwd.skip": "dq"}):
+            assert current_launch("fwd").union_max == 48 and current_launch("bwd").skip == "dq"
+        assert current_launch("bwd").skip == ""
+    assert current_launch("fwd") == ForwardLaunch()
     msa = make_layout([[20]], 20, 16)
-    q2k = random_q2k(msa, 1, 2, 16, torch.Generator().manual_seed(0))
-    monkeypatch.setitem(tf.CONFIG, "union_build", build)
-    monkeypatch.setitem(tf.CONFIG, key, value)
-    with pytest.raises(ValueError, match=match):
-        tf.tile_unions(q2k, doc_blocks(msa, 16), msa, 4)
-
-
-@pytest.mark.parametrize("value", [0, 65, 2.0, None])
-def test_tile_grid_tiles_rejects_bad_values(value):
-    from nemo_msa.attention.triton_fwd import tiles_per_program
-
-    assert tiles_per_program({"tile_grid_tiles": 8}, "tile_grid_tiles") == 8
-    with pytest.raises(ValueError, match=f"'dq_tile_grid_tiles'\\]={value!r}: expected an int"):
-        tiles_per_program({"dq_tile_grid_tiles": value}, "dq_tile_grid_tiles")
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn((20, 2, 16), generator=gen).to(torch.bfloat16)
+    k = torch.randn((20, 1, 16), generator=gen).to(torch.bfloat16)
+    q2k = random_q2k(msa, 1, 2, 16, gen)
+    dev = on_kernel_device(q, k, k, q2k)
+    dmsa = layout_on_kernel_device(msa)
+    per_token = triton_attention_forward(*dev, dmsa, launch=ForwardLaunch(union_qt=0))
+    union, lse, unions = triton_attention_forward(*dev, dmsa, return_unions=True,
+                                                  launch=ForwardLaunch(union_max=1000))
+    assert unions is not None and unions.qt == 8
+    assert rel_err(union.cpu(), per_token[0].cpu()) < 1e-2
 
 
 def test_kv_descriptors_only_for_unit_head_stride_and_aligned_rows():
     """TMA needs k/v viewable as [T, Hkv * d] with 16-byte aligned rows; anything else falls
     back to pointer loads (None) rather than reading the wrong rows."""
-    from nemo_msa.attention.triton_layout import INTERPRET
     from nemo_msa.attention.triton_tiles import TensorDescriptor, kv_descriptors
+    from nemo_msa.kernel_layout import INTERPRET
 
     if TensorDescriptor is None:
         pytest.skip("this Triton has no host TensorDescriptor (the kernels use pointer loads)")
@@ -345,49 +323,39 @@ def test_kv_descriptors_only_for_unit_head_stride_and_aligned_rows():
     assert kv_descriptors(odd, v, 16, INTERPRET) is None
 
 
-def test_tile_unions_are_the_same_in_chunks_and_by_kernel(monkeypatch):
-    """Chunking the torch union build (bounded temporaries) and the Triton union kernel give
-    the whole build's lists and counts, and each count is the number of distinct selected
-    blocks of the tile's tokens."""
-    import nemo_msa.attention.triton_fwd as tf
-    from nemo_msa.attention.triton_layout import doc_blocks
-
+def test_tile_unions_by_kernel_equal_the_reference():
+    """The Triton union build gives the torch reference's lists and counts (whole, and in
+    chunks), and each count is the number of distinct selected blocks of the tile's tokens."""
     gen = torch.Generator().manual_seed(21)
     msa = make_layout([[1, 37, 60], [18, 3]], 100, 16)
     q2k = random_q2k(msa, 2, 3, 16, gen, drop_own=True)
-    blocks = doc_blocks(msa, 16)
-    monkeypatch.setitem(tf.CONFIG, "union_build", "torch")
-    whole, whole_count = tf.tile_unions(q2k, blocks, msa, 4)
-    monkeypatch.setattr(tf, "UNION_CHUNK_TILES", 3)
-    union, count = tf.tile_unions(q2k, blocks, msa, 4)
+    view = kernel_layout(msa, 16)
+    whole, whole_count = tile_unions_reference(q2k, view, 4)
+    union, count = tile_unions_reference(q2k, view, 4, chunk_tiles=3)
     assert torch.equal(union, whole) and torch.equal(count, whole_count)
-    dmsa = layout_on_kernel_device(msa)
+    dview = kernel_layout(layout_on_kernel_device(msa), 16)
     # The production width too: 8 tokens x top-16 = 128 entries per tile.
     big = make_layout([[300, 20]], 320, 16)
     q2k16 = random_q2k(big, 1, 16, 16, gen)
-    want = tf.tile_unions(q2k16, doc_blocks(big, 16), big, 8)
-    dbig = layout_on_kernel_device(big)
+    want = tile_unions_reference(q2k16, kernel_layout(big, 16), 8)
+    dbig = kernel_layout(layout_on_kernel_device(big), 16)
     # Several tiles per program, with a tile count that is not a multiple of them (the last
     # program's surplus tiles must write nothing).
     assert want[0].shape[1] % 8 != 0
-    for build, tp, warps in (("triton", 1, 4), ("triton_scan", 1, 4), ("triton_scan", 8, 2)):
-        monkeypatch.setitem(tf.CONFIG, "union_build", build)
-        monkeypatch.setitem(tf.CONFIG, "union_build_tiles", tp)
-        monkeypatch.setitem(tf.CONFIG, "union_build_warps", warps)
-        by_kernel = tf.tile_unions(on_kernel_device(q2k), doc_blocks(dmsa, 16), dmsa, 4)
-        assert torch.equal(by_kernel[0].cpu(), whole), (build, tp)
-        assert torch.equal(by_kernel[1].cpu(), whole_count), (build, tp)
-        got = tf.tile_unions(on_kernel_device(q2k16), doc_blocks(dbig, 16), dbig, 8)
-        assert torch.equal(got[0].cpu(), want[0]), (build, tp)
-        assert torch.equal(got[1].cpu(), want[1]), (build, tp)
-    monkeypatch.setitem(tf.CONFIG, "union_build", "torch")
+    for tp, warps in ((1, 4), (8, 2)):
+        by_kernel = tu.tile_unions(on_kernel_device(q2k), dview, 4, tiles_per_program=tp,
+                                   warps=warps)
+        assert torch.equal(by_kernel[0].cpu(), whole), tp
+        assert torch.equal(by_kernel[1].cpu(), whole_count), tp
+        got = tu.tile_unions(on_kernel_device(q2k16), dbig, 8, tiles_per_program=tp,
+                             warps=warps)
+        assert torch.equal(got[0].cpu(), want[0]), tp
+        assert torch.equal(got[1].cpu(), want[1]), tp
     assert int(want[1].max()) > 16  # the tiles' tokens disagree: real unions
-    tok_tile = tf.hybrid_plan(q2k, blocks, msa, 4, 30, 16, q2k).tok_tile
+    tok_tile = (view.token_first_block + view.token_pos // 16) * 4 + (view.token_pos % 16) // 4
     for g in range(2):
         for tile in torch.unique(tok_tile).tolist():
             toks = (tok_tile == tile).nonzero().flatten()
             want = sorted({b for b in q2k[g, toks].flatten().tolist() if b >= 0})
             n = int(count[g, tile])
             assert n == len(want) and union[g, tile, :n].tolist() == want
-
-

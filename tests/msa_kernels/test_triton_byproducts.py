@@ -12,19 +12,11 @@ import math
 
 import pytest
 import torch
-from _msa_support import (
-    block_scores_f64,
-    doc_spans,
-    layout_on_kernel_device,
-    make_layout,
-    on_kernel_device,
-    random_q2k,
-    rel_err,
-    select_reference,
-)
+from _msa_support import layout_on_kernel_device, make_layout, on_kernel_device, random_q2k
 
 from nemo_msa.attention.triton_fwd import triton_attention_forward
 from nemo_msa.selection.triton_select import triton_select_blocks
+from nemo_msa.testing.oracle import block_scores_f64, doc_spans, rel_err, select_f64
 
 
 def block_mass_f64(q, k, q2k, msa, scale, block_size):
@@ -67,7 +59,7 @@ def test_selection_scores_and_keys(rows, seq_len, bs, d, top_k, init, local):
     ids, scores, keys = (x.cpu() for x in triton_select_blocks(
         *on_kernel_device(q, k), layout_on_kernel_device(msa), top_k=top_k, init_blocks=init,
         local_blocks=local, block_size=bs, return_scores=True))
-    ref_ids, _ = select_reference(q, k, msa, top_k=top_k, init_blocks=init, local_blocks=local,
+    ref_ids, _ = select_f64(q, k, msa, top_k=top_k, init_blocks=init, local_blocks=local,
                                   block_size=bs)
     assert torch.equal(ids, ref_ids)
     assert scores.dtype == torch.float32 and keys.dtype == torch.int32
@@ -102,11 +94,8 @@ def test_selection_scores_and_keys(rows, seq_len, bs, d, top_k, init, local):
     [{}, {"union_qt": 0}, {"union_max": 3}],
     ids=["union", "per-token", "hybrid"],
 )
-def test_forward_block_mass(monkeypatch, config):
-    import nemo_msa.attention.triton_fwd as tf
-
-    for key, value in config.items():
-        monkeypatch.setitem(tf.CONFIG, key, value)
+def test_forward_block_mass(set_launch, config):
+    set_launch({f"fwd.{key}": value for key, value in config.items()})
     gen = torch.Generator().manual_seed(11)
     rows, seq_len, bs, hq, hkv, d, top_k = [[70, 5], [33, 64]], 128, 16, 4, 2, 32, 3
     msa = make_layout(rows, seq_len, bs)

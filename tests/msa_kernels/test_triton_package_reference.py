@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-from _msa_support import rel_err
 
 from nemo_msa.attention.naive import (
     sparse_attention_backward_reference,
@@ -21,6 +20,7 @@ from nemo_msa.attention.triton_fwd import triton_attention_forward
 from nemo_msa.layout import MSAMicrobatch
 from nemo_msa.selection.naive import select_blocks_reference
 from nemo_msa.selection.triton_select import triton_select_blocks
+from nemo_msa.testing.oracle import rel_err
 
 
 def _ids(rows, seq_len, device):

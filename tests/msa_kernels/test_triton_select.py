@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _msa_support import layout_on_kernel_device, make_layout, on_kernel_device, select_reference
+from _msa_support import layout_on_kernel_device, make_layout, on_kernel_device
 
 from nemo_msa.selection.triton_select import triton_select_blocks
+from nemo_msa.testing.oracle import select_f64
 
 
 def _inputs(msa, h, d, integer, gen):
@@ -37,19 +38,17 @@ def test_selection_matches_reference(rows, seq_len, bs, d, top_k, init, local, i
     q, k = _inputs(msa, 2, d, integer, gen)
     got = triton_select_blocks(*on_kernel_device(q, k), layout_on_kernel_device(msa), top_k=top_k,
                                init_blocks=init, local_blocks=local, block_size=bs).cpu()
-    ref, _ = select_reference(q, k, msa, top_k=top_k, init_blocks=init, local_blocks=local,
+    ref, _ = select_f64(q, k, msa, top_k=top_k, init_blocks=init, local_blocks=local,
                               block_size=bs)
     assert got.dtype == torch.int32 and got.shape == ref.shape
     mism = (got != ref).any(-1)
     assert not mism.any(), f"{int(mism.sum())} rows differ; first at {mism.nonzero()[0].tolist()}"
 
 
-def test_selection_pointer_loads_match_reference(monkeypatch):
+def test_selection_pointer_loads_match_reference(set_launch):
     """The selection with TMA off (whole key blocks by pointer loads; the path of GPUs before
     Hopper) gives the reference's selection too."""
-    import nemo_msa.selection.triton_select as ts
-
-    monkeypatch.setitem(ts.CONFIG, "tma", False)
+    set_launch({"sel.tma": False})
     test_selection_matches_reference([[40, 1], [16, 57], [80]], 100, 16, 32, 3, 1, 1, True)
 
 
@@ -63,7 +62,7 @@ def test_selection_nan_ranks_last():
     k[40 + 20] = float("nan")  # document 2's block 1 scores NaN for every query that sees it
     got = triton_select_blocks(*on_kernel_device(q, k), layout_on_kernel_device(msa), top_k=3,
                                init_blocks=0, local_blocks=1, block_size=16).cpu()
-    ref, _ = select_reference(q, k, msa, top_k=3, init_blocks=0, local_blocks=1, block_size=16)
+    ref, _ = select_f64(q, k, msa, top_k=3, init_blocks=0, local_blocks=1, block_size=16)
     assert torch.equal(got, ref)
     # From block 3 on there are more candidates than slots: block 1 (NaN) must be dropped.
     assert not (got[0, 40 + 48:] == 1).any(), "a NaN-scored block was chosen over finite ones"
@@ -83,7 +82,7 @@ def test_selection_nan_query_row_and_infinite_keys_match_reference():
     k[100] = float("inf")  # every channel: q.k = +-inf, or NaN where the signs differ
     got = triton_select_blocks(*on_kernel_device(q, k), layout_on_kernel_device(msa), top_k=4,
                                init_blocks=0, local_blocks=1, block_size=16).cpu()
-    ref, scores = select_reference(q, k, msa, top_k=4, init_blocks=0, local_blocks=1,
+    ref, scores = select_f64(q, k, msa, top_k=4, init_blocks=0, local_blocks=1,
                                    block_size=16)
     s1 = scores[0]  # document 1: [H, n, blocks]
     assert torch.isposinf(s1[:, 60:, 2]).any() and torch.isnan(s1[:, 110:, 6]).any(), \

@@ -4,11 +4,12 @@ The kernels address key block ``b`` of a document straight in the compact token 
 (ADR 0001): rows ``[cu_seqlens[doc] + bs * b, min(cu_seqlens[doc + 1], ...))``. Two small maps
 are built here with plain torch ops on the layout's device tensors:
 
-* a *doc-block* map: global block id -> (document, document-local block). Every document of
-  length ``n`` owns ``ceil(n / bs)`` consecutive global ids. The number of global ids is only
-  known on the device; the grids use the host bound ``num_tokens // bs + num_documents`` and the
-  surplus programs exit at once. This is what lets the selection kernel and the KV-outer
-  backward run one program per (document, block) without a ``.item()``.
+* the kernels' typed view of the layout (:class:`KernelLayout`), with the *doc-block* map:
+  global block id -> (document, document-local block). Every document of length ``n`` owns
+  ``ceil(n / bs)`` consecutive global ids. The number of global ids is only known on the
+  device; the grids use the host bound ``num_tokens // bs + num_documents`` and the surplus
+  programs exit at once. This is what lets the selection kernel and the KV-outer backward run
+  one program per (document, block) without a ``.item()``.
 * the block -> queries CSR of the backward (see :func:`block_query_csr`).
 
 Nothing here reads a tensor's value on the host.
@@ -33,8 +34,9 @@ def _host_int(msa, name: str) -> int:
     return value
 
 
-def check_kernel_devices(msa, **tensors: torch.Tensor) -> None:
-    """Checks that the kernel inputs and the layout share a device the kernels can run on.
+def check_kernel_devices(view, **tensors: torch.Tensor) -> None:
+    """Checks that the kernel inputs and the layout view (a :class:`KernelLayout`) share a
+    device the kernels can run on.
 
     Compiled kernels need CUDA tensors; the interpreter (``TRITON_INTERPRET=1``) needs host ones.
     Without this check a wrong device surfaces as Triton's bare "Pointer argument (at 0)" error.
@@ -43,9 +45,7 @@ def check_kernel_devices(msa, **tensors: torch.Tensor) -> None:
         ValueError: naming the first tensor on the wrong device.
     """
     expected = "cpu" if INTERPRET else "cuda"
-    layout_device = getattr(getattr(msa, "cu_seqlens", None), "device", None)
-    if layout_device is not None:
-        tensors = {**tensors, "msa.cu_seqlens": msa.cu_seqlens}
+    tensors = {**tensors, "msa.cu_seqlens": view.cu_seqlens}
     first = None
     for name, x in tensors.items():
         if x.device.type != expected:
@@ -61,31 +61,67 @@ def check_kernel_devices(msa, **tensors: torch.Tensor) -> None:
 
 
 @dataclass(frozen=True)
-class DocBlocks:
-    """Doc-block map of one layout for one block size.
+class KernelLayout:
+    """What the Triton kernels read of one layout, for one block size: typed, device tensors.
+
+    Built once per layout and block size by :func:`kernel_layout` (an ``MSAMicrobatch`` keeps
+    it, so every layer of the microbatch reuses it). The doc-block map gives each document of
+    length ``n`` ``ceil(n / bs)`` consecutive global block ids; how many exist is known only on
+    the device, so grids use the host bound ``num_blocks_bound`` and surplus programs exit.
 
     Attributes:
         block_size: tokens per key block (host int).
+        num_tokens: T (host int).
+        num_documents: D (host int).
         num_blocks_bound: host upper bound on the number of global blocks
             (``num_tokens // block_size + num_documents``); grids are sized with it.
+        cu_seqlens: int32 [D + 1]; compact start of each document, then T.
         block_doc: int32 [num_blocks_bound]; the document of each global block, -1 past the end.
         block_local: int32 [num_blocks_bound]; the document-local block id (0 past the end).
         doc_first_block: int64 [D]; global id of block 0 of each document.
+        token_first_block: int64 [T]; global id of block 0 of each token's document.
         token_start: int32 [T]; compact row of the first token of each token's document.
         token_pos: int32 [T]; document-local position of each token.
     """
 
     block_size: int
+    num_tokens: int
+    num_documents: int
     num_blocks_bound: int
+    cu_seqlens: torch.Tensor
     block_doc: torch.Tensor
     block_local: torch.Tensor
     doc_first_block: torch.Tensor
+    token_first_block: torch.Tensor
     token_start: torch.Tensor
     token_pos: torch.Tensor
 
 
-def doc_blocks(msa, block_size: int) -> DocBlocks:
-    """Builds the doc-block map of ``msa`` (an ``MSAMicrobatch``) for ``block_size``.
+def kernel_layout(msa, block_size: int) -> KernelLayout:
+    """The kernels' view of ``msa`` for ``block_size``.
+
+    Args:
+        msa: an ``MSAMicrobatch`` (its :meth:`~nemo_msa.layout.MSAMicrobatch.kernel_layout`
+            builds the view once and keeps it), a :class:`KernelLayout` of that block size, or
+            any object with the fields :func:`build_kernel_layout` reads (built each call).
+        block_size: key block size in tokens.
+
+    Raises:
+        ValueError: for a :class:`KernelLayout` of another block size, or a layout without
+            host ints ``num_tokens`` / ``num_documents``.
+    """
+    if isinstance(msa, KernelLayout):
+        if msa.block_size != block_size:
+            raise ValueError(f"a KernelLayout of block_size={msa.block_size} was given for "
+                             f"block_size={block_size}")
+        return msa
+    if callable(getattr(type(msa), "kernel_layout", None)):
+        return msa.kernel_layout(block_size)
+    return build_kernel_layout(msa, block_size)
+
+
+def build_kernel_layout(msa, block_size: int) -> KernelLayout:
+    """Builds the :class:`KernelLayout` of ``msa`` for ``block_size`` with device ops only.
 
     Args:
         msa: layout with device tensors ``cu_seqlens`` int32 [D + 1], ``token_documents``
@@ -94,12 +130,8 @@ def doc_blocks(msa, block_size: int) -> DocBlocks:
         block_size: key block size in tokens.
 
     Returns:
-        The :class:`DocBlocks` map; every tensor lives on ``cu_seqlens``' device.
+        The view; every tensor lives on ``cu_seqlens``' device.
     """
-    cache = getattr(msa, "_cache", None)
-    key = ("triton_doc_blocks", block_size)
-    if isinstance(cache, dict) and key in cache:
-        return cache[key]
     num_tokens = _host_int(msa, "num_tokens")
     num_docs = _host_int(msa, "num_documents")
     cu = msa.cu_seqlens
@@ -116,19 +148,54 @@ def doc_blocks(msa, block_size: int) -> DocBlocks:
     local = torch.where(valid, ids - first[doc_c], torch.zeros_like(ids))
     block_doc = torch.where(valid, doc, torch.full_like(doc, -1)).to(torch.int32)
     token_docs = msa.token_documents.to(torch.int64)
-    result = DocBlocks(
+    return KernelLayout(
         block_size=block_size,
+        num_tokens=num_tokens,
+        num_documents=num_docs,
         num_blocks_bound=bound,
+        cu_seqlens=cu,
         block_doc=block_doc.contiguous(),
         block_local=local.to(torch.int32).contiguous(),
         doc_first_block=first.contiguous(),
+        token_first_block=first[token_docs].contiguous(),
         token_start=cu[token_docs].to(torch.int32).contiguous(),
         token_pos=msa.document_positions.to(torch.int32).contiguous(),
     )
-    if isinstance(cache, dict):
-        # The layout lives exactly as long as its microbatch; every layer reuses the map.
-        cache[key] = result
-    return result
+
+
+def check_attention_inputs(q, k, v, q2k, view: KernelLayout):
+    """Validates the shared inputs of the forward and backward; returns (T, Hq, Hkv, d, G, K)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"{name} must be bf16 or fp16, got {x.dtype}")
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be [T, heads, d], got shape {tuple(x.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    t, hq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T={t}, Hkv, d={d}]"
+                         f" like q {tuple(q.shape)}")
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads Hq={hq} must be a multiple of KV heads Hkv={hkv}")
+    if q2k.dtype != torch.int32 or q2k.dim() != 3 or q2k.shape[:2] != (hkv, t):
+        raise ValueError(f"q2k must be int32 [Hkv={hkv}, T={t}, top_k], got {q2k.dtype} "
+                         f"{tuple(q2k.shape)}")
+    if not 1 <= q2k.shape[2] <= 32:
+        raise ValueError(f"q2k top_k={q2k.shape[2]}: expected 1..32")
+    if d not in (16, 32, 64, 128):
+        raise ValueError(f"head dim d={d}: expected one of 16, 32, 64, 128")
+    if t != view.num_tokens:
+        raise ValueError(f"q has T={t} tokens but msa.num_tokens={view.num_tokens}")
+    check_kernel_devices(view, q=q, k=k, v=v, q2k=q2k)
+    return t, hq, hkv, d, hq // hkv, q2k.shape[2]
+
+
+def check_block_size(block_size: int) -> None:
+    """The kernels take blocks of 16, 32, 64 or 128 tokens."""
+    if block_size not in (16, 32, 64, 128):
+        raise ValueError(f"block_size={block_size}: expected one of 16, 32, 64, 128")
 
 
 @dataclass(frozen=True)
@@ -148,7 +215,7 @@ class BlockQueryCSR:
     order: torch.Tensor
 
 
-def block_query_csr(q2k: torch.Tensor, blocks: DocBlocks, msa) -> BlockQueryCSR:
+def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout) -> BlockQueryCSR:
     """Inverts ``q2k`` into the block -> queries CSR used by the KV-outer dk/dv kernel.
 
     A stable sort on (head, global block) keeps each list in ascending token order, so the
@@ -158,8 +225,7 @@ def block_query_csr(q2k: torch.Tensor, blocks: DocBlocks, msa) -> BlockQueryCSR:
 
     Args:
         q2k: int32 [Hkv, T, top_k] document-local block ids, -1 for none.
-        blocks: the doc-block map of the same layout.
-        msa: the layout (for ``token_documents``).
+        blocks: the kernel view of the same layout.
 
     Returns:
         The :class:`BlockQueryCSR`.
@@ -174,7 +240,7 @@ def block_query_csr(q2k: torch.Tensor, blocks: DocBlocks, msa) -> BlockQueryCSR:
     idx = torch.int64 if wide else torch.int32
     b = q2k.to(idx)
     own = (blocks.token_pos // bs).to(idx).view(1, t, 1)
-    first = blocks.doc_first_block[msa.token_documents.to(torch.int64)].to(idx).view(1, t, 1)
+    first = blocks.token_first_block.to(idx).view(1, t, 1)
     head = torch.arange(hkv, device=device, dtype=idx).view(hkv, 1, 1)
     valid = (b >= 0) & (b <= own)
     key = torch.where(valid, head * bound + first + b, hkv * bound)
