@@ -339,35 +339,26 @@ class MSASelfAttention(SelfAttention):
                 )
             MSAIndexerMetrics.record(self.layer_number, stats)
             core = MSAIndexerLossAutoScaler.apply(core, loss)
-        elif need_loss and not sparse_loss and self.fused_dense_loss(query, key, index_q):
-            loss, stats = dense_indexer_loss_triton(
-                index_q,
-                index_k,
-                query,
-                key,
-                msa,
-                softmax_scale=self.core_attention.softmax_scale,
-                num_index_heads_total=self.config.msa_num_index_heads,
-                loss_coeff=self.config.msa_indexer_loss_coeff,
-                q2k=selected if log_recall else None,
-            )
-            MSAIndexerMetrics.record(self.layer_number, stats)
-            core = MSAIndexerLossAutoScaler.apply(core, loss)
         elif need_loss:
-            loss, stats = compute_indexer_loss(
-                index_q,
-                index_k,
-                query,
-                key,
-                msa,
+            common = dict(
                 softmax_scale=self.core_attention.softmax_scale,
                 num_index_heads_total=self.config.msa_num_index_heads,
                 loss_coeff=self.config.msa_indexer_loss_coeff,
-                score_type=self.config.msa_score_type,
-                q2k=selected if (sparse_loss or log_recall) else None,
-                query_chunk=self.config.msa_indexer_loss_query_chunk,
-                sparse=sparse_loss,
             )
+            if not sparse_loss and self.fused_dense_loss(query, key, index_q):
+                loss, stats = dense_indexer_loss_triton(
+                    index_q, index_k, query, key, msa,
+                    q2k=selected if log_recall else None, **common,
+                )
+            else:
+                loss, stats = compute_indexer_loss(
+                    index_q, index_k, query, key, msa,
+                    score_type=self.config.msa_score_type,
+                    q2k=selected if (sparse_loss or log_recall) else None,
+                    query_chunk=self.config.msa_indexer_loss_query_chunk,
+                    sparse=sparse_loss,
+                    **common,
+                )
             MSAIndexerMetrics.record(self.layer_number, stats)
             core = MSAIndexerLossAutoScaler.apply(core, loss)
 

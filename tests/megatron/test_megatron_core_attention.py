@@ -1,12 +1,16 @@
-"""The dense-document path of MSACoreAttention against the core's reference oracle."""
+"""The dense-document path of MSACoreAttention against the core's reference oracle, and the
+layer's choice of the fused dense indexer loss."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
 from nemo_msa import MSAMicrobatch
 from nemo_msa.attention import dense_document_attention
 from nemo_msa.attention.naive import dense_document_attention as oracle
+from nemo_msa.megatron import msa_attention
 
 
 def test_dense_document_attention_matches_the_oracle_with_gqa_and_padding():
@@ -41,3 +45,26 @@ def test_sbhd_pack_and_unpack_match_the_layout_on_transposed_tensors():
     back = unpack_sbhd(msa, packed)
     assert torch.equal(back, msa.unpack(packed).transpose(0, 1))
     assert torch.equal(back[ids.T == 0], torch.zeros_like(back[ids.T == 0]))
+
+
+def test_layer_takes_the_fused_dense_loss_only_where_it_computes_the_same_function(monkeypatch):
+    """``MSASelfAttention.fused_dense_loss``: score "max", a Triton-based backend and a shape the
+    kernel runs; otherwise the chunked reference (a GPU-less double stands in for the backend)."""
+    backend = {"name": "triton"}
+    monkeypatch.setattr(msa_attention, "resolve_backend",
+                        lambda name, device: SimpleNamespace(name=backend["name"]))
+    bf = torch.bfloat16
+    q, k, iq = torch.zeros(8, 8, 16, dtype=bf), torch.zeros(8, 2, 16, dtype=bf), torch.zeros(
+        8, 2, 16, dtype=bf)
+
+    def fused(score="max", block=64, query=q, index_q=iq):
+        layer = SimpleNamespace(config=SimpleNamespace(
+            msa_score_type=score, msa_backend="auto", msa_block_size=block))
+        return msa_attention.MSASelfAttention.fused_dense_loss(layer, query, k, index_q)
+
+    assert fused()
+    assert not fused(score="lse")
+    assert not fused(block=256)
+    assert not fused(query=q.float(), index_q=iq.float())
+    backend["name"] = "reference"
+    assert not fused()
