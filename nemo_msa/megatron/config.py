@@ -138,7 +138,7 @@ class MSATransformerConfig(TransformerConfig):
     """Query tokens per microbatch on which the sparse loss measures the selection recall
     exactly (evenly spaced over the microbatch's tokens; every token when it has fewer): the
     sparse phase computes no dense target, so recall costs one small dense pass over these rows
-    (see nemo_msa.megatron.indexer_loss.sampled_selection_recall)."""
+    (see nemo_msa.indexer_loss.sampled_selection_recall)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
