@@ -1,0 +1,3 @@
+"""Parts of scripts/bench_layer.py, one job each: the model shape, its cases and the one-layer
+GPTModel (:mod:`.model`), timing, memory and the profiler (:mod:`.timing`), the timed work of
+each row (:mod:`.steps`) and the printed table and JSON (:mod:`.report`)."""

@@ -1,0 +1,150 @@
+"""The benchmark's model: its shape, the cases (one MSATransformerConfig each), the one-rank
+process group and the one-layer MiniMax-M3-shaped GPTModel built from this project's spec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.module import Float16Module
+
+from layer_specs import get_msa_decoder_block_spec
+from nemo_msa.megatron import MSATransformerConfig, cpu_shim
+
+# The model rows (one MSATransformerConfig each, see case_config) and the attention-only rows.
+CASES = ("dense", "msa_loss_off", "msa_sparse_loss", "msa_dense_loss", "msa_warmup")
+ATTENTION_ROWS = ("dense_attention", "cudnn_attention")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Model shape of the benchmark.
+
+    Attributes:
+        hidden: hidden size.
+        ffn: FFN hidden size (SwiGLU: fc1 is 2 * ffn wide).
+        heads: query heads.
+        groups: KV heads.
+        head_dim: channels per head (kv_channels).
+        index_heads: indexer heads.
+        index_dim: indexer head dim.
+        block: MSA block size.
+        topk: MSA blocks per query.
+        vocab: vocabulary size.
+    """
+
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int
+    head_dim: int
+    index_heads: int
+    index_dim: int
+    block: int
+    topk: int
+    vocab: int
+
+
+M3 = Shape(6144, 16384, 64, 4, 128, 4, 128, 128, 16, 8192)
+TINY = Shape(128, 256, 4, 2, 32, 2, 32, 16, 4, 256)
+
+
+def init_single_rank(on_gpu: bool) -> None:
+    """A one-rank process group (NCCL on the GPU, gloo + the CPU shim on the CPU), TP = PP = 1."""
+    if not on_gpu:
+        cpu_shim.install()
+    if not torch.distributed.is_initialized():
+        if on_gpu:
+            torch.cuda.set_device(0)
+        torch.distributed.init_process_group(
+            backend="nccl" if on_gpu else "gloo",
+            store=torch.distributed.HashStore(),
+            rank=0,
+            world_size=1,
+        )
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def case_config(case: str, shape: Shape, on_gpu: bool) -> MSATransformerConfig:
+    """The MSATransformerConfig of one case.
+
+    Args:
+        case: one of :data:`CASES`.
+        shape: the model shape.
+        on_gpu: bf16 on the GPU; fp32 with the CPU shim's overrides otherwise.
+
+    Returns:
+        The config (one layer).
+
+    Raises:
+        ValueError: an unknown case.
+    """
+    if case not in CASES:
+        raise ValueError(f"case={case!r}; expected one of {CASES}")
+    msa = {
+        "dense": {"msa_layer_pattern": "D"},
+        "msa_loss_off": {"msa_indexer_loss_coeff": 0.0},
+        "msa_sparse_loss": {"msa_indexer_loss_coeff": 1.0, "msa_indexer_loss_type": "sparse"},
+        "msa_dense_loss": {"msa_indexer_loss_coeff": 1.0, "msa_indexer_loss_type": "dense"},
+        "msa_warmup": {"msa_indexer_loss_coeff": 1.0, "msa_dense_warmup_steps": 10**9},
+    }[case]
+    precision = (
+        {"bf16": True, "params_dtype": torch.bfloat16}
+        if on_gpu
+        else dict(cpu_shim.cpu_config_overrides())
+    )
+    return MSATransformerConfig(
+        num_layers=1,
+        hidden_size=shape.hidden,
+        ffn_hidden_size=shape.ffn,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.groups,
+        kv_channels=shape.head_dim,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        transformer_impl="local",
+        msa_num_index_heads=shape.index_heads,
+        msa_index_head_dim=shape.index_dim,
+        msa_block_size=shape.block,
+        msa_topk=shape.topk,
+        msa_layer_pattern=msa.pop("msa_layer_pattern", "S"),
+        **msa,
+        **precision,
+    )
+
+
+def build_model(config: MSATransformerConfig, shape: Shape, max_tokens: int, on_gpu: bool):
+    """GPTModel (one layer, this project's spec), wrapped in Float16Module for bf16 on the GPU.
+
+    Args:
+        config: the case's config (:func:`case_config`).
+        shape: the model shape (its vocabulary).
+        max_tokens: the longest row the model will see (its maximum sequence length).
+        on_gpu: move the model to the GPU and wrap it for bf16.
+
+    Returns:
+        The model, in training mode.
+    """
+    model = GPTModel(
+        config,
+        get_msa_decoder_block_spec(config),
+        vocab_size=shape.vocab,
+        max_sequence_length=max_tokens,
+        position_embedding_type="rope",
+        rotary_percent=0.5,
+        rotary_base=5_000_000,
+        share_embeddings_and_output_weights=False,
+    )
+    if on_gpu:
+        model = Float16Module(config, model.cuda())
+    return model.train()
+

@@ -1,0 +1,81 @@
+"""The benchmark's output: the log lines, the printed table, the commit, the JSON file and the
+per-kernel lists of the profiled rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+
+def log(*parts) -> None:
+    """Prints at once (flushed), so a run stopped by a time limit shows what it did."""
+    print(*parts, flush=True)
+
+
+def fmt_table(rows: list[dict]) -> str:
+    """The printed table: one line per row, with its speed-up over dense and over cuDNN.
+
+    Args:
+        rows: the rows as reported (``tokens``, ``case``, ``status`` and the timings).
+
+    Returns:
+        The table, in Markdown.
+    """
+    dense_ms = {r["tokens"]: r["step_ms"] for r in rows
+                if r["case"] == "dense" and r.get("status") == "ok"}
+    # Each attention row against cuDNN on the same tokens: single documents against
+    # cudnn_attention, packed rows against cudnn_attention_packed.
+    cudnn_ms = {(r["tokens"], "_packed" in r["case"]): r["fwdbwd_ms"] for r in rows
+                if r["case"].startswith("cudnn_attention") and r.get("status") == "ok"}
+    head = (f"| {'tokens':>7} | {'case':<28} | {'status':<8} | {'step_ms':>9} | {'tok/s':>10} "
+            f"| {'x dense':>7} | {'fwdbwd_ms':>9} | {'x cudnn':>7} | {'peak_gib':>8} |")
+    lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
+
+    def num(value, width, digits=1):
+        return f"{value:>{width}.{digits}f}" if isinstance(value, (int, float)) else " " * width
+
+    for r in rows:
+        step, fb = r.get("step_ms"), r.get("fwdbwd_ms")
+        x_dense = dense_ms[r["tokens"]] / step if step and r["tokens"] in dense_ms else None
+        base = cudnn_ms.get((r["tokens"], "_packed" in r["case"]))
+        x_cudnn = fb / base if fb and base else None
+        lines.append(
+            f"| {r['tokens']:>7} | {r['case']:<28} | {r['status']:<8} | {num(step, 9)} "
+            f"| {num(r.get('tokens_per_s'), 10, 0)} | {num(x_dense, 7, 2)} | {num(fb, 9)} "
+            f"| {num(x_cudnn, 7, 2)} | {num(r.get('peak_gib'), 8, 2)} |"
+        )
+    return "\n".join(lines)
+
+
+def commit_id() -> str:
+    """``NEMO_MSA_COMMIT`` where set (tests, copies without .git), else the checkout's short
+    HEAD, else ``"unknown"``."""
+    if os.environ.get("NEMO_MSA_COMMIT"):
+        return os.environ["NEMO_MSA_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).resolve().parents[2], timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+
+def write_json(path: str, result: dict) -> None:
+    """Writes ``result`` to ``path`` (its folder made where missing).
+
+    Called after every row, so a run stopped by a time limit keeps what it measured.
+    """
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1))
+
+
+def log_kernels(rows: list[dict]) -> None:
+    """Prints the top kernels of each profiled row (``--profile``)."""
+    for row in rows:
+        if row.get("kernels"):
+            log(f"\ntop kernels, {row['case']} at {row['tokens']} tokens (ms in one step):")
+            for kernel in row["kernels"]:
+                log(f"  {kernel['ms']:10.3f}  {kernel['calls']:6d}  {kernel['name']}")

@@ -1,0 +1,139 @@
+"""The timed work of each row, as ``(prepare, run)`` pairs: ``prepare()`` makes fresh random
+inputs (untimed), ``run(inputs)`` is the work the row times. One training step of the model,
+the attention alone on one document, and the attention alone on one packed row."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from layer_bench.model import Shape
+from nemo_msa import MSAMicrobatch
+from nemo_msa.attention import dense_document_attention
+from nemo_msa.megatron import MSAIndexerMetrics
+
+
+def layer_step(model, shape: Shape, tokens: int, device: torch.device):
+    """``(prepare, run)`` of one training step: fresh random tokens and document map, then the
+    forward and backward of the mean LM loss (the layout is built inside, as in training)."""
+
+    def prepare() -> dict:
+        text = torch.randint(1, shape.vocab, (1, tokens), device=device)
+        return {
+            "ids": torch.ones(1, tokens, dtype=torch.int64, device=device),  # one document
+            "text": text,
+            "labels": text.roll(-1, dims=1),
+            "positions": torch.arange(tokens, device=device).unsqueeze(0),
+        }
+
+    def run(x: dict) -> None:
+        model.zero_grad(set_to_none=True)
+        loss = model(x["text"], x["positions"], x["ids"], labels=x["labels"])
+        loss.float().mean().backward()
+        MSAIndexerMetrics.reset()
+
+    return prepare, run
+
+
+def attention_step(name: str, shape: Shape, tokens: int, device: torch.device, dtype):
+    """``(prepare, run)`` of the attention alone: fresh random q, k, v, dout; forward+backward.
+
+    ``dense_attention`` is :func:`nemo_msa.attention.dense_document_attention` on compact
+    [T, H, d] tensors and the one-document layout; ``cudnn_attention`` is SDPA causal GQA on
+    [1, H, T, d] restricted to cuDNN (the math kernel on the CPU).
+    """
+    scale = shape.head_dim**-0.5
+    msa = MSAMicrobatch.build(
+        packed_seq_ids=torch.ones(1, tokens, dtype=torch.int64, device=device),
+        block_size=shape.block,
+    )
+    heads = (shape.heads, shape.groups, shape.groups)
+
+    def rand(*size) -> torch.Tensor:
+        return torch.randn(*size, device=device, dtype=dtype)
+
+    def prepare() -> dict:
+        if name == "dense_attention":
+            q, k, v = (rand(tokens, h, shape.head_dim).requires_grad_() for h in heads)
+        else:
+            q, k, v = (rand(1, h, tokens, shape.head_dim).requires_grad_() for h in heads)
+        return {"q": q, "k": k, "v": v, "dout": torch.randn_like(q)}
+
+    def run(x: dict) -> None:
+        if name == "dense_attention":
+            out = dense_document_attention(x["q"], x["k"], x["v"], msa, scale)
+        else:
+            backends = [SDPBackend.CUDNN_ATTENTION] if device.type == "cuda" else [SDPBackend.MATH]
+            with sdpa_kernel(backends):
+                out = F.scaled_dot_product_attention(
+                    x["q"], x["k"], x["v"], is_causal=True, scale=scale, enable_gqa=True
+                )
+        out.backward(x["dout"])
+
+    return prepare, run
+
+
+def packed_attention_step(shape: Shape, tokens: int, lengths: tuple[int, int],
+                          device: torch.device, dtype, stats: dict, kernel: str,
+                          fresh: bool = False):
+    """``(prepare, run)`` of dense attention on one row packed with documents of random lengths
+    in ``lengths`` (drawn once per size, the last document cut to fill the row; fresh inputs per
+    step).
+
+    ``kernel`` ``"nemo"``: :func:`dense_document_attention` (row ``dense_attention_packed``);
+    ``"cudnn"``: cuDNN SDPA causal GQA called per document at its exact length (row
+    ``cudnn_attention_packed``, the issue's baseline; its plans are cached after the warm-up
+    because the lengths repeat, the best case for cuDNN). With ``fresh`` (row
+    ``dense_attention_packed_fresh``) the lengths are drawn anew every step, as packed training
+    batches bring them. The layout is built in ``prepare``
+    (untimed: training builds it once per microbatch for all layers). ``stats`` collects the
+    documents per step and the causal (query, key) pairs relative to one document of
+    ``tokens``.
+    """
+    scale = shape.head_dim**-0.5
+    generator = torch.Generator().manual_seed(tokens)
+    heads = (shape.heads, shape.groups, shape.groups)
+    def draw() -> list[int]:
+        sizes, left = [], tokens
+        while left > 0:
+            n = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=generator))
+            sizes.append(min(n, left))
+            left -= sizes[-1]
+        return sizes
+
+    sizes = draw()
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def prepare() -> dict:
+        nonlocal sizes, starts
+        if fresh:
+            sizes = draw()
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        ids = torch.repeat_interleave(torch.arange(1, len(sizes) + 1), torch.tensor(sizes))
+        msa = MSAMicrobatch.build(packed_seq_ids=ids.view(1, tokens).to(device),
+                                  block_size=shape.block)
+        stats.setdefault("documents", []).append(len(sizes))
+        stats.setdefault("pairs", []).append(
+            sum(n * (n + 1) for n in sizes) / (tokens * (tokens + 1)))
+        q, k, v = (torch.randn(tokens, h, shape.head_dim, device=device, dtype=dtype)
+                   .requires_grad_() for h in heads)
+        return {"msa": msa, "q": q, "k": k, "v": v, "dout": torch.randn_like(q)}
+
+    def run(x: dict) -> None:
+        if kernel == "nemo":
+            out = dense_document_attention(x["q"], x["k"], x["v"], x["msa"], scale)
+        else:
+            backends = [SDPBackend.CUDNN_ATTENTION] if device.type == "cuda" else [SDPBackend.MATH]
+            parts = []
+            with sdpa_kernel(backends):
+                for start, n in zip(starts, sizes, strict=True):
+                    q, k, v = (x[name][start:start + n].transpose(0, 1).unsqueeze(0)
+                               for name in ("q", "k", "v"))
+                    parts.append(F.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1))
+            out = torch.cat(parts)
+        out.backward(x["dout"])
+
+    return prepare, run
+
