@@ -113,6 +113,7 @@ def require_msa_support(
     backend: str | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    cp_size: int | None = None,
 ) -> MSATopology:
     """The construction gate: call it when an MSA attention layer is built.
 
@@ -124,6 +125,8 @@ def require_msa_support(
             (``NEMO_MSA_BACKEND``, the name, or ``auto``) and asked whether it can run this
             topology and ``dtype``.
         dtype: the layer's parameter dtype (bf16 in production).
+        cp_size: the context-parallel group the layer is built in (Megatron's process groups),
+            in place of ``config.context_parallel_size`` when given.
 
     Returns:
         The validated topology.
@@ -149,7 +152,7 @@ def require_msa_support(
                 f"MSA attention does not support {flag}=True: fused RoPE applies row-0 "
                 "positions, which is wrong for packed documents; set it to False"
             )
-    cp = getattr(config, "context_parallel_size", 1) or 1
+    cp = cp_size if cp_size is not None else getattr(config, "context_parallel_size", 1) or 1
     if cp > 1:
         raise NotImplementedError(
             f"MSA attention does not support context parallelism yet "

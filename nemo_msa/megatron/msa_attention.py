@@ -80,16 +80,12 @@ def check_msa_layer_config(
             f"config is a {type(config).__name__} without the msa_* fields; build MSA layers "
             "from nemo_msa.megatron.MSATransformerConfig"
         )
-    if cp_size > 1:
-        raise NotImplementedError(
-            f"MSA attention does not support context parallelism yet (context parallel size "
-            f"{cp_size}); expected 1"
-        )
-    # FP8/FP4, fused RoPE, CP, topology, score type and backend name.
+    # FP8/FP4, fused RoPE, CP (the layer's process group), topology, score type and backend.
     # The backend that will run: on the GPU where there is one, in the parameters' dtype.
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
-    require_msa_support(config, getattr(config, "msa_backend", None), device, dtype)
+    require_msa_support(config, getattr(config, "msa_backend", None), device, dtype,
+                        cp_size=cp_size)
     if getattr(config, "attention_output_gate", False):
         raise NotImplementedError("MSA attention does not support attention_output_gate=True")
     if getattr(config, "multi_latent_attention", False):

@@ -52,6 +52,12 @@ def test_unsupported_features_raise_not_implemented(changes, match):
         require_msa_support(production_config(**changes))
 
 
+def test_the_layers_context_parallel_group_decides_over_the_config():
+    with pytest.raises(NotImplementedError, match="context_parallel_size=2"):
+        require_msa_support(production_config(), cp_size=2)
+    require_msa_support(production_config(context_parallel_size=1), cp_size=1)
+
+
 @pytest.mark.parametrize(
     "changes, match",
     [
