@@ -125,8 +125,8 @@ def require_msa_support(
             (``NEMO_MSA_BACKEND``, the name, or ``auto``) and asked whether it can run this
             topology and ``dtype``.
         dtype: the layer's parameter dtype (bf16 in production).
-        cp_size: the context-parallel group the layer is built in (Megatron's process groups),
-            in place of ``config.context_parallel_size`` when given.
+        cp_size: the size of the context-parallel group the layer is built in (Megatron's
+            process groups); refused like ``config.context_parallel_size`` when > 1.
 
     Returns:
         The validated topology.
@@ -152,7 +152,7 @@ def require_msa_support(
                 f"MSA attention does not support {flag}=True: fused RoPE applies row-0 "
                 "positions, which is wrong for packed documents; set it to False"
             )
-    cp = cp_size if cp_size is not None else getattr(config, "context_parallel_size", 1) or 1
+    cp = max(getattr(config, "context_parallel_size", 1) or 1, cp_size or 1)
     if cp > 1:
         raise NotImplementedError(
             f"MSA attention does not support context parallelism yet "
