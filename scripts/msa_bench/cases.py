@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.testing.packs import document_map_from_lengths
+
 #: The MiniMax-M3 topology (MSA_SPEC.md): query / KV heads, head dim, index heads and dim.
 HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128
 #: Block size, blocks per query, forced sink and local blocks.
@@ -13,15 +16,7 @@ BS, TOPK, INIT, LOCAL = 128, 16, 0, 1
 def make_case(name, rows, seq_len, device, block_size=BS):
     """A case of ``rows`` (document lengths per batch row, padded to ``seq_len``) and its
     layout: ``{"name", "rows", "seq_len", "msa", "ids"}``."""
-    from nemo_msa.layout import MSAMicrobatch
-
-    ids = torch.zeros((len(rows), seq_len), dtype=torch.int64)
-    for r, docs in enumerate(rows):
-        off = 0
-        for i, n in enumerate(docs):
-            ids[r, off:off + n] = i + 1
-            off += n
-    ids = ids.to(device)
+    ids = document_map_from_lengths(rows, seq_len, device)
     msa = MSAMicrobatch.build(packed_seq_ids=ids, block_size=block_size, init_blocks=INIT,
                               local_blocks=LOCAL)
     return {"name": name, "rows": rows, "seq_len": seq_len, "msa": msa, "ids": ids}

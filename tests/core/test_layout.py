@@ -5,12 +5,14 @@ from __future__ import annotations
 import copy
 import gc
 
+import pytest
 import torch
 from hypothesis import given, settings
 from packs import packed_batches
 from torch.overrides import TorchFunctionMode
 
 from nemo_msa import MSAMicrobatch
+from nemo_msa.testing.packs import document_map_from_lengths
 
 
 def expected_documents(ids: torch.Tensor):
@@ -182,3 +184,12 @@ def test_memo_distinguishes_block_size_and_forced_blocks():
     assert len({id(a), id(b), id(c)}) == 3
     assert (a.workspace_size, b.workspace_size) == (64, 64)
     assert c.forced_blocks == (1, 1)
+
+
+def test_document_map_from_lengths_spells_packed_rows_and_refuses_overflow():
+    ids = document_map_from_lengths([[2, 1], [3]], 4)
+    assert ids.tolist() == [[1, 1, 2, 0], [1, 1, 1, 0]]
+    with pytest.raises(ValueError, match=r"rows\[0\]=\[3, 2\]"):
+        document_map_from_lengths([[3, 2]], 4)
+    with pytest.raises(ValueError, match="lengths >= 1"):
+        document_map_from_lengths([[0]], 4)

@@ -21,16 +21,12 @@ from nemo_msa.indexer_loss import (
     dense_loss_kernel_unsupported,
 )
 from nemo_msa.selection import select_blocks_reference
+from nemo_msa.testing.packs import document_map_from_lengths
 
 
 def _layout(rows: list[list[int]], seq_len: int, block_size: int, device) -> MSAMicrobatch:
-    ids = torch.zeros(len(rows), seq_len, dtype=torch.int64)
-    for r, docs in enumerate(rows):
-        off = 0
-        for d, n in enumerate(docs):
-            ids[r, off:off + n] = d + 1
-            off += n
-    return MSAMicrobatch.from_document_map(ids.to(device), block_size=block_size)
+    return MSAMicrobatch.from_document_map(document_map_from_lengths(rows, seq_len, device),
+                                           block_size=block_size)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -21,22 +21,13 @@ from nemo_msa.layout import MSAMicrobatch
 from nemo_msa.selection.naive import select_blocks_reference
 from nemo_msa.selection.triton_select import triton_select_blocks
 from nemo_msa.testing.oracle import rel_err
-
-
-def _ids(rows, seq_len, device):
-    ids = torch.zeros((len(rows), seq_len), dtype=torch.int64)
-    for r, docs in enumerate(rows):
-        off = 0
-        for i, n in enumerate(docs):
-            ids[r, off:off + n] = i + 1
-            off += n
-    return ids.to(device)
+from nemo_msa.testing.packs import document_map_from_lengths
 
 
 def _check(rows, seq_len, bs, hq, hkv, d, hi, di, top_k, device, seed):
     gen = torch.Generator(device=device).manual_seed(seed)
-    msa = MSAMicrobatch.build(packed_seq_ids=_ids(rows, seq_len, device), block_size=bs,
-                              init_blocks=0, local_blocks=1)
+    ids = document_map_from_lengths(rows, seq_len, device)
+    msa = MSAMicrobatch.build(packed_seq_ids=ids, block_size=bs, init_blocks=0, local_blocks=1)
     t = msa.num_tokens
 
     def rnd(*shape):
