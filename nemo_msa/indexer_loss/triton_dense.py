@@ -268,21 +268,23 @@ class _DenseKL(torch.autograd.Function):
         ctx.consumed = True
         index_q, index_k, target, argkey, lse, tsum = ctx.saved_tensors
         blocks = ctx.blocks
-        tokens, heads, dim = index_q.shape
+        # dq is written with index_q's strides, so both must be the same dense layout.
+        iq = index_q.detach().contiguous()
+        tokens, heads, dim = iq.shape
         block = blocks.block_size
-        dq = torch.empty(tokens, heads, dim, dtype=torch.float32, device=index_q.device)
+        dq = torch.empty(tokens, heads, dim, dtype=torch.float32, device=iq.device)
         grad = grad.detach().to(torch.float32).reshape(1).contiguous()
         _dense_kl_dq_kernel[(triton.cdiv(tokens, _BT_DQ), heads)](
-            index_q, index_k, blocks.token_pos, target, argkey, lse, tsum, grad, dq,
-            tokens, index_q.stride(0), index_q.stride(1), index_k.stride(0),
+            iq, index_k, blocks.token_pos, target, argkey, lse, tsum, grad, dq,
+            tokens, iq.stride(0), iq.stride(1), index_k.stride(0),
             target.stride(0), target.stride(1), lse.stride(0),
             ctx.index_scale, 1.0 / ctx.denominator,
             BS=block, BT=_BT_DQ, DI=dim,
         )
-        dk_heads = torch.empty(heads, tokens, dim, dtype=torch.float32, device=index_q.device)
+        dk_heads = torch.empty(heads, tokens, dim, dtype=torch.float32, device=iq.device)
         _dense_kl_dk_kernel[(blocks.num_blocks_bound, heads)](
-            index_q, blocks.block_doc, blocks.block_local, blocks.cu_seqlens, target, argkey,
-            dk_heads, index_q.stride(0), index_q.stride(1), target.stride(0), target.stride(1),
+            iq, blocks.block_doc, blocks.block_local, blocks.cu_seqlens, target, argkey,
+            dk_heads, iq.stride(0), iq.stride(1), target.stride(0), target.stride(1),
             dk_heads.stride(0), dk_heads.stride(1),
             BS=block, BT=_BT_DK, DI=dim, FP32_DOT=INTERPRET,
         )
