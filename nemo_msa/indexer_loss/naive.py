@@ -203,8 +203,7 @@ def _sparse_chunk_tokens(per_token: int, work: torch.dtype, device: torch.device
     if device.type == "cuda":
         budget = _SPARSE_GATHER_ELEMENTS
         free, _ = torch.cuda.mem_get_info(device)
-        itemsize = torch.empty((), dtype=work).element_size()
-        budget = min(budget, int(free * _SPARSE_FREE_SHARE) // (4 * itemsize))
+        budget = min(budget, int(free * _SPARSE_FREE_SHARE) // (4 * work.itemsize))
     return max(1, budget // max(1, per_token))
 
 

@@ -313,8 +313,6 @@ class MSASelfAttention(SelfAttention):
         else:
             core = run_core(query, key, value)
 
-        # The dense warm-up has no selection, so its loss is always the dense one.
-        sparse_loss = self.config.msa_indexer_loss_type == "sparse" and q2k is not None
         if byproducts:
             loss, stats = sparse_indexer_loss_from_byproducts(
                 index_q,
@@ -336,6 +334,8 @@ class MSASelfAttention(SelfAttention):
             MSAIndexerMetrics.record(self.layer_number, stats)
             core = MSAIndexerLossAutoScaler.apply(core, loss)
         elif need_loss:
+            # The dense warm-up has no selection, so its loss is always the dense one.
+            sparse_loss = self.config.msa_indexer_loss_type == "sparse" and q2k is not None
             common = dict(
                 softmax_scale=self.core_attention.softmax_scale,
                 num_index_heads_total=self.config.msa_num_index_heads,
