@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import json
+import types
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -157,7 +159,9 @@ _CURRENT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("msa_trit
                                                                        default=None)
 
 
+@functools.cache
 def _field_types(cls) -> dict[str, object]:
+    # Resolving the string annotations is the costly part of validating a launch.
     return typing.get_type_hints(cls)
 
 
@@ -199,11 +203,13 @@ def _check_grid_and_build(launch, grid_name, grid, tiles_name, tiles, warps_name
     _check(warps_name, warps in (1, 2, 4, 8), warps, "1, 2, 4 or 8")
 
 
-def _launches() -> dict:
+# Built once: the launches are frozen, and every kernel call outside an override reads these.
+_DEFAULTS = types.MappingProxyType({kind: cls() for kind, cls in LAUNCH_KINDS.items()})
+
+
+def _launches() -> Mapping[str, object]:
     current = _CURRENT.get()
-    if current is None:
-        return {kind: cls() for kind, cls in LAUNCH_KINDS.items()}
-    return current
+    return _DEFAULTS if current is None else current
 
 
 def current_launch(kind: str):
