@@ -212,6 +212,24 @@ def build_train_dataset(dataset: DatasetConfig, gpt: GPTModelArgs, seed: int, nu
         RecipeError: a malformed weight list, a dataset prefix whose .bin/.idx files do not
             exist, or token ids outside the vocabulary.
     """
+    return build_gpt_datasets(dataset, gpt, seed, num_samples, 0)[0]
+
+
+def build_gpt_datasets(dataset: DatasetConfig, gpt: GPTModelArgs, seed: int, num_samples: int,
+                       num_valid_samples: int):
+    """Build the training and validation splits of ``dataset.split`` in one builder call.
+
+    Args:
+        dataset, gpt, seed, num_samples: as :func:`build_train_dataset`.
+        num_valid_samples: validation samples to draw; 0 builds no validation split.
+
+    Returns:
+        ``(train, valid)``; ``valid`` is None when not asked for or when the split gives the
+        validation share no documents.
+
+    Raises:
+        RecipeError: as :func:`build_train_dataset`.
+    """
     blend = parse_data_path(dataset.data_path)
     if blend is not None:
         _check_prefixes(blend[0])
@@ -238,15 +256,14 @@ def build_train_dataset(dataset: DatasetConfig, gpt: GPTModelArgs, seed: int, nu
         # EOD; with EOD = vocab - 1 the count would hit the EOD id every vocab tokens and split
         # one mock document into many. Counting modulo the EOD id keeps EOD for document ends.
         config.tokenizer = _Tokenizer(eod if eod == gpt.vocab_size - 1 else gpt.vocab_size, eod)
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        cls, [num_samples, None, None], lambda: True, config
-    ).build()
+    sizes = [num_samples, num_valid_samples or None, None]
+    train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
     if train is None:
         raise RecipeError(
             f"recipe key 'dataset.split' = {dataset.split!r}: the training split is empty "
             "(expected a non-zero first weight, e.g. '99,1,0')"
         )
-    return train
+    return train, (valid if num_valid_samples else None)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from nemo_msa.training import msa_hooks
 from nemo_msa.training.build import TrainingObjects
 from nemo_msa.training.checkpoint import TrainState, save_checkpoint
 from nemo_msa.training.data import MicrobatchSource
+from nemo_msa.training.evaluate import Evaluator, StepFlops, should_exit
 from nemo_msa.training.recipe import Recipe
 from nemo_msa.training.setup import RunContext
 from nemo_msa.training.ux import MetricsLog, Progress, StepTimer
@@ -38,6 +39,12 @@ class LoopResult:
     last_saved: int | None
     #: Seconds from the first step to the end of the final save.
     elapsed: float
+    #: Of ``elapsed``, the seconds spent evaluating.
+    eval_seconds: float = 0.0
+    #: Mean TFLOP/s per GPU and MFU over the run's steps (:class:`StepFlops`).
+    flops_summary: dict | None = None
+    #: The last evaluation's metrics (empty without evaluation).
+    last_eval: dict | None = None
 
 
 def _hold_main_parameters(optimizer) -> None:
@@ -108,6 +115,11 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
     if train.exit_interval:
         stop_at = min(stop_at, state.iteration + train.exit_interval)
     tokens_per_step = train.global_batch_size * recipe.gpt.seq_length
+    evaluator = Evaluator(recipe, ctx, config, chunks, forward_backward,
+                          ps.get_data_parallel_world_size())
+    step_flops = StepFlops(recipe, config, ctx.device)
+    train_seconds = 0.0
+    last_eval: dict = {}
     timer = StepTimer()
     t_start = time.perf_counter()
     last_saved = resumed_from
@@ -122,7 +134,8 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
         # Every chunk of the interleaved schedule gets the very same microbatch objects (already
         # on the device), so the MSA layout built from packed_seq_ids is shared by all chunks.
         builds_before = msa_hooks.layout_builds()
-        shared = SharedMicrobatchIterators(iter(source.step_microbatches()), len(chunks))
+        microbatches = source.step_microbatches()
+        shared = SharedMicrobatchIterators(iter(microbatches), len(chunks))
         iterators = shared.iterators()
         losses = forward_backward(
             forward_step_func=partial(_forward_step, config),
@@ -156,6 +169,8 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
             "phase": phase,
             "skipped": not ok,
         })
+        train_seconds += dt
+        metrics.update(step_flops.metrics(step_flops.count(microbatches, phase), dt))
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
         if not math.isfinite(metrics["loss"]):
@@ -163,8 +178,15 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
                 f"loss is {metrics['loss']} at iteration {state.iteration}; the last finished "
                 f"checkpoint ({last_saved}) is intact"
             )
+        stopping = should_exit(t_start, train.exit_duration_in_mins, ctx.device)
+        if evaluator.due(state.iteration) or (
+                (stopping or state.iteration == stop_at) and evaluator.final_due(state.iteration)):
+            last_eval = evaluator.run(state.iteration)
+            metrics.update(last_eval)
+            timer.lap()  # the evaluation is not the next step's time
         state.history.append({k: v for k, v in metrics.items()
-                              if k in ("iteration", "loss", "indexer_loss", "recall", "lr")})
+                              if k in ("iteration", "loss", "indexer_loss", "recall", "lr",
+                                       "val_loss")})
         if is_rank0:
             metrics_log.write(metrics)
         progress.update(metrics)
@@ -172,12 +194,15 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
             save_checkpoint(ck.save, chunks, optimizer, scheduler, state, recipe.resolved,
                             ck.keep_last)
             last_saved = state.iteration
+        if stopping:
+            break
     progress.close()
     if ck.save and last_saved != state.iteration and state.iteration > (resumed_from or 0):
         save_checkpoint(ck.save, chunks, optimizer, scheduler, state, recipe.resolved,
                         ck.keep_last)
         last_saved = state.iteration
-    return LoopResult(phase, last_saved, time.perf_counter() - t_start)
+    return LoopResult(phase, last_saved, time.perf_counter() - t_start, evaluator.seconds,
+                      step_flops.summary(train_seconds), last_eval)
 
 
 __all__ = ["LoopResult", "run_steps"]

@@ -159,6 +159,9 @@ _PLAIN = (bool, int, float, str, list, dict, type(None))
 _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "train.seed": (0, True, None, False),
     "train.exit_interval": (0, False, None, False),
+    "train.eval_interval": (0, False, None, False),
+    "train.eval_iters": (0, False, None, False),
+    "train.exit_duration_in_mins": (0, False, None, False),
     "scheduler.lr_warmup_init": (0, True, None, False),
     "scheduler.lr_decay_iters": (0, False, None, False),
     "scheduler.lr_wsd_decay_iters": (0, True, None, False),

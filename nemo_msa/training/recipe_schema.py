@@ -52,6 +52,14 @@ class TrainConfig:
     #: the MiniMax-M3 recipe prescribes; false also trains the rest of the model then (useful
     #: when training from scratch, where a frozen random model gives the indexer little to learn).
     freeze_main_during_warmup: bool = True
+    #: Evaluate on the validation split of ``dataset.split`` every this many steps and after the
+    #: run's last step (null: no evaluation), as Megatron's --eval-interval.
+    eval_interval: int | None = None
+    #: Global batches of validation data per evaluation (Megatron's --eval-iters).
+    eval_iters: int = 10
+    #: Stop this run (final evaluation and checkpoint included) after the first step that ends
+    #: this many minutes after the first step began (Megatron's --exit-duration-in-mins).
+    exit_duration_in_mins: float | None = None
 
 
 @dataclass

@@ -80,7 +80,8 @@ def _summary(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, dp: int, st
                  + (f" (resumed at {resumed_from})" if resumed_from else ""),
         "first loss": hist[0]["loss"] if hist else float("nan"),
         "final loss": hist[-1]["loss"] if hist else float("nan"),
-        "tokens/s": steps_run * tokens_per_step / result.elapsed if steps_run else 0.0,
+        "tokens/s": (steps_run * tokens_per_step / (result.elapsed - result.eval_seconds)
+                     if steps_run else 0.0),
         "wall time s": result.elapsed,
         "last phase": result.phase,
     }
@@ -90,6 +91,9 @@ def _summary(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, dp: int, st
         summary["final indexer loss"] = hist[-1]["indexer_loss"]
     if hist and "recall" in hist[-1]:
         summary["final recall"] = hist[-1]["recall"]
+    summary.update(result.flops_summary or {})
+    for key, value in (result.last_eval or {}).items():
+        summary[key.replace("val_loss/", "val loss ").replace("_", " ")] = value
     if ck.save:
         last = result.last_saved
         summary["checkpoint"] = str(ck.save) + (f"/iter_{last:07d}" if last else "")

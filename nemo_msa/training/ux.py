@@ -49,6 +49,8 @@ class Progress:
         if "recall" in metrics:
             shown["recall"] = f"{metrics['recall']:.3f}"
         shown["tok/s"] = f"{metrics['tokens_per_s']:.0f}"
+        if "val_loss" in metrics:
+            shown["val_loss"] = f"{metrics['val_loss']:.4f}"
         if self.bar is not None:
             self.bar.set_postfix(shown, refresh=False)
             self.bar.update(1)
@@ -113,6 +115,10 @@ def plot_loss_curve(history: list[dict[str, float]], path: Path, title: str,
                              squeeze=False)
     ax = axes[0][0]
     ax.plot(steps, [h["loss"] for h in history], label="LM loss")
+    val = [(h["iteration"], h["val_loss"]) for h in history if "val_loss" in h]
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", color="tab:red", label="validation loss")
+        ax.legend(loc="upper right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)

@@ -1,0 +1,238 @@
+"""Evaluation on the validation split, Megatron-style, plus the loop's per-step extras.
+
+:class:`Evaluator` runs ``train.eval_iters`` global batches of the validation split of
+``dataset.split`` every ``train.eval_interval`` steps and after the last step of the run, through
+the same ``get_forward_backward_func()`` schedule as training with ``forward_only=True`` under
+``torch.no_grad()`` (so every parallel layout evaluates as it trains), the chunks in eval mode.
+It reports ``val_loss``, ``val_ppl`` and the validation loss per position bucket within the
+document (``val_loss/pos_<lo>-<hi>``): positions come from the document map, so a token's
+bucket is how much of its document precedes it in the row, which is where long-range use of
+attention shows. Every evaluation reads the same first ``eval_iters * global_batch_size``
+validation samples, so values at different steps (and of different runs) are comparable.
+
+:class:`StepFlops` counts each step's model FLOPs (:mod:`nemo_msa.training.flops`) and turns
+them into TFLOP/s per GPU and MFU. :func:`should_exit` is the ``train.exit_duration_in_mins``
+check. The loop calls these three; they hold no other loop state.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+
+import torch
+from megatron.core import parallel_state as ps
+
+from nemo_msa.megatron.microbatch import SharedMicrobatchIterators
+from nemo_msa.training import msa_hooks
+from nemo_msa.training.data import (
+    MicrobatchSource,
+    build_gpt_datasets,
+    eod_token_id,
+    positions_from_document_ids,
+)
+from nemo_msa.training.flops import FlopsModel, device_peak_flops, throughput
+from nemo_msa.training.recipe import Recipe, RecipeError
+
+
+def position_bucket_edges(seq_length: int) -> list[int]:
+    """Lower edges of the position buckets: 0, b, 4b, 16b, ... below ``seq_length``.
+
+    ``b`` is 1024 for rows of 4096 tokens or more (buckets [0, 1k), [1k, 4k), [4k, 16k), ...);
+    shorter rows get ``b`` = the power of two at or below ``seq_length / 16`` so that tiny runs
+    still have three or more buckets.
+    """
+    base = 1024 if seq_length >= 4096 else 1 << max(0, int(math.log2(max(seq_length // 16, 1))))
+    edges, edge = [0], base
+    while edge < seq_length:
+        edges.append(edge)
+        edge *= 4
+    return edges
+
+
+def _label(value: int) -> str:
+    return f"{value // 1024}k" if value and value % 1024 == 0 else str(value)
+
+
+def bucket_names(edges: list[int], seq_length: int) -> list[str]:
+    """``pos_<lo>-<hi>`` per bucket (k = 1024)."""
+    highs = [*edges[1:], seq_length]
+    return [f"pos_{_label(lo)}-{_label(hi)}" for lo, hi in zip(edges, highs, strict=True)]
+
+
+def _eval_loss_func(loss_mask, bucket, num_buckets, output_tensor):
+    """LM loss sum and tokens, plus [2, buckets] sums and counts, in Megatron's 3-tuple form."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    per = torch.zeros(2, num_buckets, dtype=torch.float32, device=losses.device)
+    per[0].scatter_add_(0, bucket, (losses * mask).detach())
+    per[1].scatter_add_(0, bucket, mask)
+    report = torch.cat([torch.stack([loss.detach(), num_tokens.detach().float()]),
+                        per.view(-1)])
+    return loss, num_tokens, {"val": report}
+
+
+def _eval_forward_step(config, edges, data_iterator, model):
+    mb = next(data_iterator)
+    output = model(mb.tokens, mb.position_ids, labels=mb.labels,
+                   **msa_hooks.model_forward_kwargs(config, mb.packed_seq_ids))
+    pos = positions_from_document_ids(mb.packed_seq_ids).view(-1)
+    bucket = torch.bucketize(pos, edges, right=True) - 1
+    return output, partial(_eval_loss_func, mb.loss_mask, bucket, edges.numel())
+
+
+class Evaluator:
+    """Validation-loss evaluation of the model chunks (collective: every rank calls it).
+
+    Args:
+        recipe: the validated recipe (train.eval_interval / eval_iters, dataset, model).
+        ctx: the run context (device).
+        config: the model config the chunks were built with.
+        chunks: this rank's DDP-wrapped model chunks.
+        forward_backward: Megatron's schedule function.
+        dp: data-parallel size.
+    """
+
+    def __init__(self, recipe: Recipe, ctx, config, chunks: list, forward_backward, dp: int):
+        train = recipe.train
+        self.recipe, self.config, self.chunks = recipe, config, chunks
+        self.forward_backward = forward_backward
+        self.device = ctx.device
+        self.interval = train.eval_interval
+        self.iters = train.eval_iters
+        self.edges_list = position_bucket_edges(recipe.gpt.seq_length)
+        self.names = bucket_names(self.edges_list, recipe.gpt.seq_length)
+        self.edges = torch.tensor(self.edges_list, dtype=torch.int64, device=ctx.device)
+        self.dataset = None
+        self.dp = dp
+        self.last_evaluated: int | None = None
+        self.seconds = 0.0
+        if self.interval:
+            _, self.dataset = build_gpt_datasets(
+                recipe.dataset, recipe.gpt, train.seed, train.train_iters * train.global_batch_size,
+                self.iters * train.global_batch_size)
+            if self.dataset is None:
+                raise RecipeError(
+                    f"recipe key 'dataset.split' = {recipe.dataset.split!r}: the validation split "
+                    f"is empty, but train.eval_interval = {self.interval} asks for evaluation "
+                    "(expected a non-zero second weight, e.g. '98,2,0', or "
+                    "train.eval_interval=null)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this run evaluates (an interval set and a non-empty validation split)."""
+        return self.dataset is not None
+
+    def due(self, iteration: int) -> bool:
+        """Whether the step just finished is an evaluation step."""
+        return self.enabled and iteration % self.interval == 0
+
+    def final_due(self, iteration: int) -> bool:
+        """Whether the run's end still needs its final evaluation."""
+        return self.enabled and self.last_evaluated != iteration and iteration > 0
+
+    def run(self, iteration: int) -> dict[str, float]:
+        """Evaluate now; return ``val_loss``, ``val_ppl`` and ``val_loss/pos_*`` (all ranks)."""
+        t0 = time.perf_counter()
+        train = self.recipe.train
+        source = MicrobatchSource(
+            self.dataset, micro_batch_size=train.micro_batch_size,
+            global_batch_size=train.global_batch_size, dp_size=self.dp,
+            dp_rank=ps.get_data_parallel_rank(),
+            eod_id=eod_token_id(self.recipe.dataset, self.recipe.gpt), device=self.device,
+            reset_position_ids=self.recipe.dataset.reset_position_ids)
+        nb = len(self.edges_list)
+        buf = torch.zeros(2 + 2 * nb, dtype=torch.float64, device=self.device)
+        owner = (ps.is_pipeline_last_stage(ignore_virtual=True)
+                 and ps.get_tensor_model_parallel_rank() == 0)
+        for m in self.chunks:
+            m.eval()
+        try:
+            with torch.no_grad():
+                for _ in range(self.iters):
+                    shared = SharedMicrobatchIterators(iter(source.step_microbatches()),
+                                                       len(self.chunks))
+                    iterators = shared.iterators()
+                    seq = self.recipe.gpt.seq_length
+                    reports = self.forward_backward(
+                        forward_step_func=partial(_eval_forward_step, self.config, self.edges),
+                        data_iterator=iterators if len(self.chunks) > 1 else iterators[0],
+                        model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+                        num_microbatches=source.num_microbatches, seq_length=seq,
+                        micro_batch_size=train.micro_batch_size, decoder_seq_length=seq,
+                        forward_only=True)
+                    if owner:
+                        for r in reports:
+                            buf += r["val"].to(buf)
+        finally:
+            for m in self.chunks:
+                m.train()
+        torch.distributed.all_reduce(buf)
+        values = buf.tolist()
+        loss = values[0] / max(values[1], 1.0)
+        out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+        for i, name in enumerate(self.names):
+            count = values[2 + nb + i]
+            if count > 0:
+                out[f"val_loss/{name}"] = values[2 + i] / count
+        self.last_evaluated = iteration
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+class StepFlops:
+    """Model FLOPs per step and TFLOP/s per GPU (MFU on a GPU with a known bf16 peak).
+
+    Every rank of a model replica sees the same microbatches; each counts its replica's FLOPs
+    from the document map and divides by the model-parallel size (TP x PP x CP), so the figure
+    is this GPU's share of its replica's work.
+    """
+
+    def __init__(self, recipe: Recipe, config, device: torch.device):
+        tp = ps.get_tensor_model_parallel_world_size()
+        divisor = recipe.gpt.make_vocab_size_divisible_by * tp
+        padded = int(math.ceil(recipe.gpt.vocab_size / divisor) * divisor)
+        self.model = FlopsModel.from_config(config, padded)
+        self.gpus = (tp * ps.get_pipeline_model_parallel_world_size()
+                     * ps.get_context_parallel_world_size())
+        self.peak = device_peak_flops(device)
+        self.total_flops = 0.0
+
+    def count(self, microbatches: list, phase: str) -> float:
+        """This replica's FLOPs of the step whose microbatches these are."""
+        flops = self.model.step_flops([mb.packed_seq_ids for mb in microbatches],
+                                      warmup=phase == "dense-warmup")
+        self.total_flops += flops
+        return flops
+
+    def metrics(self, flops: float, seconds: float) -> dict[str, float]:
+        """``model_tflops_per_step``, ``tflops_per_gpu`` and ``mfu`` (GPU with a known peak)."""
+        return throughput(flops, seconds, self.gpus, self.peak)
+
+    def summary(self, seconds: float) -> dict[str, str | float]:
+        """Mean TFLOP/s per GPU (and MFU, naming the peak used) over the run's steps."""
+        out: dict[str, str | float] = {}
+        if seconds <= 0:
+            return out
+        t = self.metrics(self.total_flops, seconds)
+        out["TFLOP/s per GPU"] = t["tflops_per_gpu"]
+        if "mfu" in t:
+            out["MFU"] = f"{t['mfu']:.4f} of {self.peak[1] / 1e12:.0f} TFLOP/s dense bf16 " \
+                         f"({self.peak[0]})"
+        return out
+
+
+def should_exit(started: float, minutes: float | None, device: torch.device) -> bool:
+    """``train.exit_duration_in_mins``: rank 0's clock decides for every rank (collective)."""
+    if not minutes:
+        return False
+    flag = torch.tensor([float(time.perf_counter() - started >= minutes * 60.0)],
+                        device=device)
+    torch.distributed.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+__all__ = ["Evaluator", "StepFlops", "bucket_names", "position_bucket_edges", "should_exit"]
