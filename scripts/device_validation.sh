@@ -13,6 +13,11 @@
 # "layer" adds scripts/bench_layer.py (one-layer MiniMax-M3 GPTModel training step, dense vs MSA,
 # plus the dense_attention / cudnn_attention rows) with the arguments in LAYER_ARGS, writing
 # $OUT/layer.json and $OUT/layer.log and printing its table; LAYER_S bounds it (default 540 s).
+# "quality" builds the byte-level corpus from this machine's Python sources (scripts/
+# prepare_corpus.py, in /tmp) and runs scripts/quality_bench.py (MSA vs dense vs control at
+# QUALITY_LENGTHS, default 8192,32768) within QUALITY_S seconds (default 480), writing
+# $OUT/quality/ (quality.md, quality.json, quality.png, each run's metrics.jsonl); QUALITY_ARGS
+# adds arguments or recipe overrides.
 set -uo pipefail
 OUT="${OUT:-runs/device}"
 mkdir -p "$OUT"
@@ -92,4 +97,16 @@ else
   grep -E '^\{"tokens"' "$OUT/layer.log" | cut -c1-200
   tail -n 15 "$OUT/layer.log"
 fi
+fi
+
+if [[ " $STAGES " == *" quality "* ]]; then
+python3 scripts/prepare_corpus.py --out /tmp/corpus 2>&1 | tail -3 | tee "$OUT/quality_corpus.log"
+# shellcheck disable=SC2086  # the argument list is split on purpose
+timeout $(( ${QUALITY_S:-480} + 60 )) python3 scripts/quality_bench.py \
+  --corpus /tmp/corpus/pycode_text_document --seq-lengths "${QUALITY_LENGTHS:-8192,32768}" \
+  --time-budget-s "${QUALITY_S:-480}" --out "$OUT/quality" ${QUALITY_ARGS:-} \
+  > "$OUT/quality.log" 2>&1
+echo "rc $?" >> "$OUT/quality.log"
+sed -n '/^# MSA vs dense/,$p' "$OUT/quality.log"
+tail -n 5 "$OUT/quality.log"
 fi
