@@ -1,0 +1,19 @@
+"""The dense baseline: an MSA config whose pattern has no MSA layer trains like any model."""
+
+from __future__ import annotations
+
+import json
+
+from _runs import train
+
+
+def test_dense_only_pattern_trains_and_logs_no_indexer_metrics(tmp_path):
+    summary = train(["train.train_iters=8", "model.msa_layer_pattern=DDDD",
+                     "model.msa_dense_warmup_steps=2", "train.eval_interval=4",
+                     "train.eval_iters=1", f"logger.output_dir={tmp_path}"])
+    hist = summary["history"]
+    assert len(hist) == 8
+    assert sum(h["loss"] for h in hist[-3:]) / 3 < hist[0]["loss"] - 0.3, hist
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert not any("indexer_loss" in r or "recall" in r for r in rows)
+    assert [r["iteration"] for r in rows if "val_loss" in r] == [4, 8]

@@ -1,0 +1,125 @@
+"""Evaluation in the training loop: val_loss rows, no effect on training, buckets, layouts.
+
+Runs use the shrunk default recipe of ``_runs.SMALL`` (Megatron mock documents); the pipeline
+case goes through torchrun with 2 gloo processes and resumes from the shared reference
+checkpoint, so that both layouts evaluate the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _runs import SMALL, copy_checkpoint, train
+
+from nemo_msa.training.evaluate import bucket_names, position_bucket_edges
+from nemo_msa.training.recipe import RecipeError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_position_buckets_scale_with_the_row_length():
+    assert position_bucket_edges(32768) == [0, 1024, 4096, 16384]
+    assert position_bucket_edges(8192) == [0, 1024, 4096]
+    assert position_bucket_edges(4096) == [0, 1024]
+    assert position_bucket_edges(512) == [0, 32, 128]
+    assert position_bucket_edges(256) == [0, 16, 64]
+    assert position_bucket_edges(8) == [0, 1, 4]
+    assert bucket_names([0, 1024, 4096, 16384], 32768) == [
+        "pos_0-1k", "pos_1k-4k", "pos_4k-16k", "pos_16k-32k"]
+
+
+def test_eval_interval_writes_val_loss_rows_and_leaves_training_unchanged(tmp_path):
+    common = ["train.train_iters=5", "model.msa_dense_warmup_steps=2"]
+    with_eval = train([*common, "train.eval_interval=2", "train.eval_iters=2",
+                       f"logger.output_dir={tmp_path / 'eval'}"])
+    without = train([*common, f"logger.output_dir={tmp_path / 'plain'}"])
+    rows = _rows(tmp_path / "eval")
+    evaluated = [r["iteration"] for r in rows if "val_loss" in r]
+    assert evaluated == [2, 4, 5]  # every 2 steps plus the final evaluation
+    for r in rows:
+        if "val_loss" not in r:
+            continue
+        assert math.isfinite(r["val_loss"]) and 0 < r["val_loss"] < 7
+        assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-12)
+        buckets = [v for k, v in r.items() if k.startswith("val_loss/pos_")]
+        assert len(buckets) == 3  # 256-token rows: [0, 16), [16, 64), [64, 256)
+        assert min(buckets) <= r["val_loss"] <= max(buckets)
+    # The validation loss falls as the model learns the mock documents.
+    assert rows[-1]["val_loss"] < rows[1]["val_loss"] - 0.1
+    # No gradients, no optimizer state, no data position: training is bitwise the same.
+    assert [h["loss"] for h in with_eval["history"]] == [h["loss"] for h in without["history"]]
+    assert with_eval["val loss"] == rows[-1]["val_loss"]
+    assert not any("val_loss" in r for r in _rows(tmp_path / "plain"))
+    # Model FLOPs are logged per step; no MFU without a GPU peak.
+    assert all(r["tflops_per_gpu"] > 0 and "mfu" not in r for r in rows)
+    assert with_eval["TFLOP/s per GPU"] > 0 and "MFU" not in with_eval
+
+
+def test_exit_duration_stops_after_one_step_with_a_final_evaluation(tmp_path):
+    summary = train(["train.train_iters=50", "model.msa_dense_warmup_steps=1",
+                     "train.eval_interval=20", "train.eval_iters=1",
+                     "train.exit_duration_in_mins=1e-9", f"logger.output_dir={tmp_path}"])
+    assert summary["steps"] == "1/50"
+    rows = _rows(tmp_path)
+    assert len(rows) == 1 and "val_loss" in rows[0]
+
+
+def test_evaluation_without_a_validation_split_is_an_error(tmp_path):
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for n in range(20):
+        doc = list(range(1, 100 + n)) + [255]
+        builder.add_document(torch.tensor(doc), [len(doc)])
+    builder.finalize(prefix + ".idx")
+    # (Megatron's mock data draws every split independently, so only real data can lack one.)
+    with pytest.raises(RecipeError, match=r"dataset.split' = '100,0,0'.*validation split is "
+                       r"empty.*train.eval_interval = 2"):
+        train(["train.train_iters=2", "train.eval_interval=2", "dataset.split=100,0,0",
+               f"dataset.data_path=[{prefix}]", f"logger.output_dir={tmp_path}"])
+    with pytest.raises(RecipeError, match=r"train.eval_iters' = 0"):
+        train(["train.eval_interval=2", "train.eval_iters=0"])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_pp2_vpp2_evaluates_like_one_process(reference, tmp_path):
+    """The forward-only schedule under interleaved 1F1B gives the single-process val_loss."""
+    ref_root, _ = reference
+    evals = ["train.train_iters=6", "model.msa_dense_warmup_steps=2", "train.eval_interval=3",
+             "train.eval_iters=2"]
+    for name in ("one", "pp"):
+        copy_checkpoint(ref_root, 3, tmp_path / name)
+    one = train([*evals, f"checkpoint.save={tmp_path / 'one'}"])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(_free_port()), str(REPO / "scripts" / "pretrain.py"), *SMALL,
+           *evals, "model.pipeline_model_parallel_size=2",
+           "model.virtual_pipeline_model_parallel_size=2", f"checkpoint.save={tmp_path / 'pp'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = {r["iteration"]: r for r in _rows(tmp_path / "pp") if "val_loss" in r}
+    want = {r["iteration"]: r for r in _rows(tmp_path / "one") if "val_loss" in r}
+    assert sorted(got) == sorted(want) == [6]
+    for key, value in want[6].items():
+        if key.startswith("val_loss"):
+            assert got[6][key] == pytest.approx(value, rel=1e-5), key
+    assert one["val loss"] == want[6]["val_loss"]
