@@ -253,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.tokens_per_step = args.tokens_per_step or (512 if args.tiny else TOKENS_PER_STEP)
     lengths = [int(x) for x in args.seq_lengths.split(",") if x]
     arms = [a for a in args.arms.split(",") if a]
+    if not arms or not lengths:
+        raise SystemExit("error: --arms and --seq-lengths must name at least one each")
     for arm in arms:
         arm_overrides(arm, 1)  # names a bad arm before anything runs
     bad = [s for s in lengths if s <= 0 or args.tokens_per_step % s]
@@ -290,18 +292,22 @@ def main(argv: list[str] | None = None) -> dict:
         run_arm(recipe, overrides)
         block = report["lengths"].setdefault(str(seq), {"runs": {}})
         block["runs"][arm] = summarize_run(read_metrics(run_dir / "metrics.jsonl"))
-    for block in report["lengths"].values():
         block["comparison"] = compare(block["runs"])
-    report["wall_seconds"] = time.perf_counter() - t0
+        report["wall_seconds"] = time.perf_counter() - t0
+        # Written after every run: a call killed from outside still leaves what it finished.
+        text = write_report(report, out)
+    print(text, flush=True)
+    return report
+
+
+def write_report(report: dict, out: Path) -> str:
+    """Write quality.json, quality.md and quality.png to ``out``; return the markdown."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "quality.json").write_text(json.dumps(report, indent=1))
     text = markdown(report)
     (out / "quality.md").write_text(text + "\n")
-    png = plot(report, out / "quality.png")
-    print(text, flush=True)
-    if png is not None:
-        print(f"plot: {png}")
-    return report
+    plot(report, out / "quality.png")
+    return text
 
 
 if __name__ == "__main__":
