@@ -149,19 +149,19 @@ def markdown(report: dict) -> str:
                          key=lambda b: int(b.split("_")[1].split("-")[0].replace("k", "000")))
         lines += [f"## {seq} tokens per sequence", "",
                   f"equal step = {cmp_['equal_step']}, equal training time = "
-                  f"{_fmt(cmp_['equal_time_s'], 1)} s", "",
-                  "| arm | steps | val loss @ equal step | val loss @ equal time | final val loss "
-                  "| " + " | ".join(buckets) + " | recall | tokens/s | TFLOP/s/GPU | MFU |",
-                  "|" + "---|" * (9 + len(buckets))]
+                  f"{_fmt(cmp_['equal_time_s'], 1)} s", ""]
+        head = ["arm", "steps", "val loss @ equal step", "val loss @ equal time",
+                "final val loss", *buckets, "recall", "tokens/s", "TFLOP/s/GPU", "MFU"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for arm, r in block["runs"].items():
             a = cmp_["arms"][arm]
-            lines.append(
-                f"| {arm} | {r['steps']} | {_fmt(a['val_loss_at_equal_step'])} | "
-                f"{_fmt(a['val_loss_at_equal_time'])} | {_fmt(r['final_val_loss'])} | "
-                + " | ".join(_fmt(r["buckets"].get(b)) for b in buckets)
-                + f" | {_fmt(r['recall'], 3)} | {r['tokens_per_s']:.0f} | "
-                f"{_fmt(r['tflops_per_gpu'], 2)} | {_fmt(r['mfu'], 3)} |")
-        notes = []
+            cells = [arm, str(r["steps"]), _fmt(a["val_loss_at_equal_step"]),
+                     _fmt(a["val_loss_at_equal_time"]), _fmt(r["final_val_loss"]),
+                     *(_fmt(r["buckets"].get(b)) for b in buckets), _fmt(r["recall"], 3),
+                     f"{r['tokens_per_s']:.0f}", _fmt(r["tflops_per_gpu"], 2), _fmt(r["mfu"], 3)]
+            lines.append("| " + " | ".join(cells) + " |")
+        notes = [f"{arm} failed: {r['error']}" for arm, r in block["runs"].items()
+                 if "error" in r]
         if "msa_minus_dense" in cmp_:
             notes.append(f"MSA - dense validation loss at equal step: "
                          f"{cmp_['msa_minus_dense']:+.4f}")
@@ -289,9 +289,17 @@ def main(argv: list[str] | None = None) -> dict:
         ] + arm_overrides(arm, num_layers)
         print(f"== {arm} at {seq} tokens ({share_min * 60:.0f} s of training at most)",
               flush=True)
-        run_arm(recipe, overrides)
+        error = None
+        try:
+            run_arm(recipe, overrides)
+        except Exception as err:  # noqa: BLE001 - one failed run must not lose the others
+            error = f"{type(err).__name__}: {err}"
+            print(f"== {arm} at {seq} tokens failed: {error}", flush=True)
+        log = run_dir / "metrics.jsonl"
         block = report["lengths"].setdefault(str(seq), {"runs": {}})
-        block["runs"][arm] = summarize_run(read_metrics(run_dir / "metrics.jsonl"))
+        block["runs"][arm] = summarize_run(read_metrics(log) if log.exists() else [])
+        if error:
+            block["runs"][arm]["error"] = error
         block["comparison"] = compare(block["runs"])
         report["wall_seconds"] = time.perf_counter() - t0
         # Written after every run: a call killed from outside still leaves what it finished.
@@ -311,4 +319,6 @@ def write_report(report: dict, out: Path) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    result = main()
+    failed = any("error" in r for b in result["lengths"].values() for r in b["runs"].values())
+    sys.exit(1 if failed else 0)
