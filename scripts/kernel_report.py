@@ -67,8 +67,8 @@ def _union_kernel(cfg, prefix, fn, pointers, floats, emit):
     """The shared build of the two union kernels' reports (forward: ``union_*`` fields, dq:
     ``dq_union_*``): the launch's constexprs, typed arguments and options. Only the forward
     has the flat loop, the own block by TMA and the register cap."""
-    from nemo_msa.attention.triton_tiles import next_pow2, register_cap
     from nemo_msa.attention.triton_union import union_tile_tokens
+    from nemo_msa.triton.tiles import next_pow2, register_cap
 
     def field(name):
         return getattr(cfg, prefix + name)
@@ -108,7 +108,7 @@ def _dq_union(cfg, emit):
 
 def _union_build(cfg, emit):
     import nemo_msa.attention.triton_union as tu
-    from nemo_msa.attention.triton_tiles import next_pow2
+    from nemo_msa.triton.tiles import next_pow2
 
     qt = tu.union_tile_tokens(cfg.union_qt, BS, G)
     constexprs = dict(TOPK=TOPK, QT=qt, BS=BS, WIDTH=qt * TOPK, W=next_pow2(qt * TOPK),

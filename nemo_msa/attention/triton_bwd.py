@@ -24,8 +24,18 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_launch import BackwardLaunch, current_launch
-from nemo_msa.attention.triton_tiles import (
+from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
+from nemo_msa.triton.kernel_layout import (
+    INTERPRET,
+    KernelLayout,
+    block_query_csr,
+    check_attention_inputs,
+    check_block_size,
+    check_kernel_devices,
+    kernel_layout,
+)
+from nemo_msa.triton.launch import BackwardLaunch, current_launch
+from nemo_msa.triton.tiles import (
     LOG2E,
     LOG2E_C,
     csr_entry_rows,
@@ -46,16 +56,6 @@ from nemo_msa.attention.triton_tiles import (
     union_full_blocks,
     union_tile_rows,
     union_tile_skipped,
-)
-from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
-from nemo_msa.kernel_layout import (
-    INTERPRET,
-    KernelLayout,
-    block_query_csr,
-    check_attention_inputs,
-    check_block_size,
-    check_kernel_devices,
-    kernel_layout,
 )
 
 
@@ -338,7 +338,7 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         unions: the forward's union lists of this q2k (``return_unions=True``); dq uses them
             instead of building its own when its tile size is theirs. None: dq builds them.
         launch: launch parameters; None takes
-            :func:`~nemo_msa.attention.triton_launch.current_launch` ``("bwd")``.
+            :func:`~nemo_msa.triton.launch.current_launch` ``("bwd")``.
 
     Returns:
         ``(dq, dk, dv)`` with q's, k's and v's shapes and dtypes.

@@ -26,8 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_launch import ForwardLaunch, current_launch
-from nemo_msa.attention.triton_tiles import (
+from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
+from nemo_msa.triton.kernel_layout import (
+    INTERPRET,
+    check_attention_inputs,
+    check_block_size,
+    kernel_layout,
+)
+from nemo_msa.triton.launch import ForwardLaunch, current_launch
+from nemo_msa.triton.tiles import (
     LOG2E,
     finish_block_mass,
     finish_softmax,
@@ -50,13 +57,6 @@ from nemo_msa.attention.triton_tiles import (
     union_masked_end,
     union_tile_rows,
     union_tile_skipped,
-)
-from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
-from nemo_msa.kernel_layout import (
-    INTERPRET,
-    check_attention_inputs,
-    check_block_size,
-    kernel_layout,
 )
 
 
@@ -272,8 +272,8 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         v: same dtype [T, Hkv, d] values.
         q2k: int32 [Hkv, T, top_k] document-local block ids per (KV head, token), -1 = none.
         msa: the microbatch layout (``MSAMicrobatch``, or a
-            :class:`~nemo_msa.kernel_layout.KernelLayout`; see
-            :func:`~nemo_msa.kernel_layout.kernel_layout`).
+            :class:`~nemo_msa.triton.kernel_layout.KernelLayout`; see
+            :func:`~nemo_msa.triton.kernel_layout.kernel_layout`).
         softmax_scale: score scale; ``1 / sqrt(d)`` when None.
         block_size: key block size; defaults to ``msa.block_size``.
         return_unions: also return the tiles' union lists (:class:`TileUnions`, or None when
@@ -283,7 +283,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             of that block summed, averaged over the group's query heads (0 at -1 slots). It is
             accumulated in the same pass over K/V (the indexer loss's target, no recompute).
         launch: launch parameters; None takes
-            :func:`~nemo_msa.attention.triton_launch.current_launch` ``("fwd")``.
+            :func:`~nemo_msa.triton.launch.current_launch` ``("fwd")``.
 
     Returns:
         ``(out, lse)``: out [T, Hq, d] in q's dtype; lse fp32 [Hq, T], the natural log-sum-exp

@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_tiles import LOG2E, union_tile_span
-from nemo_msa.kernel_layout import INTERPRET, check_kernel_devices, kernel_layout
+from nemo_msa.triton.kernel_layout import INTERPRET, check_kernel_devices, kernel_layout
+from nemo_msa.triton.tiles import LOG2E, union_tile_span
 
 __all__ = ["dense_indexer_loss_triton", "dense_loss_kernel_unsupported"]
 

@@ -27,14 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_launch import SelectLaunch, current_launch
-from nemo_msa.attention.triton_tiles import doc_block, next_pow2, row_descriptor
-from nemo_msa.kernel_layout import (
+from nemo_msa.triton.kernel_layout import (
     INTERPRET,
     check_block_size,
     check_kernel_devices,
     kernel_layout,
 )
+from nemo_msa.triton.launch import SelectLaunch, current_launch
+from nemo_msa.triton.tiles import doc_block, next_pow2, row_descriptor
 
 _FORCED_CODE = tl.constexpr(0xFFFFFFF0)
 _NAN_CODE = tl.constexpr(1)
@@ -244,7 +244,7 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
             slots) and the compact row of the key attaining it (int32 [H, T, top_k], -1 at -1
             slots), found in the same pass (the indexer loss's by-products).
         launch: launch parameters; None takes
-            :func:`~nemo_msa.attention.triton_launch.current_launch` ``("sel")``.
+            :func:`~nemo_msa.triton.launch.current_launch` ``("sel")``.
 
     Returns:
         int32 [H, T, top_k]: document-local block ids ascending, -1 at the tail; with

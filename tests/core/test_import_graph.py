@@ -33,10 +33,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # it, the canonical q2k. The kernels take the layout as their input, so it sits below them.
     # The kernels' typed view of the layout (device index tensors, torch only) sits with it.
     ("layout", ("nemo_msa.limits", "nemo_msa.document_map", "nemo_msa.layout", "nemo_msa.q2k",
-                "nemo_msa.kernel_layout")),
+                "nemo_msa.triton.kernel_layout")),
     # Kernels and references: attention (naive, dense, Triton, flashinfer adapter), selection,
     # the indexer loss (reference, by-products, fused dense).
-    ("kernels", ("nemo_msa.attention", "nemo_msa.selection", "nemo_msa.indexer_loss")),
+    # The Triton pieces they share (launch settings, tile helpers) live in nemo_msa.triton.
+    ("kernels", ("nemo_msa.attention", "nemo_msa.selection", "nemo_msa.indexer_loss",
+                 "nemo_msa.triton")),
     # The core: backend record, backend modules, registry, ops, support gate, the public facade.
     ("core", (
         "nemo_msa.backend_spec",

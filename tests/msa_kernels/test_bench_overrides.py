@@ -19,7 +19,7 @@ def _bench():
 
 
 def test_overrides_set_json_values_and_plain_strings():
-    from nemo_msa.attention.triton_launch import ForwardLaunch, current_launch
+    from nemo_msa.triton.launch import ForwardLaunch, current_launch
 
     with _bench().apply_overrides(["fwd.union_max=48", "bwd.skip=dq", "bwd.dq_union_tma=false",
                                    "sel.tma=false", "fwd.union_maxnreg=null"]) as launches:

@@ -16,9 +16,9 @@ from _msa_support import layout_on_kernel_device, make_layout, on_kernel_device,
 import nemo_msa.attention.triton_union as tu
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
-from nemo_msa.attention.triton_launch import ForwardLaunch
-from nemo_msa.kernel_layout import kernel_layout
 from nemo_msa.testing.oracle import attention_grads_f64, rel_err, tile_unions_reference
+from nemo_msa.triton.kernel_layout import kernel_layout
+from nemo_msa.triton.launch import ForwardLaunch
 
 TOL = 1e-2  # bf16 operands: MSA_SPEC.md's bound on ||x - ref|| / ||ref||
 
@@ -268,7 +268,7 @@ def test_union_build_programs_write_only_their_tiles():
 ])
 def test_launch_settings_are_validated(key, value, match):
     """A bad launch setting is named with its value before anything launches."""
-    from nemo_msa.attention.triton_launch import launch_overrides
+    from nemo_msa.triton.launch import launch_overrides
 
     with pytest.raises(ValueError, match=re.escape(match)):
         with launch_overrides({key: value}):
@@ -276,7 +276,7 @@ def test_launch_settings_are_validated(key, value, match):
 
 
 def test_launch_overrides_restore_the_defaults_and_launchers_take_instances():
-    from nemo_msa.attention.triton_launch import current_launch, launch_overrides
+    from nemo_msa.triton.launch import current_launch, launch_overrides
 
     with launch_overrides({"fwd.union_max": 48}, fwd=ForwardLaunch(union_qt=4)) as launches:
         assert launches["fwd"] == ForwardLaunch(union_qt=4, union_max=48)
@@ -302,8 +302,8 @@ def test_launch_overrides_restore_the_defaults_and_launchers_take_instances():
 def test_kv_descriptors_only_for_unit_head_stride_and_aligned_rows():
     """TMA needs k/v viewable as [T, Hkv * d] with 16-byte aligned rows; anything else falls
     back to pointer loads (None) rather than reading the wrong rows."""
-    from nemo_msa.attention.triton_tiles import TensorDescriptor, kv_descriptors
-    from nemo_msa.kernel_layout import INTERPRET
+    from nemo_msa.triton.kernel_layout import INTERPRET
+    from nemo_msa.triton.tiles import TensorDescriptor, kv_descriptors
 
     if TensorDescriptor is None:
         pytest.skip("this Triton has no host TensorDescriptor (the kernels use pointer loads)")
