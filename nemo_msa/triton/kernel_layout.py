@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_msa.capabilities import TRITON
+
 # The Triton interpreter computes tl.dot on bf16 operands wrongly (PLATFORM.md); kernels take
 # this as a constexpr and cast their dot operands to fp32 when it is set.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -182,10 +184,9 @@ def check_attention_inputs(q, k, v, q2k, view: KernelLayout):
     if q2k.dtype != torch.int32 or q2k.dim() != 3 or q2k.shape[:2] != (hkv, t):
         raise ValueError(f"q2k must be int32 [Hkv={hkv}, T={t}, top_k], got {q2k.dtype} "
                          f"{tuple(q2k.shape)}")
-    if not 1 <= q2k.shape[2] <= 32:
-        raise ValueError(f"q2k top_k={q2k.shape[2]}: expected 1..32")
-    if d not in (16, 32, 64, 128):
-        raise ValueError(f"head dim d={d}: expected one of 16, 32, 64, 128")
+    reason = TRITON.why_not(head_dim=d, top_k=q2k.shape[2])
+    if reason is not None:
+        raise ValueError(f"q {tuple(q.shape)}, q2k {tuple(q2k.shape)}: {reason}")
     if t != view.num_tokens:
         raise ValueError(f"q has T={t} tokens but msa.num_tokens={view.num_tokens}")
     check_kernel_devices(view, q=q, k=k, v=v, q2k=q2k)
@@ -193,9 +194,10 @@ def check_attention_inputs(q, k, v, q2k, view: KernelLayout):
 
 
 def check_block_size(block_size: int) -> None:
-    """The kernels take blocks of 16, 32, 64 or 128 tokens."""
-    if block_size not in (16, 32, 64, 128):
-        raise ValueError(f"block_size={block_size}: expected one of 16, 32, 64, 128")
+    """The kernels take the block sizes of :data:`nemo_msa.capabilities.TRITON`."""
+    reason = TRITON.why_not(block_size=block_size)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 @dataclass(frozen=True)

@@ -31,15 +31,17 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # What every layer reads: the contract's limits, the document map and the layout built from
     # it, the canonical q2k. The kernels take the layout as their input, so it sits below them.
-    # The kernels' typed view of the layout (device index tensors, torch only) sits with it.
-    ("layout", ("nemo_msa.limits", "nemo_msa.document_map", "nemo_msa.layout", "nemo_msa.q2k",
-                "nemo_msa.triton.kernel_layout")),
+    # The kernels' typed view of the layout (device index tensors, torch only) sits with it, and
+    # the backends' capability records (data read by the kernels' asserts and the plan).
+    ("layout", ("nemo_msa.limits", "nemo_msa.capabilities", "nemo_msa.document_map",
+                "nemo_msa.layout", "nemo_msa.q2k", "nemo_msa.triton.kernel_layout")),
     # Kernels and references: attention (naive, dense, Triton, flashinfer adapter), selection,
     # the indexer loss (reference, by-products, fused dense).
     # The Triton pieces they share (launch settings, tile helpers) live in nemo_msa.triton.
     ("kernels", ("nemo_msa.attention", "nemo_msa.selection", "nemo_msa.indexer_loss",
                  "nemo_msa.triton")),
-    # The core: backend record, backend modules, registry, ops, support gate, the public facade.
+    # The core: backend record, backend modules, registry, ops, support gate, the layer plan, the
+    # public facade.
     ("core", (
         "nemo_msa.backend_spec",
         "nemo_msa.backends_reference",
@@ -48,6 +50,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "nemo_msa.backends",
         "nemo_msa.ops",
         "nemo_msa.support",
+        "nemo_msa.plan",
         "nemo_msa",
     )),
     ("megatron", ("nemo_msa.megatron",)),

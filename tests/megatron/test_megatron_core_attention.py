@@ -9,7 +9,7 @@ import torch
 
 from nemo_msa import MSAMicrobatch
 from nemo_msa.attention import dense_document_attention
-from nemo_msa.attention.naive import dense_document_attention as oracle
+from nemo_msa.attention.naive import masked_attention_reference as oracle
 from nemo_msa.megatron import msa_attention
 
 
