@@ -374,14 +374,12 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     q2k_ = q2k.contiguous()
     delta = torch.empty_like(lse_)
     gp = max(16, next_pow2(grp))
-    if cfg.skip != "dq":
-        rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, o_ptr=o_, lse_ptr=lse_,
-                    delta_ptr=delta, dq_ptr=dq)
-        _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions)
+    rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, o_ptr=o_, lse_ptr=lse_,
+                delta_ptr=delta, dq_ptr=dq)
+    # The dq launch also writes delta (rowsum(dO * O)), which the dk/dv kernel reads.
+    _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions)
     csr = block_query_csr(q2k_, view)
     bn_kv = min(bs, cfg.kv_bn)
-    if cfg.skip == "dkdv":
-        return dq, dk, dv
     rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, lse_ptr=lse_, delta_ptr=delta,
                 dk_ptr=dk, dv_ptr=dv)
     _dkdv_kernel[(hkv * view.num_blocks_bound * (bs // bn_kv),)](

@@ -124,9 +124,6 @@ def sweep(size, gen):
     for kbn, rows, w, st in ((64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2)):
         keep(_trial("bwd", {**dq_best, "kv_bn": kbn, "kv_rows": rows, "kv_warps": w,
                             "kv_stages": st}, bwd, 2.5 * flops, sets, trials))
-    # Breakdown of the backward (best dq parameters).
-    _trial("bwd", {**dq_best, "skip": "dkdv"}, bwd, 1.0 * flops, sets, trials)  # dq + CSR
-    _trial("bwd", {**dq_best, "skip": "dq"}, bwd, 1.5 * flops, sets, trials)  # CSR + dk/dv
     ms, _ = time_fn(lambda s: block_query_csr(s["q2k"], view), sets, max_reps=15,
                     budget_ms=500)
     trials.append({"kind": "csr", "ms": ms})
