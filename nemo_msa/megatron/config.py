@@ -124,7 +124,7 @@ class MSATransformerConfig(TransformerConfig):
 
     msa_dense_warmup_steps: int = 0
     """Training iterations at the start during which MSA layers attend densely and only the
-    indexer is trained by the indexer loss (see nemo_msa.megatron.training_phase)."""
+    indexer is trained by the indexer loss (see nemo_msa.megatron.phase)."""
 
     msa_layer_pattern: str | list[int] | None = None
     """Which layers are MSA: None = every layer; "S"/"D" per layer (e.g. "DSSS" * 4); or 0/1 per
