@@ -74,12 +74,23 @@ def test_production_topology_defaults():
         ("msa_layer_pattern", "SSD", "describes 3 layers; expected num_layers=4"),
         ("msa_layer_pattern", "SSXD", "characters \\['X'\\]"),
         ("msa_layer_pattern", [1, 2, 1, 1], "0/1 per layer"),
-        ("tensor_model_parallel_size", 8, "tensor_model_parallel_size=8 exceeds"),
     ],
 )
 def test_config_rejects_bad_fields(field, value, match):
     with pytest.raises(ValueError, match=match):
         MSATransformerConfig(**{**PRODUCTION, field: value})
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_the_layer_refuses_tensor_parallelism_that_splits_a_kv_head():
+    """Checked once, when the layer is built, against its tensor-parallel group's size."""
+    from nemo_msa.megatron.msa_attention import check_msa_layer_config
+
+    config = tiny_config()
+    assert check_msa_layer_config(config, tp_size=2, cp_size=1, sparse=True).backend
+    for tp in (4, 3):
+        with pytest.raises(ValueError, match=f"tensor parallel size {tp} with num_query_groups=2"):
+            check_msa_layer_config(config, tp_size=tp, cp_size=1, sparse=True)
 
 
 def test_layer_pattern_forms():
