@@ -4,7 +4,7 @@ The loop needs five things from the MSA layers, and this module is the only plac
 how the Megatron integration provides them. Whether a config is MSA is decided once
 (:func:`hooks_for`); the loop keeps the returned :class:`TrainingHooks` (``TrainingObjects.hooks``):
 
-- the decoder spec of a model chunk (``layer_specs.get_msa_decoder_block_spec``);
+- the decoder spec of a model chunk (``nemo_msa.megatron.layer_specs``);
 - how a microbatch's document map reaches the attention: ``packed_seq_ids`` is passed to
   ``GPTModel.forward`` as ``attention_mask`` (source 2 of the contract), which Megatron hands
   unchanged to every layer (``model_forward_kwargs``);
@@ -104,7 +104,7 @@ class MSAHooks(DenseGPTHooks):
 
     def layer_spec(self, vp_stage: int | None, pp_rank: int | None):
         """The MSA decoder spec of one model chunk."""
-        from layer_specs import get_msa_decoder_block_spec
+        from nemo_msa.megatron.layer_specs import get_msa_decoder_block_spec
 
         return get_msa_decoder_block_spec(self.config, vp_stage=vp_stage, pp_rank=pp_rank)
 

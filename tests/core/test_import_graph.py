@@ -54,6 +54,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "nemo_msa",
     )),
     ("megatron", ("nemo_msa.megatron",)),
+    # The layer specs assemble the MSA modules with Megatron's backend spec providers.
+    ("specs", ("nemo_msa.megatron.layer_specs",)),
     ("training", ("nemo_msa.training",)),
 )
 
@@ -65,7 +67,7 @@ DEFERRED_ALLOWED = {
     "triton": "optional kernels' dependency",
     "matplotlib": "optional: the loss-curve PNG only",
     "tqdm": "optional: the progress bar only",
-    "layer_specs": "the top-level spec package, above nemo_msa.megatron (MSA runs only)",
+    "transformer_engine": "optional: the layer specs' TE implementation only",
 }
 #: Package modules a layer may import inside a function: training falls back to a dense GPT
 #: where the MSA extension (nemo_msa.megatron, hence Megatron-Core) does not import

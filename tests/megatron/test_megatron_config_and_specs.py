@@ -120,7 +120,7 @@ def test_specs_follow_the_pattern_and_share_objects():
 def test_sequence_parallel_with_local_norms_is_refused_with_the_reason():
     config = tiny_config()
     config.sequence_parallel = True  # set after validation, as a launcher might
-    with pytest.raises(ValueError, match="sequence_parallel=True with backend='local'"):
+    with pytest.raises(ValueError, match="sequence_parallel=True with transformer_impl='local'"):
         get_msa_layer_spec(config)
 
 
@@ -128,7 +128,7 @@ def test_transformer_engine_spec_where_te_imports():
     reason = te_unavailable_reason()
     if reason is not None:
         with pytest.raises(ImportError, match="needs Transformer Engine"):
-            get_msa_self_attention_spec(tiny_config(), backend="transformer_engine")
+            get_msa_self_attention_spec(tiny_config(), transformer_impl="transformer_engine")
         pytest.skip(f"TE spec not buildable here: {reason}")
     if not torch.cuda.is_available():
         pytest.skip("Transformer Engine imports but there is no CUDA device to run its layers")
@@ -149,7 +149,7 @@ def test_transformer_engine_spec_where_te_imports():
 def _build_attention(config, sparse=True):
     from megatron.core.transformer.spec_utils import build_module
 
-    spec = get_msa_self_attention_spec(config, sparse=sparse, backend="local")
+    spec = get_msa_self_attention_spec(config, sparse=sparse, transformer_impl="local")
     return build_module(spec, config=config, layer_number=1)
 
 

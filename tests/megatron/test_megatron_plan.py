@@ -100,7 +100,7 @@ def _build_attention(config):
 
     from layer_specs import get_msa_self_attention_spec
 
-    spec = get_msa_self_attention_spec(config, sparse=True, backend="local")
+    spec = get_msa_self_attention_spec(config, sparse=True, transformer_impl="local")
     return build_module(spec, config=config, layer_number=1)
 
 
