@@ -104,22 +104,23 @@ def kernel_layout(msa, block_size: int) -> KernelLayout:
 
     Args:
         msa: an ``MSAMicrobatch`` (its :meth:`~nemo_msa.layout.MSAMicrobatch.kernel_layout`
-            builds the view once and keeps it), a :class:`KernelLayout` of that block size, or
-            any object with the fields :func:`build_kernel_layout` reads (built each call).
+            builds the view once and keeps it) or a :class:`KernelLayout` of that block size.
         block_size: key block size in tokens.
 
     Raises:
-        ValueError: for a :class:`KernelLayout` of another block size, or a layout without
-            host ints ``num_tokens`` / ``num_documents``.
+        ValueError: for a :class:`KernelLayout` of another block size.
+        TypeError: for anything else.
     """
     if isinstance(msa, KernelLayout):
         if msa.block_size != block_size:
             raise ValueError(f"a KernelLayout of block_size={msa.block_size} was given for "
                              f"block_size={block_size}")
         return msa
-    if callable(getattr(type(msa), "kernel_layout", None)):
-        return msa.kernel_layout(block_size)
-    return build_kernel_layout(msa, block_size)
+    # Duck-typed: the layout module imports this one, so it cannot name MSAMicrobatch here.
+    if not callable(getattr(type(msa), "kernel_layout", None)):
+        raise TypeError(f"msa must be an MSAMicrobatch or a KernelLayout; got "
+                        f"{type(msa).__name__}")
+    return msa.kernel_layout(block_size)
 
 
 def build_kernel_layout(msa, block_size: int) -> KernelLayout:
