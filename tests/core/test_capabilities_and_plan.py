@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
+from test_support_and_backends import production_config
 
-from nemo_msa import MSAMicrobatch, backends, ops, select_blocks, sparse_attention
+from nemo_msa import MSAMicrobatch, ops, select_blocks, sparse_attention
 from nemo_msa.capabilities import FLASHINFER_PREFILL, REFERENCE, TRITON
 from nemo_msa.plan import MSAPlan
 from nemo_msa.triton.kernel_layout import kernel_layout
 
 
 def config(**changes):
-    fields = dict(
-        num_attention_heads=64, num_query_groups=4, kv_channels=128, hidden_size=6144,
-        msa_num_index_heads=4, msa_index_head_dim=128, msa_block_size=128, msa_topk=16,
-        msa_init_blocks=0, msa_local_blocks=1, msa_score_type="max", fp8=None, fp4=None,
-        apply_rope_fusion=False, fused_single_qkv_rope=False, context_parallel_size=1,
-        msa_backend=None, msa_indexer_loss_type="sparse",
-    )
-    fields.update(changes)
-    return SimpleNamespace(**fields)
+    return production_config(**{"msa_backend": None, "msa_indexer_loss_type": "sparse",
+                                **changes})
 
 
 @pytest.mark.parametrize(("record", "shape", "field"), [
@@ -52,18 +45,6 @@ def test_the_records_accept_what_their_backend_runs():
         assert record.why_not(**shape) is None, record.name
     for dtype in (torch.float32, torch.float64):
         assert REFERENCE.why_not(dtype=dtype, head_dim=8) is None
-
-
-@pytest.fixture
-def kernel_backends_on_the_cpu(monkeypatch):
-    """GPU-less doubles of the Triton and flashinfer backends' device checks: construction is
-    what is tested (the kernels never launch)."""
-    monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
-    for name in ("triton", "flashinfer"):
-        backend = backends.get_backend(name)
-        backends.register_backend(
-            dataclasses.replace(backend, unavailable_reason=lambda device: None))
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton", "flashinfer"])

@@ -4,8 +4,6 @@ record, naming the config field."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from _megatron_harness import (
@@ -74,25 +72,6 @@ def test_a_training_step_resolves_the_backend_zero_times(registry_calls):
     assert "indexer_loss" in MSAIndexerMetrics.pop(num_layers=4)  # the loss path ran
     assert registry_calls == {"load": 0, "resolve": 0}, (
         f"a training step looked the backend up: {registry_calls}")
-
-
-@pytest.fixture
-def kernel_backends_on_the_cpu(monkeypatch, fake_flashinfer_module):
-    """GPU-less doubles of the Triton and flashinfer backends' device checks (the kernels never
-    launch here: construction is what is tested)."""
-    monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
-    for name in ("triton", "flashinfer"):
-        backend = backends.get_backend(name)
-        backends.register_backend(
-            dataclasses.replace(backend, unavailable_reason=lambda device: None))
-
-
-@pytest.fixture
-def fake_flashinfer_module():
-    """The flashinfer backend module imports without flashinfer (its adapter imports it on
-    first use only), so its record is testable here."""
-    import nemo_msa.backends_flashinfer  # noqa: F401
 
 
 def _build_attention(config):
