@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_msa.capabilities import MSACapabilities
+
 __all__ = ["MSABackend"]
 
 
@@ -30,23 +32,24 @@ class MSABackend:
             (after the residuals, if any).
         attention_backward: ``(dout, q, k, v, out, lse, q2k, msa, softmax_scale) ->
             (dq, dk, dv)``.
+        capabilities: what it runs (:class:`~nemo_msa.capabilities.MSACapabilities`): the plan
+            (nemo_msa.plan) and ``auto`` ask its ``why_not`` before anything runs.
         unavailable_reason: ``(device) -> str | None``; None when it runs on the device.
         description: one line for the README table and error messages.
         forward_residuals: when True, ``attention_forward`` returns ``(out, lse, residuals)``
             and ``attention_backward`` takes them as the keyword ``residuals``: state of the
             forward the backward reuses (the Triton backend's union lists).
-        unsupported_reason: ``(**shape) -> str | None``: why the backend cannot run a shape,
-            from the keywords it is given (``score_type``, ``head_dim``, ``index_head_dim``,
-            ``block_size``, ``top_k``, ``dtype``; absent ones are not checked), naming the
-            config field (``msa_score_type=...``); None when it can. The construction gate and
-            ``auto`` ask it before anything runs.
     """
 
     name: str
     select_blocks: Callable
     attention_forward: Callable
     attention_backward: Callable
+    capabilities: MSACapabilities
     unavailable_reason: Callable[[torch.device], str | None]
     description: str
     forward_residuals: bool = False
-    unsupported_reason: Callable[..., str | None] = lambda **shape: None
+
+    def why_not(self, **shape) -> str | None:
+        """:meth:`MSACapabilities.why_not` of this backend (None when it runs ``shape``)."""
+        return self.capabilities.why_not(**shape)

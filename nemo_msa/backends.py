@@ -11,7 +11,9 @@ picks one for a device:
 3. ``"auto"`` takes the first available backend in preference order (flashinfer on SM100/SM103
    where it imports, triton on SM90+, then the reference, which runs anywhere).
 
-A named backend that cannot run on the device is an error, never a silent fallback.
+A named backend that cannot run on the device is an error, never a silent fallback. A layer
+resolves its backend once, when it is built (:class:`nemo_msa.plan.MSAPlan`), and passes the
+resolved :class:`MSABackend` to the ops; the ops resolve a name per call for direct users only.
 """
 
 from __future__ import annotations
@@ -93,8 +95,9 @@ def resolve_backend(
     Args:
         requested: a backend name, ``"auto"`` or None (same as auto).
         device: where the tensors live.
-        **shape: what the call runs (see :attr:`MSABackend.unsupported_reason`); ``auto``
-            skips backends that cannot run it, a named backend that cannot is an error.
+        **shape: what the call runs (the keywords of
+            :meth:`~nemo_msa.capabilities.MSACapabilities.why_not`); ``auto`` skips backends
+            that cannot run it, a named backend that cannot is an error.
 
     Returns:
         The backend to run.
@@ -108,17 +111,22 @@ def resolve_backend(
     name = override or requested or AUTO
     origin = f"{ENV_VAR}={override}" if override else f"backend={name!r}"
     if name == AUTO:
+        refusals = []
         for candidate in _PREFERENCE:
             backend = _load(candidate)
-            if (backend is not None and backend.unavailable_reason(device) is None
-                    and backend.unsupported_reason(**shape) is None):
+            if backend is None:
+                continue
+            reason = backend.unavailable_reason(device) or backend.why_not(**shape)
+            if reason is None:
                 return backend
-        raise ValueError(f"no MSA backend runs on device {device}")  # reference always runs
+            refusals.append(f"{candidate}: {reason}")
+        raise ValueError(f"{origin}: no MSA backend runs this on {device} ("
+                         + "; ".join(refusals) + ")")
     backend = get_backend(name)
     reason = backend.unavailable_reason(device)
     if reason is not None:
         raise ValueError(f"{origin}: the {name} backend cannot run on {device}: {reason}")
-    reason = backend.unsupported_reason(**shape)
+    reason = backend.why_not(**shape)
     if reason is not None:
         raise ValueError(f"{origin}: the {name} backend cannot run {reason}")
     return backend

@@ -78,7 +78,7 @@ BACKEND = MSABackend(
     attention_backward=triton_backend.BACKEND.attention_backward,
     unavailable_reason=_unavailable_reason,
     # Selection and backward (and the forward's fallback) are the Triton kernels.
-    unsupported_reason=triton_backend.BACKEND.unsupported_reason,
+    capabilities=triton_backend.BACKEND.capabilities,
     forward_residuals=True,
     description="SM100/SM103: flashinfer's MSA prefill forward, Triton selection and "
     "deterministic Triton backward",

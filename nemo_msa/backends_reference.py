@@ -10,6 +10,7 @@ from nemo_msa.attention.naive import (
     sparse_attention_forward_reference,
 )
 from nemo_msa.backend_spec import MSABackend
+from nemo_msa.capabilities import REFERENCE
 from nemo_msa.selection.naive import select_blocks_reference
 
 __all__ = ["BACKEND"]
@@ -19,6 +20,7 @@ BACKEND = MSABackend(
     select_blocks=select_blocks_reference,
     attention_forward=sparse_attention_forward_reference,
     attention_backward=sparse_attention_backward_reference,
+    capabilities=REFERENCE,
     unavailable_reason=lambda device: None,
-    description="pure PyTorch, chunked over queries; any device; the oracle",
+    description="pure PyTorch, chunked over queries; any device and floating dtype; the oracle",
 )

@@ -13,6 +13,7 @@ import torch
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
 from nemo_msa.backend_spec import MSABackend
+from nemo_msa.capabilities import TRITON
 from nemo_msa.selection.triton_select import triton_select_blocks
 
 
@@ -26,28 +27,6 @@ def _unavailable_reason(device: torch.device) -> str | None:
     major, minor = torch.cuda.get_device_capability(device)
     if major < 8:
         return f"needs compute capability >= 8.0 (tuned for 9.0), got {major}.{minor}"
-    return None
-
-
-#: What the kernels take (nemo_msa/selection/triton_select.py, nemo_msa/attention/triton_*.py).
-KERNEL_DIMS = (16, 32, 64, 128)
-
-
-def unsupported_reason(*, score_type=None, head_dim=None, index_head_dim=None, block_size=None,
-                       top_k=None, dtype=None) -> str | None:
-    """Why the Triton kernels cannot run a shape (naming the config field), or None."""
-    if score_type is not None and score_type != "max":
-        return (f"msa_score_type={score_type!r}: the Triton selection implements 'max' only "
-                f"(use the reference backend for 'lse')")
-    for field, value in (("kv_channels", head_dim), ("msa_index_head_dim", index_head_dim),
-                         ("msa_block_size", block_size)):
-        if value is not None and value not in KERNEL_DIMS:
-            return f"{field}={value}: the Triton kernels take one of {KERNEL_DIMS}"
-    if top_k is not None and not 1 <= top_k <= 32:
-        return f"msa_topk={top_k}: the Triton kernels take 1..32"
-    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
-        return (f"params dtype {dtype}: the Triton kernels read bf16/fp16 (set model.bf16=true "
-                f"or use the reference backend)")
     return None
 
 
@@ -75,7 +54,7 @@ BACKEND = MSABackend(
     attention_forward=_forward,
     attention_backward=_backward,
     unavailable_reason=_unavailable_reason,
-    unsupported_reason=unsupported_reason,
+    capabilities=TRITON,
     forward_residuals=True,
     description="Triton kernels for SM90: fused select+top-k, hybrid union/per-token "
     "forward, deterministic backward (union/per-token dq, KV-outer dk/dv)",

@@ -35,8 +35,8 @@ from nemo_msa.document_map import (
     select_document_map_source,
     summarize_document_map,
 )
-from nemo_msa.kernel_layout import build_kernel_layout
 from nemo_msa.limits import SUPPORTED_BLOCK_SIZES, require_integer
+from nemo_msa.triton.kernel_layout import build_kernel_layout
 
 
 def _check_forced_blocks(block_size: int, init_blocks: int, local_blocks: int) -> None:
@@ -325,7 +325,7 @@ class MSAMicrobatch:
     def kernel_layout(self, block_size: int | None = None):
         """The Triton kernels' typed view of this layout for ``block_size`` (default: the
         layout's), built once and shared by every layer
-        (:class:`nemo_msa.kernel_layout.KernelLayout`)."""
+        (:class:`nemo_msa.triton.kernel_layout.KernelLayout`)."""
         bs = self.block_size if block_size is None else int(block_size)
         return self.cached(f"triton_kernel_layout_{bs}", lambda: build_kernel_layout(self, bs))
 

@@ -5,9 +5,11 @@
 - :func:`document_attention`: a layer's core attention on compact tokens, sparse over the
   selected blocks or dense within documents (what ``MSACoreAttention`` runs).
 
-Each op checks its arguments, rejects CUDA-graph capture, resolves a backend from the registry
-(nemo_msa.backends) and calls it. The layer below (ADR 0017) is the layout, the kernels and the
-references; nothing here is imported by them.
+Each op checks its arguments, rejects CUDA-graph capture and calls a backend: the resolved
+:class:`~nemo_msa.backends.MSABackend` a layer's plan passes (nemo_msa.plan: resolved and checked
+against its capability record once, at construction), or for a name (direct use) the one the
+registry (nemo_msa.backends) resolves for this call and shape. The layer below (ADR 0017) is
+the layout, the kernels and the references; nothing here is imported by them.
 """
 
 from __future__ import annotations
@@ -16,11 +18,10 @@ import math
 
 import torch
 
-from nemo_msa.attention import naive
 from nemo_msa.attention.dense import dense_document_attention, validate_qkv
 from nemo_msa.backends import MSABackend, resolve_backend
 from nemo_msa.layout import MSAMicrobatch
-from nemo_msa.limits import MAX_TOP_K, SUPPORTED_SCORE_TYPES, require_integer
+from nemo_msa.limits import SUPPORTED_SCORE_TYPES, require_integer
 from nemo_msa.q2k import canonical_q2k, mark_canonical, marked_block_size
 from nemo_msa.support import reject_cuda_graph_capture
 
@@ -71,8 +72,8 @@ def validate_selection_inputs(
             f"({msa.device}) must share one device"
         )
     require_integer("top_k", top_k)
-    if not 1 <= top_k <= MAX_TOP_K:
-        raise ValueError(f"top_k={top_k}; expected 1 <= top_k <= {MAX_TOP_K}")
+    if top_k < 1:
+        raise ValueError(f"top_k={top_k}; expected top_k >= 1")
     if score not in SUPPORTED_SCORE_TYPES:
         raise ValueError(f"score={score!r}; expected one of {SUPPORTED_SCORE_TYPES}")
     init_blocks, local_blocks = msa.forced_blocks
@@ -83,6 +84,14 @@ def validate_selection_inputs(
         )
 
 
+def _backend_for(backend: str | MSABackend | None, device: torch.device, **shape) -> MSABackend:
+    """A resolved backend as it is (its plan checked it at construction), else the registry's
+    choice for this call (a name, ``"auto"`` or None), asked for ``shape``."""
+    if isinstance(backend, MSABackend):
+        return backend
+    return resolve_backend(backend, device, **shape)
+
+
 @torch.no_grad()
 def select_blocks(
     index_q: torch.Tensor,
@@ -91,7 +100,7 @@ def select_blocks(
     *,
     top_k: int = 16,
     score: str = "max",
-    backend: str | None = None,
+    backend: str | MSABackend | None = None,
     return_scores: bool = False,
 ):
     """Chooses top_k key blocks per index head and query token, inside the query's document.
@@ -104,9 +113,10 @@ def select_blocks(
         index_q: [T, H, d] float (bf16 in production) index queries; head h serves KV head h.
         index_k: [T, d] the one shared index key head, index_q's dtype.
         msa: the batch layout.
-        top_k: blocks per query, 1..32.
+        top_k: blocks per query, within the backend's range (1..32).
         score: ``"max"`` or ``"lse"``.
-        backend: backend name or "auto"/None.
+        backend: a resolved backend (a layer's ``plan.backend``), or a name or "auto"/None
+            resolved for this call.
         return_scores: also return the indexer loss's by-products of the same pass, per slot:
             the block's real score (fp32 [H, T, top_k], the unscaled max of q.k over its visible
             keys, forced blocks included, -inf at -1 slots) and the compact row of the key that
@@ -127,7 +137,7 @@ def select_blocks(
             f"got score={score!r}"
         )
     reject_cuda_graph_capture("select_blocks")
-    chosen = resolve_backend(
+    chosen = _backend_for(
         backend, index_q.device, score_type=score, index_head_dim=index_q.shape[-1],
         block_size=msa.block_size, top_k=top_k, dtype=index_q.dtype,
     )
@@ -153,19 +163,14 @@ def validate_attention_inputs(
     v: torch.Tensor,
     q2k: torch.Tensor,
     msa: MSAMicrobatch,
-    *,
-    require_bf16: bool = True,
 ) -> None:
-    """Checks dtypes and shapes before any kernel runs.
+    """Checks shapes before any kernel runs (the dtypes a backend reads are its capability
+    record's, checked where the backend is resolved).
 
     Raises:
-        ValueError: a dtype other than bf16 (when required), or shapes that disagree; the
-            message names the tensors and their shapes.
+        ValueError: shapes or dtypes that disagree; the message names the tensors and their
+            shapes.
     """
-    if require_bf16:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if x.dtype != torch.bfloat16:
-                raise ValueError(f"{name} must be torch.bfloat16; got {x.dtype}")
     validate_qkv(q, k, v, msa)
     if q2k.dtype != torch.int32 or q2k.dim() != 3:
         raise ValueError(
@@ -230,7 +235,7 @@ class _SparseAttention(torch.autograd.Function):
         out, lse = result[:2]
         if backend.forward_residuals:
             ctx.residuals = result[2]
-        mass = result[-1] if block_mass else lse.new_empty(0)
+        mass = result[-1].float() if block_mass else lse.new_empty(0)
         ctx.save_for_backward(q, k, v, q2k, out, lse)
         ctx.msa = msa
         ctx.softmax_scale = softmax_scale
@@ -256,7 +261,7 @@ def sparse_attention(
     msa: MSAMicrobatch,
     *,
     softmax_scale: float | None = None,
-    backend: str | None = None,
+    backend: str | MSABackend | None = None,
     return_lse: bool = False,
     return_block_mass: bool = False,
     validate: bool = False,
@@ -264,14 +269,16 @@ def sparse_attention(
     """Block-sparse causal attention within documents (differentiable in q, k, v).
 
     Args:
-        q: bf16 [T, Hq, d] compact queries.
-        k: bf16 [T, Hkv, d] compact keys; Hq is a multiple of Hkv.
-        v: bf16 [T, Hkv, d] compact values.
+        q: [T, Hq, d] compact queries, a dtype of the backend's record (bf16 for the kernels;
+            the reference also fp16, fp32, fp64).
+        k: [T, Hkv, d] compact keys, q's dtype; Hq is a multiple of Hkv.
+        v: [T, Hkv, d] compact values, q's dtype.
         q2k: int32 [Hkv, T, top_k] document-local block ids per KV head and query, -1 unused
             (from :func:`select_blocks`).
         msa: the batch layout.
         softmax_scale: defaults to 1 / sqrt(d).
-        backend: backend name or "auto"/None (see nemo_msa.backends).
+        backend: a resolved backend (a layer's ``plan.backend``), or a name or "auto"/None
+            resolved for this call (see nemo_msa.backends).
         return_lse: also return the fp32 [Hq, T] log-sum-exp.
         return_block_mass: also return the attention mass per selected slot, fp32
             [Hkv, T, top_k] (no gradient): the softmax probability of the slot's keys summed,
@@ -282,11 +289,13 @@ def sparse_attention(
             per (KV head, token) the distinct ids in 0..own block (MSA_SPEC.md).
 
     Returns:
-        bf16 [T, Hq, d] output, then the LSE and the block mass when asked (in that order).
+        [T, Hq, d] output in q's dtype, then the LSE and the block mass when asked (in that
+        order).
 
     Raises:
-        ValueError: non-bf16 inputs or disagreeing shapes; with ``validate``, a non-canonical
-            q2k (naming the first bad head, token and slot).
+        ValueError: a dtype or shape the named backend cannot run (naming the field), or
+            disagreeing shapes; with ``validate``, a non-canonical q2k (naming the first bad
+            head, token and slot).
         RuntimeError: called during CUDA-graph capture.
     """
     validate_attention_inputs(q, k, v, q2k, msa)
@@ -303,7 +312,7 @@ def sparse_attention(
         q2k = canonical_q2k(q2k, msa)
     reject_cuda_graph_capture("sparse_attention")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    chosen = resolve_backend(
+    chosen = _backend_for(
         backend, q.device, head_dim=q.shape[-1], block_size=msa.block_size,
         top_k=q2k.shape[-1], dtype=q.dtype,
     )
@@ -323,15 +332,13 @@ def document_attention(
     *,
     softmax_scale: float,
     q2k: torch.Tensor | None = None,
-    backend: str | None = None,
+    backend: str | MSABackend | None = None,
     return_block_mass: bool = False,
 ):
     """Causal attention within documents on compact tokens: a layer's core attention.
 
-    - ``q2k`` given: attends the selected key blocks, through :func:`sparse_attention` for bf16
-      (the kernels' dtype); for other dtypes (fp32 CPU tests, fp64 checks) through the reference
-      masked dense path restricted to the same blocks, which computes the same function with
-      O(T^2) memory (tests only);
+    - ``q2k`` given: attends the selected key blocks, :func:`sparse_attention` on the backend
+      (whose capability record holds the dtypes it reads: the reference runs fp32/fp64 too);
     - ``q2k`` None (dense layers, the dense warm-up): dense within documents,
       :func:`nemo_msa.attention.dense.dense_document_attention` (ADR 0012).
 
@@ -342,7 +349,8 @@ def document_attention(
         msa: the batch layout.
         softmax_scale: the softmax scale.
         q2k: int32 [Hkv, T, top_k] selected document-local blocks, or None for dense attention.
-        backend: backend name or "auto"/None (the sparse path's).
+        backend: the sparse path's backend: resolved (a layer's ``plan.backend``), or a name
+            or "auto"/None resolved for this call.
         return_block_mass: with ``q2k``, also return the attention mass per selected slot, fp32
             [Hkv, T, top_k] (no gradient; the sparse indexer loss's target).
 
@@ -356,20 +364,7 @@ def document_attention(
         if return_block_mass:
             raise ValueError("return_block_mass=True needs q2k (the selected blocks)")
         return dense_document_attention(query, key, value, msa, softmax_scale)
-    if query.dtype == torch.bfloat16:
-        return sparse_attention(
-            query, key, value, q2k, msa, softmax_scale=softmax_scale, backend=backend,
-            return_block_mass=return_block_mass,
-        )
-    # The kernels read bf16 only; other dtypes take the reference masked path, which is the
-    # same function (keys restricted to the selected blocks), O(T^2) memory: tests only.
-    out = naive.dense_document_attention(query, key, value, msa, softmax_scale=softmax_scale,
-                                         q2k=q2k)
-    if not return_block_mass:
-        return out
-    with torch.no_grad():
-        mass = naive.sparse_attention_forward_reference(
-            query.detach(), key.detach(), value.detach(), q2k, msa, softmax_scale,
-            return_block_mass=True,
-        )[2]
-    return out, mass.float()
+    return sparse_attention(
+        query, key, value, q2k, msa, softmax_scale=softmax_scale, backend=backend,
+        return_block_mass=return_block_mass,
+    )

@@ -1,7 +1,8 @@
 """The construction-time support gate and the runtime rejections of the MSA contract.
 
-``require_msa_support`` runs when an MSA attention layer is built, never at the first step: a
-configuration MSA cannot run fails before any batch is read. The runtime checks reject what the
+``require_msa_support`` runs when an MSA attention layer is built (inside
+:meth:`nemo_msa.plan.MSAPlan.build`), never at the first step: a configuration MSA cannot run
+fails before any batch is read. The runtime checks reject what the
 layer receives but does not implement (KV caches, THD input, sliding windows, cross-attention,
 non-causal masks, CUDA-graph capture).
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nemo_msa.backends import AUTO, get_backend, resolve_backend
+from nemo_msa.backends import AUTO, get_backend
 from nemo_msa.limits import (
     MAX_TOP_K,
     SUPPORTED_BLOCK_SIZES,
@@ -111,20 +112,15 @@ class MSATopology:
 def require_msa_support(
     config: Any,
     backend: str | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
     cp_size: int | None = None,
 ) -> MSATopology:
-    """The construction gate: call it when an MSA attention layer is built.
+    """The device-free part of the construction gate (:meth:`nemo_msa.plan.MSAPlan.build` runs
+    it, then resolves the backend for the device and asks its capability record).
 
     Args:
         config: a Megatron TransformerConfig (or any object with its field names and the
             ``msa_*`` fields).
         backend: the requested backend name (``msa_backend``), checked against the registry.
-        device: where the layer will run; with it, the backend that will run there is resolved
-            (``NEMO_MSA_BACKEND``, the name, or ``auto``) and asked whether it can run this
-            topology and ``dtype``.
-        dtype: the layer's parameter dtype (bf16 in production).
         cp_size: the size of the context-parallel group the layer is built in (Megatron's
             process groups); refused like ``config.context_parallel_size`` when > 1.
 
@@ -134,7 +130,8 @@ def require_msa_support(
     Raises:
         NotImplementedError: FP8/FP4, fused RoPE (apply_rope_fusion, fused_single_qkv_rope), or
             context parallelism > 1.
-        ValueError: a topology, score type or backend MSA cannot run; names field and value.
+        ValueError: a topology, score type or backend name MSA cannot run; names field and
+            value.
     """
     if getattr(config, "fp8", None):
         raise NotImplementedError(
@@ -152,6 +149,7 @@ def require_msa_support(
                 f"MSA attention does not support {flag}=True: fused RoPE applies row-0 "
                 "positions, which is wrong for packed documents; set it to False"
             )
+    # The one check of context parallelism (the config's size or the layer's process group).
     cp = max(getattr(config, "context_parallel_size", 1) or 1, cp_size or 1)
     if cp > 1:
         raise NotImplementedError(
@@ -162,12 +160,6 @@ def require_msa_support(
     topology.validate()
     if backend is not None and backend != AUTO:
         get_backend(backend)  # ValueError for an unknown name
-    if device is not None:
-        resolve_backend(
-            backend, device, score_type=topology.score_type, head_dim=topology.head_dim,
-            index_head_dim=topology.index_head_dim, block_size=topology.block_size,
-            top_k=topology.top_k, dtype=dtype,
-        )
     return topology
 
 

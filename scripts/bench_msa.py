@@ -160,8 +160,8 @@ def run_case(case, args, gen) -> dict:
 
     from nemo_msa.attention.triton_bwd import triton_attention_backward
     from nemo_msa.attention.triton_fwd import triton_attention_forward
-    from nemo_msa.attention.triton_launch import current_launch
     from nemo_msa.selection.triton_select import triton_select_blocks
+    from nemo_msa.triton.launch import current_launch
 
     msa = case["msa"]
     t = msa.num_tokens
@@ -237,7 +237,7 @@ def parse_overrides(items: list[str]) -> dict:
     """``--set KERNEL.KEY=VALUE`` items -> ``{"KERNEL.KEY": value}`` (values parsed as JSON; a
     value that is not JSON, such as ``dq``, is taken as a string), validated against the
     launch dataclasses; exits naming the bad item."""
-    from nemo_msa.attention.triton_launch import apply_settings, current_launch, parse_setting
+    from nemo_msa.triton.launch import apply_settings, current_launch, parse_setting
 
     settings = {}
     for item in items:
@@ -254,7 +254,7 @@ def parse_overrides(items: list[str]) -> dict:
 
 def apply_overrides(items: list[str]) -> contextlib.AbstractContextManager:
     """The ``launch_overrides`` block of ``--set`` items (see :func:`parse_overrides`)."""
-    from nemo_msa.attention.triton_launch import launch_overrides
+    from nemo_msa.triton.launch import launch_overrides
 
     return launch_overrides(parse_overrides(items))
 
@@ -304,7 +304,7 @@ def main(argv=None):
         sys.exit("bench_msa.py needs a CUDA GPU (the CPU kernel tests live in tests/msa_kernels)")
     from msa_bench.sweep import sweep
 
-    from nemo_msa.attention.triton_launch import launch_overrides
+    from nemo_msa.triton.launch import launch_overrides
 
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     host_gen = torch.Generator().manual_seed(args.seed)

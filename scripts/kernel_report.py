@@ -66,9 +66,9 @@ def _selection(cfg, emit):
 def _union_kernel(cfg, prefix, fn, pointers, floats, emit):
     """The shared build of the two union kernels' reports (forward: ``union_*`` fields, dq:
     ``dq_union_*``): the launch's constexprs, typed arguments and options. Only the forward
-    has the flat loop, the own block by TMA and the register cap."""
-    from nemo_msa.attention.triton_tiles import next_pow2, register_cap
+    has the own block by TMA and the register cap."""
     from nemo_msa.attention.triton_union import union_tile_tokens
+    from nemo_msa.triton.tiles import next_pow2, register_cap
 
     def field(name):
         return getattr(cfg, prefix + name)
@@ -78,11 +78,11 @@ def _union_kernel(cfg, prefix, fn, pointers, floats, emit):
     constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
                       TMA=field("tma"), UW=next_pow2(qt * TOPK))
     options = {"num_warps": field("warps"), "num_stages": field("stages")}
-    if "FLAT" in fn.arg_names:  # the forward
+    if "OWN_TMA" in fn.arg_names:  # the forward
         import nemo_msa.attention.triton_fwd as tf
 
         own_tma = field("tma") and field("own_tma")
-        constexprs.update(FLAT=field("flat"), OWN_TMA=own_tma, EMIT=emit)
+        constexprs.update(OWN_TMA=own_tma, EMIT=emit)
         options.update(register_cap(tf.union_register_cap(field("maxnreg"), own_tma),
                                     interpret=False))
     sig = _signature(fn, constexprs, pointers, floats, {"k_desc": (bn, D), "v_desc": (bn, D)})
@@ -108,7 +108,7 @@ def _dq_union(cfg, emit):
 
 def _union_build(cfg, emit):
     import nemo_msa.attention.triton_union as tu
-    from nemo_msa.attention.triton_tiles import next_pow2
+    from nemo_msa.triton.tiles import next_pow2
 
     qt = tu.union_tile_tokens(cfg.union_qt, BS, G)
     constexprs = dict(TOPK=TOPK, QT=qt, BS=BS, WIDTH=qt * TOPK, W=next_pow2(qt * TOPK),

@@ -5,10 +5,12 @@
   loads it lazily), so the variable is set here, before any test module is collected.
 - Tests marked ``gpu`` or ``te`` skip, with the reason, where CUDA or transformer-engine is
   missing.
+- ``kernel_backends_on_the_cpu``: GPU-less doubles of the kernel backends' device checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -28,3 +30,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
         if "te" in item.keywords and not has_te:
             item.add_marker(no_te)
+
+
+@pytest.fixture
+def kernel_backends_on_the_cpu(monkeypatch):
+    """GPU-less doubles of the Triton and flashinfer backends' device checks, in a private copy
+    of the registry: what a layer's plan decides at construction is tested on the CPU (the
+    kernels never launch; flashinfer itself is imported only on first use)."""
+    from nemo_msa import backends
+
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
+    for name in ("triton", "flashinfer"):
+        backend = backends.get_backend(name)
+        backends.register_backend(
+            dataclasses.replace(backend, unavailable_reason=lambda device: None))

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from nemo_msa.capabilities import FLASHINFER_PREFILL
 from nemo_msa.layout import MSAMicrobatch
 from nemo_msa.q2k import canonical_q2k, is_marked_canonical
 
@@ -50,14 +51,16 @@ __all__ = [
     "unsupported_shape_reason",
 ]
 
+# What the SM100/SM103 kernels take is the record nemo_msa.capabilities.FLASHINFER_PREFILL; the
+# names below are its fields, for the layout conversion.
 #: Tokens per KV block in flashinfer's MSA kernels (fixed).
-FLASHINFER_BLOCK_SIZE = 128
+FLASHINFER_BLOCK_SIZE = FLASHINFER_PREFILL.block_sizes[0]
 #: The only head dim of the SM100/SM103 kernels.
-FLASHINFER_HEAD_DIM = 128
+FLASHINFER_HEAD_DIM = FLASHINFER_PREFILL.head_dims[0]
 #: Selected blocks per row the SM100/SM103 kernels take (exactly this many columns).
-FLASHINFER_TOP_K = 16
+FLASHINFER_TOP_K = FLASHINFER_PREFILL.top_k[1]
 #: Largest GQA group (query heads per KV head) of the SM100/SM103 kernels.
-FLASHINFER_MAX_GROUP = 16
+FLASHINFER_MAX_GROUP = FLASHINFER_PREFILL.max_group
 
 
 def load_msa_sparse_attention() -> Callable:
@@ -91,21 +94,9 @@ def unsupported_shape_reason(
     Returns:
         None, or one sentence naming the first unsupported value and what the kernel needs.
     """
-    if msa.block_size != FLASHINFER_BLOCK_SIZE:
-        return (f"block_size={msa.block_size}: flashinfer's MSA kernel uses blocks of "
-                f"{FLASHINFER_BLOCK_SIZE} tokens")
-    if q.shape[-1] != FLASHINFER_HEAD_DIM:
-        return f"head dim {q.shape[-1]}: flashinfer's MSA kernel needs {FLASHINFER_HEAD_DIM}"
-    if q2k.shape[-1] > FLASHINFER_TOP_K:
-        return (f"top_k={q2k.shape[-1]}: flashinfer's MSA kernel takes at most "
-                f"{FLASHINFER_TOP_K} blocks per query")
-    group = q.shape[1] // k.shape[1]
-    if group > FLASHINFER_MAX_GROUP:
-        return (f"GQA group {q.shape[1]}/{k.shape[1]} = {group}: flashinfer's MSA kernel takes "
-                f"at most {FLASHINFER_MAX_GROUP} query heads per KV head")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {q.dtype}: flashinfer's MSA kernel reads bf16/fp16 q/k/v"
-    return None
+    return FLASHINFER_PREFILL.why_not(dtype=q.dtype, head_dim=q.shape[-1],
+                                      block_size=msa.block_size, top_k=q2k.shape[-1],
+                                      group=q.shape[1] // k.shape[1])
 
 
 def to_flashinfer_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> torch.Tensor:

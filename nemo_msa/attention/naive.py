@@ -211,7 +211,7 @@ def sparse_attention_backward_reference(
     )
 
 
-def dense_document_attention(
+def masked_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -219,7 +219,7 @@ def dense_document_attention(
     softmax_scale: float | None = None,
     q2k: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dense causal attention within documents, through plain autograd ops.
+    """Causal attention within documents over an explicit [T, T] mask, through plain autograd ops.
 
     The oracle of the sparse op (pass ``q2k`` to restrict keys to the selected blocks) and the
     dense path for small models (dense layers of a mixed pattern, the dense warm-up). Memory is

@@ -24,8 +24,18 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_launch import BackwardLaunch, current_launch
-from nemo_msa.attention.triton_tiles import (
+from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
+from nemo_msa.triton.kernel_layout import (
+    INTERPRET,
+    KernelLayout,
+    block_query_csr,
+    check_attention_inputs,
+    check_block_size,
+    check_kernel_devices,
+    kernel_layout,
+)
+from nemo_msa.triton.launch import BackwardLaunch, current_launch
+from nemo_msa.triton.tiles import (
     LOG2E,
     LOG2E_C,
     csr_entry_rows,
@@ -46,16 +56,6 @@ from nemo_msa.attention.triton_tiles import (
     union_full_blocks,
     union_tile_rows,
     union_tile_skipped,
-)
-from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
-from nemo_msa.kernel_layout import (
-    INTERPRET,
-    KernelLayout,
-    block_query_csr,
-    check_attention_inputs,
-    check_block_size,
-    check_kernel_devices,
-    kernel_layout,
 )
 
 
@@ -338,7 +338,7 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         unions: the forward's union lists of this q2k (``return_unions=True``); dq uses them
             instead of building its own when its tile size is theirs. None: dq builds them.
         launch: launch parameters; None takes
-            :func:`~nemo_msa.attention.triton_launch.current_launch` ``("bwd")``.
+            :func:`~nemo_msa.triton.launch.current_launch` ``("bwd")``.
 
     Returns:
         ``(dq, dk, dv)`` with q's, k's and v's shapes and dtypes.
@@ -374,14 +374,12 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     q2k_ = q2k.contiguous()
     delta = torch.empty_like(lse_)
     gp = max(16, next_pow2(grp))
-    if cfg.skip != "dq":
-        rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, o_ptr=o_, lse_ptr=lse_,
-                    delta_ptr=delta, dq_ptr=dq)
-        _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions)
+    rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, o_ptr=o_, lse_ptr=lse_,
+                delta_ptr=delta, dq_ptr=dq)
+    # The dq launch also writes delta (rowsum(dO * O)), which the dk/dv kernel reads.
+    _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions)
     csr = block_query_csr(q2k_, view)
     bn_kv = min(bs, cfg.kv_bn)
-    if cfg.skip == "dkdv":
-        return dq, dk, dv
     rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, lse_ptr=lse_, delta_ptr=delta,
                 dk_ptr=dk, dv_ptr=dv)
     _dkdv_kernel[(hkv * view.num_blocks_bound * (bs // bn_kv),)](

@@ -26,8 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_launch import ForwardLaunch, current_launch
-from nemo_msa.attention.triton_tiles import (
+from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
+from nemo_msa.triton.kernel_layout import (
+    INTERPRET,
+    check_attention_inputs,
+    check_block_size,
+    kernel_layout,
+)
+from nemo_msa.triton.launch import ForwardLaunch, current_launch
+from nemo_msa.triton.tiles import (
     LOG2E,
     finish_block_mass,
     finish_softmax,
@@ -38,7 +45,6 @@ from nemo_msa.attention.triton_tiles import (
     load_own_union_tile_tma,
     load_rows,
     load_selection_rows,
-    load_whole_kv_tile,
     next_pow2,
     online_softmax_rows,
     online_softmax_step,
@@ -50,13 +56,6 @@ from nemo_msa.attention.triton_tiles import (
     union_masked_end,
     union_tile_rows,
     union_tile_skipped,
-)
-from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
-from nemo_msa.kernel_layout import (
-    INTERPRET,
-    check_attention_inputs,
-    check_block_size,
-    kernel_layout,
 )
 
 
@@ -156,7 +155,7 @@ def _fwd_union_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    FLAT: tl.constexpr, OWN_TMA: tl.constexpr, EMIT: tl.constexpr,
+    OWN_TMA: tl.constexpr, EMIT: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected.
@@ -189,28 +188,17 @@ def _fwd_union_kernel(
     kn = tl.arange(0, BN)
     urow = union_ptr + g * stride_ug + tile * stride_ut
     full = union_full_blocks(urow, count, own, UW)
-    if FLAT:
-        for step in range(full * (BS // BN)):
-            sel, k, v = union_flat_step(k_ptr, v_ptr, k_desc, v_desc, urow, step, selection,
-                                        rmask, start, g, stride_kt, stride_kh, stride_vt,
-                                        stride_vh, BS, BN, D, FP32_DOT, TMA)
-            m_i, l_i, acc, alpha, psum = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc,
-                                                          scale_log2)
-            if EMIT:
-                b = tl.load(urow + step // (BS // BN))
-                mass = fold_block_mass(mass, alpha, psum, selection == b)
-    else:
-        for u in range(full):
-            b = tl.load(urow + u)
-            sel = rows_selecting(selection, b) & rmask
-            for c in tl.static_range(0, BS, BN):
-                k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
-                                          stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
-                                          FP32_DOT, TMA)
-                m_i, l_i, acc, alpha, psum = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc,
-                                                              scale_log2)
-                if EMIT:
-                    mass = fold_block_mass(mass, alpha, psum, selection == b)
+    # The whole-block loop takes one key tile per step (one K/V buffer per pipeline stage, so
+    # that two programs fit an SM's shared memory).
+    for step in range(full * (BS // BN)):
+        sel, k, v = union_flat_step(k_ptr, v_ptr, k_desc, v_desc, urow, step, selection,
+                                    rmask, start, g, stride_kt, stride_kh, stride_vt,
+                                    stride_vh, BS, BN, D, FP32_DOT, TMA)
+        m_i, l_i, acc, alpha, psum = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc,
+                                                      scale_log2)
+        if EMIT:
+            b = tl.load(urow + step // (BS // BN))
+            mass = fold_block_mass(mass, alpha, psum, selection == b)
     # With OWN_TMA the loop is not pipelined: it is mostly the one own block, whose stage
     # buffers would add to the whole-block loop's in shared memory rather than reuse them.
     last = union_masked_end(urow, count, own, UW, OWN_TMA)
@@ -272,8 +260,8 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         v: same dtype [T, Hkv, d] values.
         q2k: int32 [Hkv, T, top_k] document-local block ids per (KV head, token), -1 = none.
         msa: the microbatch layout (``MSAMicrobatch``, or a
-            :class:`~nemo_msa.kernel_layout.KernelLayout`; see
-            :func:`~nemo_msa.kernel_layout.kernel_layout`).
+            :class:`~nemo_msa.triton.kernel_layout.KernelLayout`; see
+            :func:`~nemo_msa.triton.kernel_layout.kernel_layout`).
         softmax_scale: score scale; ``1 / sqrt(d)`` when None.
         block_size: key block size; defaults to ``msa.block_size``.
         return_unions: also return the tiles' union lists (:class:`TileUnions`, or None when
@@ -283,7 +271,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             of that block summed, averaged over the group's query heads (0 at -1 slots). It is
             accumulated in the same pass over K/V (the indexer loss's target, no recompute).
         launch: launch parameters; None takes
-            :func:`~nemo_msa.attention.triton_launch.current_launch` ``("fwd")``.
+            :func:`~nemo_msa.triton.launch.current_launch` ``("fwd")``.
 
     Returns:
         ``(out, lse)``: out [T, Hq, d] in q's dtype; lse fp32 [Hq, T], the natural log-sum-exp
@@ -332,7 +320,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             **tensors, **strides, k_desc=k_desc, v_desc=v_desc, union_ptr=plan.union,
             stride_ug=plan.union.stride(0), stride_ut=plan.union.stride(1),
             scale_log2=scale * LOG2E, **shape, QT=plan.qt, BN=ubn,
-            TMA=descs is not None, UW=next_pow2(plan.union.shape[2]), FLAT=cfg.union_flat,
+            TMA=descs is not None, UW=next_pow2(plan.union.shape[2]),
             OWN_TMA=own_tma, num_warps=cfg.union_warps, num_stages=cfg.union_stages,
             **register_cap(union_register_cap(cfg.union_maxnreg, own_tma), INTERPRET),
         )

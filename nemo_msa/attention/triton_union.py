@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_tiles import next_pow2, union_tile_span
-from nemo_msa.kernel_layout import KernelLayout
+from nemo_msa.triton.kernel_layout import KernelLayout
+from nemo_msa.triton.tiles import next_pow2, union_tile_span
 
 #: The most rows (tokens x padded heads) of one union program: 256-row tiles (16 tokens of 16
 #: heads) need more shared memory than an SM has at d = 128 (262 KB > 227 KB, forward and dq).

@@ -32,10 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_tiles import LOG2E, union_tile_span
-from nemo_msa.kernel_layout import INTERPRET, check_kernel_devices, kernel_layout
+from nemo_msa.capabilities import TRITON
+from nemo_msa.triton.kernel_layout import INTERPRET, check_kernel_devices, kernel_layout
+from nemo_msa.triton.tiles import LOG2E, union_tile_span
 
-__all__ = ["dense_indexer_loss_triton", "dense_loss_kernel_unsupported"]
+__all__ = ["dense_indexer_loss_triton"]
 
 # Tokens per forward program: one index-side MMA needs 16 rows.
 _QT = 16
@@ -46,27 +47,22 @@ _BT_DQ = 64
 _BT_DK = 64
 
 
-def dense_loss_kernel_unsupported(query, key, index_q, block_size: int) -> str | None:
-    """Why the fused dense loss cannot run these shapes (None when it can).
+# The record the plan reads states the group limit; it is this kernel's tile (asserted so that
+# the two cannot drift apart).
+assert TRITON.fused_dense_loss_max_group == _MAX_ROWS // _QT
 
-    Args:
-        query: [T, Hq, d]; key: [T, G, d]; index_q: [T, G, d_idx].
-        block_size: the layout's key block size.
-    """
-    group = query.shape[1] // key.shape[1]
-    if query.dtype not in (torch.bfloat16, torch.float16):
-        return f"query dtype {query.dtype} (the kernel runs bf16/fp16)"
+
+def _unsupported_reason(query, key, index_q, block_size: int) -> str | None:
+    """Why the fused dense loss cannot run these inputs (None when it can): the record's limits
+    (:meth:`~nemo_msa.capabilities.MSACapabilities.why_not_fused_dense_loss`) and the inputs'
+    agreement."""
     if index_q.dtype != query.dtype:
         return f"index_q dtype {index_q.dtype} differs from query dtype {query.dtype}"
-    if block_size > 128 or block_size < 16:
-        return f"block size {block_size} (the kernel runs 16..128)"
-    if query.shape[-1] > 128 or index_q.shape[-1] > 128:
-        return f"head dims {query.shape[-1]} / {index_q.shape[-1]} (the kernel runs <= 128)"
-    if triton.next_power_of_2(group) * _QT > _MAX_ROWS:
-        return f"query heads per KV head {group} (the kernel runs <= {_MAX_ROWS // _QT})"
     if index_q.shape[1] != key.shape[1]:
         return f"index heads {index_q.shape[1]} != KV heads {key.shape[1]}"
-    return None
+    return TRITON.why_not_fused_dense_loss(
+        dtype=query.dtype, head_dim=query.shape[-1], index_head_dim=index_q.shape[-1],
+        block_size=block_size, group=query.shape[1] // key.shape[1], score_type="max")
 
 
 @triton.jit
@@ -325,10 +321,11 @@ def dense_indexer_loss_triton(
         (fp32 scalar); stats ``kl`` and, with q2k, ``recall_mass`` / ``recall_count``.
 
     Raises:
-        ValueError: shapes the kernel does not run (see :func:`dense_loss_kernel_unsupported`),
+        ValueError: shapes the kernel does not run (the record
+            :data:`nemo_msa.capabilities.TRITON`; the plan checks it at construction),
             or inputs and layout on a device the kernels cannot use.
     """
-    reason = dense_loss_kernel_unsupported(query, key, index_q, msa.block_size)
+    reason = _unsupported_reason(query, key, index_q, msa.block_size)
     if reason is not None:
         raise ValueError(f"dense_indexer_loss_triton cannot run {reason}")
     blocks = kernel_layout(msa, msa.block_size)

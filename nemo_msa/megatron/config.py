@@ -124,7 +124,7 @@ class MSATransformerConfig(TransformerConfig):
 
     msa_dense_warmup_steps: int = 0
     """Training iterations at the start during which MSA layers attend densely and only the
-    indexer is trained by the indexer loss (see nemo_msa.megatron.training_phase)."""
+    indexer is trained by the indexer loss (see nemo_msa.megatron.phase)."""
 
     msa_layer_pattern: str | list[int] | None = None
     """Which layers are MSA: None = every layer; "S"/"D" per layer (e.g. "DSSS" * 4); or 0/1 per
@@ -142,6 +142,7 @@ class MSATransformerConfig(TransformerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # The one place the indexer-loss scale hook is installed (a config's own hook wins).
         if self.experimental_attention_variant_loss_scale_func is None:
             # Megatron's schedules call this hook with (loss scale / num_microbatches) after each
             # forward step, so the indexer loss is scaled like the main loss (as DSA's is).
@@ -196,18 +197,8 @@ class MSATransformerConfig(TransformerConfig):
         # Topology and score type: the same check the layers run when they are built.
         MSATopology.from_config(self).validate()
 
-        tp = self.tensor_model_parallel_size
-        if self.num_query_groups is not None and tp > self.num_query_groups:
-            raise ValueError(
-                f"tensor_model_parallel_size={tp} exceeds num_query_groups="
-                f"{self.num_query_groups}: an MSA rank must hold whole KV heads together with "
-                "their index heads; use tensor_model_parallel_size <= num_query_groups"
-            )
-        if self.num_query_groups is not None and self.num_query_groups % tp != 0:
-            raise ValueError(
-                f"num_query_groups={self.num_query_groups} is not divisible by "
-                f"tensor_model_parallel_size={tp}"
-            )
+        # Tensor parallelism (whole KV heads with their index heads per rank) is the layer's to
+        # check, with its process group: nemo_msa.megatron.msa_attention.check_msa_layer_config.
 
     # ------------------------------------------------------------------ helpers
     @property

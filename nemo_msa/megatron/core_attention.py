@@ -2,11 +2,12 @@
 
 Built by Megatron's ``Attention`` with the core-attention builder signature
 (``config, layer_number, attn_mask_type, attention_type, cp_comm_type, softmax_scale,
-pg_collection``), it checks what Megatron hands it and holds the softmax scale and the backend
-name. Its forward takes compact tensors ([T, heads, dim], see ADR 0001) and the microbatch
-layout and runs :func:`nemo_msa.ops.document_attention`: the selected key blocks when ``q2k`` is
-given (:func:`nemo_msa.sparse_attention` for bf16, the reference masked path for other dtypes),
-else dense within documents (:func:`nemo_msa.attention.dense.dense_document_attention`, ADR 0012).
+pg_collection``), it checks what Megatron hands it and holds the softmax scale (and the backend
+name, for use on its own; ``MSASelfAttention`` passes its plan's resolved backend). Its forward
+takes compact tensors ([T, heads, dim], see ADR 0001) and the microbatch layout and runs
+:func:`nemo_msa.ops.document_attention`: the selected key blocks when ``q2k`` is given
+(:func:`nemo_msa.sparse_attention` on the backend), else dense within documents
+(:func:`nemo_msa.attention.dense.dense_document_attention`, ADR 0012).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import get_pg_size
 
+from nemo_msa.backend_spec import MSABackend
 from nemo_msa.ops import document_attention
 
 __all__ = ["MSACoreAttention"]
@@ -31,9 +32,9 @@ class MSACoreAttention(MegatronModule):
         layer_number: the layer's number.
         attn_mask_type: causal or padding_causal (MSA is causal).
         attention_type: "self".
-        cp_comm_type: unused (context parallelism is refused).
+        cp_comm_type: unused.
         softmax_scale: defaults to 1 / sqrt(kv_channels).
-        pg_collection: process groups (``cp`` must have size 1).
+        pg_collection: unused (the layer's plan checks the process groups).
     """
 
     def __init__(
@@ -62,11 +63,8 @@ class MSACoreAttention(MegatronModule):
                 f"attention_dropout={config.attention_dropout}: MSA core attention has no "
                 "attention dropout; set attention_dropout=0.0"
             )
-        cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-        if cp is not None and get_pg_size(cp) > 1:
-            raise NotImplementedError(
-                f"MSA attention does not support context parallelism (cp size {get_pg_size(cp)})"
-            )
+        # Context parallelism is the layer plan's to refuse (nemo_msa.support, one check).
+        del pg_collection
         self.layer_number = layer_number
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
@@ -79,6 +77,7 @@ class MSACoreAttention(MegatronModule):
         value: torch.Tensor,
         msa,
         q2k: torch.Tensor | None = None,
+        backend: MSABackend | str | None = None,
         return_block_mass: bool = False,
     ):
         """Attention over compact tokens.
@@ -90,6 +89,9 @@ class MSACoreAttention(MegatronModule):
             msa: the microbatch layout (:class:`nemo_msa.MSAMicrobatch`).
             q2k: int32 [Hkv_local, T, top_k] selected document-local blocks, or None for dense
                 document-causal attention.
+            backend: the resolved backend of the layer's plan (``MSASelfAttention`` passes
+                ``msa_plan.backend``); None resolves ``config.msa_backend`` per call (a core
+                attention used on its own).
             return_block_mass: with ``q2k``, also return the attention mass per selected slot,
                 fp32 [Hkv_local, T, top_k] (no gradient; the sparse indexer loss's target).
 
@@ -99,5 +101,6 @@ class MSACoreAttention(MegatronModule):
         """
         return document_attention(
             query, key, value, msa, softmax_scale=self.softmax_scale, q2k=q2k,
-            backend=self.backend, return_block_mass=return_block_mass,
+            backend=self.backend if backend is None else backend,
+            return_block_mass=return_block_mass,
         )

@@ -17,8 +17,9 @@ with a forward for packed documents:
    scaler;
 6. scatter back to [s, b, heads * dim] and ``linear_proj``; returns ``(output, bias)``.
 
-Construction refuses what MSA cannot run (nemo_msa.support.require_msa_support plus the
-Megatron-side checks here), never the first step.
+Construction refuses what MSA cannot run and resolves what runs (the layer's
+:class:`nemo_msa.plan.MSAPlan`: backend, capability check, indexer-loss path; plus the
+Megatron-side checks here), never the first step; the forward reads the plan.
 """
 
 from __future__ import annotations
@@ -35,11 +36,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
-from nemo_msa.backends import resolve_backend
 from nemo_msa.indexer_loss import (
     compute_indexer_loss,
     dense_indexer_loss_triton,
-    dense_loss_kernel_unsupported,
     sampled_selection_recall,
     sparse_indexer_loss_from_byproducts,
 )
@@ -47,7 +46,8 @@ from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler, MSAIndexerM
 from nemo_msa.megatron.microbatch import layout_for_layer, pack_sbhd, unpack_sbhd
 from nemo_msa.megatron.phase import dense_warmup_active
 from nemo_msa.ops import select_blocks
-from nemo_msa.support import check_runtime_arguments, require_msa_support
+from nemo_msa.plan import MSAPlan
+from nemo_msa.support import check_runtime_arguments
 
 __all__ = ["MSASelfAttention", "MSASelfAttentionSubmodules", "check_msa_layer_config"]
 
@@ -66,8 +66,12 @@ class MSASelfAttentionSubmodules(SelfAttentionSubmodules):
 
 def check_msa_layer_config(
     config: TransformerConfig, tp_size: int, cp_size: int, sparse: bool
-) -> None:
+) -> MSAPlan:
     """The construction gate of MSA and dense-document layers (Megatron side).
+
+    Returns:
+        The layer's plan (:meth:`nemo_msa.plan.MSAPlan.build`), for the device the layer runs
+        on (the current CUDA device where there is one) and the parameters' dtype.
 
     Raises:
         NotImplementedError: FP8/FP4, fused RoPE, context parallelism, output gate, MLA,
@@ -80,12 +84,10 @@ def check_msa_layer_config(
             f"config is a {type(config).__name__} without the msa_* fields; build MSA layers "
             "from nemo_msa.megatron.MSATransformerConfig"
         )
-    # FP8/FP4, fused RoPE, CP (the layer's process group), topology, score type and backend.
-    # The backend that will run: on the GPU where there is one, in the parameters' dtype.
+    # FP8/FP4, fused RoPE, CP (the layer's process group), topology, score type, and the
+    # backend that will run: on the GPU where there is one, in the parameters' dtype.
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
-    require_msa_support(config, getattr(config, "msa_backend", None), device, dtype,
-                        cp_size=cp_size)
+    plan = MSAPlan.build(config, device, cp_size=cp_size)
     if getattr(config, "attention_output_gate", False):
         raise NotImplementedError("MSA attention does not support attention_output_gate=True")
     if getattr(config, "multi_latent_attention", False):
@@ -115,6 +117,7 @@ def check_msa_layer_config(
             f"msa_num_index_heads={config.msa_num_index_heads}; expected num_query_groups="
             f"{groups} (index head h serves KV head h)"
         )
+    return plan
 
 
 class MSASelfAttention(SelfAttention):
@@ -146,7 +149,7 @@ class MSASelfAttention(SelfAttention):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         sparse = submodules.indexer is not None
-        check_msa_layer_config(
+        plan = check_msa_layer_config(
             config, get_pg_size(pg_collection.tp), get_pg_size(pg_collection.cp), sparse
         )
         super().__init__(
@@ -160,6 +163,8 @@ class MSASelfAttention(SelfAttention):
             name=name,
         )
         self.is_msa_layer = sparse
+        #: What this layer runs, resolved once (backend, indexer-loss path); read per step.
+        self.msa_plan = plan
         self.indexer = (
             build_module(
                 submodules.indexer,
@@ -195,25 +200,6 @@ class MSASelfAttention(SelfAttention):
         query, key, value = self.get_query_key_value_tensors(hidden_states, None)
         # [s, b, heads, dim] -> compact [T, heads, dim]
         return tuple(pack_sbhd(msa, x) for x in (query, key, value))
-
-    def loss_from_byproducts(self) -> bool:
-        """Whether the sparse phase's indexer loss comes from by-products of the selection and
-        the sparse forward (sparse loss, score "max": the production case), with no pass over
-        the keys of its own; otherwise :func:`compute_indexer_loss` recomputes its target."""
-        return self.config.msa_indexer_loss_type == "sparse" and self.config.msa_score_type == "max"
-
-    def fused_dense_loss(self, query, key, index_q) -> bool:
-        """Whether the dense indexer loss (dense warm-up, or ``msa_indexer_loss_type="dense"``)
-        runs fused in Triton (:func:`dense_indexer_loss_triton`, score "max", the shapes its
-        kernel runs, a Triton-based backend) rather than on the chunked reference: both compute
-        the same function."""
-        if self.config.msa_score_type != "max":
-            return False
-        backend = resolve_backend(self.config.msa_backend, query.device)
-        if backend.name == "reference":
-            return False
-        block = self.config.msa_block_size
-        return dense_loss_kernel_unsupported(query, key, index_q, block) is None
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -277,7 +263,8 @@ class MSASelfAttention(SelfAttention):
         )
         sparse = self.is_msa_layer and not dense_warmup_active(self.config)
         log_recall = need_loss and self.config.msa_log_selection_recall
-        byproducts = need_loss and sparse and self.loss_from_byproducts()
+        plan = self.msa_plan
+        byproducts = need_loss and sparse and plan.loss_from_byproducts
         selected = index_q = index_k = block_scores = block_keys = None
         if sparse or need_loss:
             index_q, index_k = self.indexer(hidden_states, msa, freqs)
@@ -290,7 +277,7 @@ class MSASelfAttention(SelfAttention):
                     msa,
                     top_k=self.config.msa_topk,
                     score=self.config.msa_score_type,
-                    backend=self.config.msa_backend,
+                    backend=plan.backend,
                     return_scores=byproducts,
                 )
                 if byproducts:
@@ -299,7 +286,8 @@ class MSASelfAttention(SelfAttention):
         found = {}
 
         def run_core(q, k, v):
-            out = self.core_attention(q, k, v, msa, q2k=q2k, return_block_mass=byproducts)
+            out = self.core_attention(q, k, v, msa, q2k=q2k, backend=plan.backend,
+                                      return_block_mass=byproducts)
             if byproducts:
                 # A recompute in the backward finds the same mass; the loss keeps the first.
                 out, mass = out
@@ -341,7 +329,7 @@ class MSASelfAttention(SelfAttention):
                 num_index_heads_total=self.config.msa_num_index_heads,
                 loss_coeff=self.config.msa_indexer_loss_coeff,
             )
-            if not sparse_loss and self.fused_dense_loss(query, key, index_q):
+            if not sparse_loss and plan.fused_dense_loss:
                 loss, stats = dense_indexer_loss_triton(
                     index_q, index_k, query, key, msa,
                     q2k=selected if log_recall else None, **common,

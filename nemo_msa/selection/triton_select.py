@@ -27,14 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_launch import SelectLaunch, current_launch
-from nemo_msa.attention.triton_tiles import doc_block, next_pow2, row_descriptor
-from nemo_msa.kernel_layout import (
+from nemo_msa.capabilities import TRITON
+from nemo_msa.triton.kernel_layout import (
     INTERPRET,
-    check_block_size,
     check_kernel_devices,
     kernel_layout,
 )
+from nemo_msa.triton.launch import SelectLaunch, current_launch
+from nemo_msa.triton.tiles import doc_block, next_pow2, row_descriptor
 
 _FORCED_CODE = tl.constexpr(0xFFFFFFF0)
 _NAN_CODE = tl.constexpr(1)
@@ -244,7 +244,7 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
             slots) and the compact row of the key attaining it (int32 [H, T, top_k], -1 at -1
             slots), found in the same pass (the indexer loss's by-products).
         launch: launch parameters; None takes
-            :func:`~nemo_msa.attention.triton_launch.current_launch` ``("sel")``.
+            :func:`~nemo_msa.triton.launch.current_launch` ``("sel")``.
 
     Returns:
         int32 [H, T, top_k]: document-local block ids ascending, -1 at the tail; with
@@ -255,22 +255,19 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     """
     cfg = current_launch("sel") if launch is None else launch
     bs = int(block_size if block_size is not None else msa.block_size)
-    if score != "max":
-        raise ValueError(f"score={score!r}: the Triton selection implements 'max' only")
     if index_q.dim() != 3:
         raise ValueError(f"index_q must be [T, H, d], got shape {tuple(index_q.shape)}")
     t, h, d = index_q.shape
     if index_k.shape != (t, d):
         raise ValueError(f"index_k must be [T={t}, d={d}] like index_q, got "
                          f"{tuple(index_k.shape)}")
-    if index_q.dtype not in (torch.bfloat16, torch.float16) or index_k.dtype != index_q.dtype:
-        raise ValueError(f"index_q/index_k must share a bf16/fp16 dtype, got {index_q.dtype} "
-                         f"and {index_k.dtype}")
-    if d not in (16, 32, 64, 128):
-        raise ValueError(f"index head dim d={d}: expected one of 16, 32, 64, 128")
-    check_block_size(bs)
-    if not 1 <= top_k <= 32:
-        raise ValueError(f"top_k={top_k}: expected 1 <= top_k <= 32")
+    if index_k.dtype != index_q.dtype:
+        raise ValueError(f"index_q/index_k must share a dtype, got {index_q.dtype} and "
+                         f"{index_k.dtype}")
+    reason = TRITON.why_not(score_type=score, dtype=index_q.dtype, index_head_dim=d,
+                            block_size=bs, top_k=top_k)
+    if reason is not None:
+        raise ValueError(f"the Triton selection cannot run {reason}")
     if init_blocks < 0 or local_blocks < 0 or init_blocks + local_blocks > top_k:
         raise ValueError(f"init_blocks={init_blocks}, local_blocks={local_blocks}: expected "
                          f"non-negative with a sum <= top_k={top_k}")

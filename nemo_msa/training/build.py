@@ -52,6 +52,8 @@ class TrainingObjects:
     scheduler: OptimizerParamScheduler
     #: Parameters of the whole model (all tensor-parallel shards).
     num_params: int
+    #: MSA or dense-GPT hooks of the loop (:func:`nemo_msa.training.msa_hooks.hooks_for`).
+    hooks: msa_hooks.TrainingHooks
 
 
 def build_config(recipe: Recipe, ctx: RunContext):
@@ -93,8 +95,9 @@ def build_config(recipe: Recipe, ctx: RunContext):
     return config
 
 
-def build_model(recipe: Recipe, config) -> list:
-    """Build this rank's model chunks (one per virtual pipeline stage), not yet wrapped."""
+def build_model(recipe: Recipe, config, hooks: msa_hooks.TrainingHooks) -> list:
+    """Build this rank's model chunks (one per virtual pipeline stage), not yet wrapped, with
+    the decoder spec of ``hooks`` (MSA or Megatron's dense GPT)."""
     vpp = config.virtual_pipeline_model_parallel_size
     pp_rank = ps.get_pipeline_model_parallel_rank()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -107,7 +110,7 @@ def build_model(recipe: Recipe, config) -> list:
             warnings.simplefilter("ignore")
             model = GPTModel(
                 config=config,
-                transformer_layer_spec=msa_hooks.layer_spec(config, stage, pp_rank),
+                transformer_layer_spec=hooks.layer_spec(stage, pp_rank),
                 vocab_size=padded_vocab,
                 max_sequence_length=recipe.gpt.seq_length,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -260,12 +263,12 @@ def build_training(recipe: Recipe, ctx: RunContext) -> TrainingObjects:
             :func:`build_optimizer`).
     """
     config = build_config(recipe, ctx)
-    chunks = wrap_ddp(recipe, config, build_model(recipe, config), ctx.device)
+    hooks = msa_hooks.hooks_for(config)
+    chunks = wrap_ddp(recipe, config, build_model(recipe, config, hooks), ctx.device)
     optimizer, scheduler = build_optimizer(recipe, config, chunks, ctx)
     connect_schedule_hooks(config, chunks, optimizer)
-    msa_hooks.configure(config)
     return TrainingObjects(config, chunks, optimizer, scheduler,
-                           count_parameters(chunks, ctx.device))
+                           count_parameters(chunks, ctx.device), hooks)
 
 
 def build_microbatch_source(recipe: Recipe, ctx: RunContext, dp: int,

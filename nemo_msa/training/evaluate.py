@@ -25,7 +25,6 @@ import torch
 from megatron.core import parallel_state as ps
 
 from nemo_msa.megatron.microbatch import SharedMicrobatchIterators
-from nemo_msa.training import msa_hooks
 from nemo_msa.training.data import (
     MicrobatchSource,
     build_gpt_datasets,
@@ -33,6 +32,7 @@ from nemo_msa.training.data import (
     positions_from_document_ids,
 )
 from nemo_msa.training.flops import FlopsModel, device_peak_flops, throughput
+from nemo_msa.training.msa_hooks import TrainingHooks
 from nemo_msa.training.recipe import Recipe, RecipeError
 
 
@@ -75,10 +75,10 @@ def _eval_loss_func(loss_mask, bucket, num_buckets, output_tensor):
     return loss, num_tokens, {"val": report}
 
 
-def _eval_forward_step(config, edges, data_iterator, model):
+def _eval_forward_step(hooks: TrainingHooks, edges, data_iterator, model):
     mb = next(data_iterator)
     output = model(mb.tokens, mb.position_ids, labels=mb.labels,
-                   **msa_hooks.model_forward_kwargs(config, mb.packed_seq_ids))
+                   **hooks.model_forward_kwargs(mb.packed_seq_ids))
     pos = positions_from_document_ids(mb.packed_seq_ids).view(-1)
     bucket = torch.bucketize(pos, edges, right=True) - 1
     return output, partial(_eval_loss_func, mb.loss_mask, bucket, edges.numel())
@@ -90,15 +90,16 @@ class Evaluator:
     Args:
         recipe: the validated recipe (train.eval_interval / eval_iters, dataset, model).
         ctx: the run context (device).
-        config: the model config the chunks were built with.
+        hooks: the loop's MSA or dense-GPT hooks (the model's forward arguments).
         chunks: this rank's DDP-wrapped model chunks.
         forward_backward: Megatron's schedule function.
         dp: data-parallel size.
     """
 
-    def __init__(self, recipe: Recipe, ctx, config, chunks: list, forward_backward, dp: int):
+    def __init__(self, recipe: Recipe, ctx, hooks: TrainingHooks, chunks: list, forward_backward,
+                 dp: int):
         train = recipe.train
-        self.recipe, self.config, self.chunks = recipe, config, chunks
+        self.recipe, self.hooks, self.chunks = recipe, hooks, chunks
         self.forward_backward = forward_backward
         self.device = ctx.device
         self.interval = train.eval_interval
@@ -158,7 +159,7 @@ class Evaluator:
                     iterators = shared.iterators()
                     seq = self.recipe.gpt.seq_length
                     reports = self.forward_backward(
-                        forward_step_func=partial(_eval_forward_step, self.config, self.edges),
+                        forward_step_func=partial(_eval_forward_step, self.hooks, self.edges),
                         data_iterator=iterators if len(self.chunks) > 1 else iterators[0],
                         model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
                         num_microbatches=source.num_microbatches, seq_length=seq,

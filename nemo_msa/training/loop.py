@@ -19,11 +19,11 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from nemo_msa.megatron.microbatch import SharedMicrobatchIterators
-from nemo_msa.training import msa_hooks
 from nemo_msa.training.build import TrainingObjects
 from nemo_msa.training.checkpoint import TrainState, save_checkpoint
 from nemo_msa.training.data import MicrobatchSource
 from nemo_msa.training.evaluate import Evaluator, StepFlops, should_exit
+from nemo_msa.training.msa_hooks import TrainingHooks
 from nemo_msa.training.recipe import Recipe
 from nemo_msa.training.setup import RunContext
 from nemo_msa.training.ux import MetricsLog, Progress, StepTimer
@@ -70,10 +70,10 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def _forward_step(config, data_iterator, model):
+def _forward_step(hooks: TrainingHooks, data_iterator, model):
     mb = next(data_iterator)
     output = model(mb.tokens, mb.position_ids, labels=mb.labels,
-                   **msa_hooks.model_forward_kwargs(config, mb.packed_seq_ids))
+                   **hooks.model_forward_kwargs(mb.packed_seq_ids))
     return output, partial(_loss_func, mb.loss_mask)
 
 
@@ -104,7 +104,8 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
     Raises:
         FloatingPointError: the loss is not finite (naming the last intact checkpoint).
     """
-    config, chunks, optimizer, scheduler = objs.config, objs.chunks, objs.optimizer, objs.scheduler
+    chunks, optimizer, scheduler = objs.chunks, objs.optimizer, objs.scheduler
+    hooks = objs.hooks
     train, ck = recipe.train, recipe.checkpoint
     forward_backward = get_forward_backward_func()
     is_rank0 = ctx.rank == 0
@@ -115,9 +116,9 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
     if train.exit_interval:
         stop_at = min(stop_at, state.iteration + train.exit_interval)
     tokens_per_step = train.global_batch_size * recipe.gpt.seq_length
-    evaluator = Evaluator(recipe, ctx, config, chunks, forward_backward,
+    evaluator = Evaluator(recipe, ctx, hooks, chunks, forward_backward,
                           ps.get_data_parallel_world_size())
-    step_flops = StepFlops(recipe, config, ctx.device)
+    step_flops = StepFlops(recipe, objs.config, ctx.device)
     train_seconds = 0.0
     last_eval: dict = {}
     timer = StepTimer()
@@ -127,18 +128,18 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
     for m in chunks:
         m.train()
     while state.iteration < stop_at:
-        phase = msa_hooks.set_training_phase(config, state.iteration)
+        phase = hooks.set_training_phase(state.iteration)
         for m in chunks:
             m.zero_grad_buffer()
         optimizer.zero_grad()
         # Every chunk of the interleaved schedule gets the very same microbatch objects (already
         # on the device), so the MSA layout built from packed_seq_ids is shared by all chunks.
-        builds_before = msa_hooks.layout_builds()
+        builds_before = hooks.layout_builds()
         microbatches = source.step_microbatches()
         shared = SharedMicrobatchIterators(iter(microbatches), len(chunks))
         iterators = shared.iterators()
         losses = forward_backward(
-            forward_step_func=partial(_forward_step, config),
+            forward_step_func=partial(_forward_step, hooks),
             data_iterator=iterators if len(chunks) > 1 else iterators[0],
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=source.num_microbatches,
@@ -155,12 +156,12 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
         state.consumed_samples = source.consumed_samples
         dt = timer.lap()
         metrics = _reduce_step_losses(losses, ctx.device)
-        metrics.update(msa_hooks.pop_step_metrics(config))
-        if msa_hooks.is_msa_config(config):
+        metrics.update(hooks.pop_step_metrics())
+        if builds_before is not None:
             # This rank's MSA layouts per microbatch: 1.0 when every layer and every virtual
             # pipeline chunk shared the microbatch's layout (the per-microbatch cache works).
             metrics["layouts_per_microbatch"] = (
-                (msa_hooks.layout_builds() - builds_before) / source.num_microbatches)
+                (hooks.layout_builds() - builds_before) / source.num_microbatches)
         metrics.update({
             "iteration": state.iteration,
             "lr": float(scheduler.get_lr(optimizer.param_groups[0])),

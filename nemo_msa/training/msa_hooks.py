@@ -1,21 +1,22 @@
 """Adapters between the training loop and the MSA Megatron modules (nemo_msa.megatron).
 
 The loop needs five things from the MSA layers, and this module is the only place that knows
-how the Megatron integration provides them:
+how the Megatron integration provides them. Whether a config is MSA is decided once
+(:func:`hooks_for`); the loop keeps the returned :class:`TrainingHooks` (``TrainingObjects.hooks``):
 
-- the decoder spec of a model chunk (``layer_specs.get_msa_decoder_block_spec``);
+- the decoder spec of a model chunk (``nemo_msa.megatron.layer_specs``);
 - how a microbatch's document map reaches the attention: ``packed_seq_ids`` is passed to
   ``GPTModel.forward`` as ``attention_mask`` (source 2 of the contract), which Megatron hands
   unchanged to every layer (``model_forward_kwargs``);
-- the indexer-loss scale hook that Megatron's schedules call per microbatch
-  (``config.experimental_attention_variant_loss_scale_func``, as for DSA) (``configure``);
 - the dense warm-up switch, set before each step (``set_training_phase``), and which
   optimizer parameters are the indexer's, so that only the indexer learns in the warm-up
   (``indexer_param_ids``);
 - the indexer loss and selection recall of the last step (``pop_step_metrics``).
 
-A model section without MSA fields (Megatron's plain TransformerConfig) trains a dense GPT with
-Megatron's local spec; then these functions do nothing. The tests use that as a reference.
+The indexer-loss scale hook that Megatron's schedules call per microbatch is installed by
+``MSATransformerConfig`` itself. A model section without MSA fields (Megatron's plain
+TransformerConfig) trains a dense GPT with Megatron's local spec (:class:`DenseGPTHooks`, which
+does nothing MSA); the tests use that as a reference.
 """
 
 from __future__ import annotations
@@ -34,64 +35,121 @@ def is_msa_config(config: Any) -> bool:
     return isinstance(config, MSATransformerConfig)
 
 
-def layer_spec(config: Any, vp_stage: int | None, pp_rank: int | None):
-    """The decoder spec of one model chunk: MSA when configured, else Megatron's local spec."""
-    if is_msa_config(config):
-        from layer_specs import get_msa_decoder_block_spec
-
-        return get_msa_decoder_block_spec(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    if getattr(config, "transformer_impl", "local") == "transformer_engine":
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_with_transformer_engine_spec,
-        )
-
-        return get_gpt_layer_with_transformer_engine_spec()
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return get_gpt_layer_local_spec(normalization=getattr(config, "normalization", "LayerNorm"))
+def hooks_for(config: Any) -> TrainingHooks:
+    """The hooks of ``config``: :class:`MSAHooks` for the MSA config, else
+    :class:`DenseGPTHooks` (decided here, once per run)."""
+    return MSAHooks(config) if is_msa_config(config) else DenseGPTHooks(config)
 
 
-def model_forward_kwargs(config: Any, packed_seq_ids: torch.Tensor) -> dict[str, Any]:
-    """Keyword arguments for GPTModel.forward that carry the document map to the attention.
+class DenseGPTHooks:
+    """A dense GPT with Megatron's own spec: no document map, no MSA phase or metrics.
 
-    The dense local spec gets no mask (causal over the whole row).
+    Args:
+        config: Megatron's TransformerConfig.
     """
-    if is_msa_config(config):
-        return {"attention_mask": packed_seq_ids}
-    return {"attention_mask": None}
 
+    #: Whether the layers are MSA.
+    msa = False
+    #: The number of dense warm-up iterations.
+    dense_warmup_steps = 0
 
-def configure(config: Any) -> None:
-    """Attach the indexer-loss scale hook to the config (MSA only; a recipe's own wins)."""
-    if not is_msa_config(config):
-        return
-    from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler
+    def __init__(self, config: Any) -> None:
+        self.config = config
 
-    if getattr(config, "experimental_attention_variant_loss_scale_func", None) is None:
-        config.experimental_attention_variant_loss_scale_func = (
-            MSAIndexerLossAutoScaler.set_loss_scale
-        )
+    def layer_spec(self, vp_stage: int | None, pp_rank: int | None):
+        """The decoder spec of one model chunk (Megatron's TE or local GPT layer spec)."""
+        del vp_stage, pp_rank
+        if getattr(self.config, "transformer_impl", "local") == "transformer_engine":
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec,
+            )
 
+            return get_gpt_layer_with_transformer_engine_spec()
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-def dense_warmup_steps(config: Any) -> int:
-    """The number of dense warm-up iterations (0 without MSA)."""
-    if not is_msa_config(config):
-        return 0
-    return int(getattr(config, "msa_dense_warmup_steps", 0) or 0)
+        return get_gpt_layer_local_spec(
+            normalization=getattr(self.config, "normalization", "LayerNorm"))
 
+    def model_forward_kwargs(self, packed_seq_ids: torch.Tensor) -> dict[str, Any]:
+        """GPTModel.forward keywords: no mask (causal over the whole row)."""
+        del packed_seq_ids
+        return {"attention_mask": None}
 
-def set_training_phase(config: Any, iteration: int) -> str:
-    """Tell the MSA layers the iteration about to run (0-based); return its phase for the log.
-
-    Returns:
-        "dense-warmup" or "sparse"; "dense-gpt" without MSA.
-    """
-    if not is_msa_config(config):
+    def set_training_phase(self, iteration: int) -> str:
+        """The phase of the iteration about to run, for the log."""
+        del iteration
         return "dense-gpt"
-    from nemo_msa.megatron.phase import dense_warmup_active, set_training_iteration
 
-    set_training_iteration(iteration)
-    return "dense-warmup" if dense_warmup_active(config) else "sparse"
+    def pop_step_metrics(self) -> dict[str, float]:
+        """Indexer loss and selection recall of the last step: none."""
+        return {}
+
+    def layout_builds(self) -> int | None:
+        """MSA layouts built so far in this process: None (no MSA)."""
+        return None
+
+
+class MSAHooks(DenseGPTHooks):
+    """The MSA layers (nemo_msa.megatron): their spec, document map, phase and metrics.
+
+    Args:
+        config: the MSATransformerConfig.
+    """
+
+    msa = True
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.dense_warmup_steps = int(getattr(config, "msa_dense_warmup_steps", 0) or 0)
+
+    def layer_spec(self, vp_stage: int | None, pp_rank: int | None):
+        """The MSA decoder spec of one model chunk."""
+        from nemo_msa.megatron.layer_specs import get_msa_decoder_block_spec
+
+        return get_msa_decoder_block_spec(self.config, vp_stage=vp_stage, pp_rank=pp_rank)
+
+    def model_forward_kwargs(self, packed_seq_ids: torch.Tensor) -> dict[str, Any]:
+        """GPTModel.forward keywords: ``packed_seq_ids`` as ``attention_mask`` (source 2 of the
+        contract), which Megatron hands unchanged to every layer."""
+        return {"attention_mask": packed_seq_ids}
+
+    def set_training_phase(self, iteration: int) -> str:
+        """Tell the MSA layers the iteration about to run (0-based).
+
+        Returns:
+            "dense-warmup" or "sparse".
+        """
+        from nemo_msa.megatron.phase import dense_warmup_active, set_training_iteration
+
+        set_training_iteration(iteration)
+        return "dense-warmup" if dense_warmup_active(self.config) else "sparse"
+
+    def pop_step_metrics(self) -> dict[str, float]:
+        """Indexer loss and selection recall of the last step, reduced over all ranks
+        (collective).
+
+        Returns:
+            ``{"indexer_loss": ..., "recall": ...}`` (recall only when the layers recorded it).
+        """
+        from nemo_msa.megatron.indexer_loss import MSAIndexerMetrics
+
+        raw = MSAIndexerMetrics.pop(num_layers=self.config.num_layers)
+        out = {}
+        if "indexer_loss" in raw:
+            out["indexer_loss"] = raw["indexer_loss"]
+        if "selection_recall" in raw:
+            out["recall"] = raw["selection_recall"]
+        return out
+
+    def layout_builds(self) -> int:
+        """MSA layouts built so far in this process (memo hits excluded)."""
+        from nemo_msa import MSAMicrobatch
+
+        return MSAMicrobatch.num_builds()
+
+
+#: Either kind of hooks.
+TrainingHooks = DenseGPTHooks
 
 
 def indexer_param_ids(model_chunks: list) -> set[int]:
@@ -101,32 +159,3 @@ def indexer_param_ids(model_chunks: list) -> set[int]:
     except ImportError:
         return set()
     return {id(p) for p in indexer_parameters(model_chunks)}
-
-
-def pop_step_metrics(config: Any) -> dict[str, float]:
-    """Indexer loss and selection recall of the last step, reduced over all ranks (collective).
-
-    Returns:
-        ``{"indexer_loss": ..., "recall": ...}`` (recall only when the layers recorded it);
-        empty without MSA.
-    """
-    if not is_msa_config(config):
-        return {}
-    from nemo_msa.megatron.indexer_loss import MSAIndexerMetrics
-
-    raw = MSAIndexerMetrics.pop(num_layers=config.num_layers)
-    out = {}
-    if "indexer_loss" in raw:
-        out["indexer_loss"] = raw["indexer_loss"]
-    if "selection_recall" in raw:
-        out["recall"] = raw["selection_recall"]
-    return out
-
-
-def layout_builds() -> int:
-    """MSA layouts built so far in this process (memo hits excluded); 0 without MSA."""
-    try:
-        from nemo_msa import MSAMicrobatch
-    except ImportError:
-        return 0
-    return MSAMicrobatch.num_builds()

@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from nemo_msa.training import msa_hooks
 from nemo_msa.training.build import TrainingObjects, build_microbatch_source, build_training
 from nemo_msa.training.checkpoint import TrainState, load_checkpoint
 from nemo_msa.training.checkpoint_integrity import find_resume_iteration
@@ -71,7 +70,7 @@ def _summary(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, dp: int, st
     vpp = recipe.model.get("virtual_pipeline_model_parallel_size")
     summary: dict[str, Any] = {
         "recipe": recipe.source,
-        "attention": "MSA" if msa_hooks.is_msa_config(config) else "dense (local GPT spec)",
+        "attention": "MSA" if objs.hooks.msa else "dense (local GPT spec)",
         "parameters": f"{objs.num_params / 1e6:.2f}M",
         "world size": ctx.world_size,
         "layout TPxPPxVPPxDP": f"{config.tensor_model_parallel_size}x"
@@ -85,8 +84,8 @@ def _summary(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, dp: int, st
         "wall time s": result.elapsed,
         "last phase": result.phase,
     }
-    if msa_hooks.dense_warmup_steps(config):
-        summary["dense warm-up steps"] = msa_hooks.dense_warmup_steps(config)
+    if objs.hooks.dense_warmup_steps:
+        summary["dense warm-up steps"] = objs.hooks.dense_warmup_steps
     if hist and "indexer_loss" in hist[-1]:
         summary["final indexer loss"] = hist[-1]["indexer_loss"]
     if hist and "recall" in hist[-1]:
@@ -124,7 +123,7 @@ def pretrain(recipe: Recipe) -> dict[str, Any]:
     is_rank0 = ctx.rank == 0
     if is_rank0 and recipe.logger.plot and hist:
         png = plot_loss_curve(hist, out_dir / "loss_curve.png", Path(recipe.source).stem,
-                              msa_hooks.dense_warmup_steps(objs.config))
+                              objs.hooks.dense_warmup_steps)
         if png is not None:
             summary["loss curve"] = str(png)
     if is_rank0:

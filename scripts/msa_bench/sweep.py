@@ -1,6 +1,6 @@
 """Launch-parameter sweeps on the GPU: each variant timed against the others of the same call.
 
-Every trial runs inside :func:`~nemo_msa.attention.triton_launch.launch_overrides`, so a
+Every trial runs inside :func:`~nemo_msa.triton.launch.launch_overrides`, so a
 variant changes nothing after it; results come back as dicts (the caller prints them).
 """
 
@@ -28,7 +28,7 @@ from msa_bench.cases import (
 )
 from msa_bench.report import fmt_sweep_line
 from msa_bench.timing import log, time_fn
-from nemo_msa.attention.triton_launch import launch_overrides
+from nemo_msa.triton.launch import launch_overrides
 
 
 def _trial(kind, settings, fn, flops, sets, trials):
@@ -59,8 +59,8 @@ def sweep(size, gen):
     from nemo_msa.attention.triton_bwd import triton_attention_backward
     from nemo_msa.attention.triton_fwd import triton_attention_forward
     from nemo_msa.attention.triton_union import tile_unions
-    from nemo_msa.kernel_layout import block_query_csr, kernel_layout
     from nemo_msa.selection.triton_select import triton_select_blocks
+    from nemo_msa.triton.kernel_layout import block_query_csr, kernel_layout
 
     msa = make_case("sweep", [[size]], size, "cuda")["msa"]
     t = msa.num_tokens
@@ -124,9 +124,6 @@ def sweep(size, gen):
     for kbn, rows, w, st in ((64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2)):
         keep(_trial("bwd", {**dq_best, "kv_bn": kbn, "kv_rows": rows, "kv_warps": w,
                             "kv_stages": st}, bwd, 2.5 * flops, sets, trials))
-    # Breakdown of the backward (best dq parameters).
-    _trial("bwd", {**dq_best, "skip": "dkdv"}, bwd, 1.0 * flops, sets, trials)  # dq + CSR
-    _trial("bwd", {**dq_best, "skip": "dq"}, bwd, 1.5 * flops, sets, trials)  # CSR + dk/dv
     ms, _ = time_fn(lambda s: block_query_csr(s["q2k"], view), sets, max_reps=15,
                     budget_ms=500)
     trials.append({"kind": "csr", "ms": ms})
@@ -141,8 +138,8 @@ def time_union_builds(specs: str, sets, msa, fwd) -> dict:
     their forward used (``s["unions"]``), after checking it against the torch reference's
     lists and counts; logs one line each and returns ``{spec: ms}``."""
     from nemo_msa.attention.triton_union import tile_unions
-    from nemo_msa.kernel_layout import kernel_layout
     from nemo_msa.testing.oracle import tile_unions_reference
+    from nemo_msa.triton.kernel_layout import kernel_layout
 
     if sets[0]["unions"] is None:
         log("union build: not timed, the forward's union kernel is off (union_qt 0)")

@@ -59,7 +59,7 @@ def test_per_document_path_matches_the_masked_rows_and_float64(case):
     )
     rows = _forward_and_grads(dense_document_attention_rows, q, k, v, dout, msa, 0.37)
     reference = _forward_and_grads(
-        lambda *a: oracle.dense_document_attention(*a[:4], softmax_scale=a[4]),
+        lambda *a: oracle.masked_attention_reference(*a[:4], softmax_scale=a[4]),
         q, k, v, dout, msa, 0.37,
     )
     assert max(_max_errors(per_document, reference)) < 1e-10, _max_errors(per_document, reference)

@@ -22,8 +22,8 @@ from packs import document_map_from_rows, packed_batches
 from nemo_msa import MSAMicrobatch
 from nemo_msa.attention import flashinfer_adapter as fa
 from nemo_msa.attention.naive import (
-    dense_document_attention,
     document_causal_mask,
+    masked_attention_reference,
     selected_key_mask,
     sparse_attention_forward_reference,
 )
@@ -84,7 +84,7 @@ def test_double_matches_the_dense_oracle():
     scale = 0.1
     out, lse = flashinfer_double.msa_sparse_attention(
         q, k, v, q2k, cu, cu, causal=True, softmax_scale=scale, return_softmax_lse=True)
-    ref = dense_document_attention(q, k, v, msa, scale, q2k=q2k)
+    ref = masked_attention_reference(q, k, v, msa, scale, q2k=q2k)
     torch.testing.assert_close(out, ref)
     ref_lse = _dense_lse(q, k, msa, q2k, scale)  # [Hq, T]
     assert lse.dtype == torch.float32 and lse.shape == (msa.num_tokens, 4)
@@ -223,10 +223,10 @@ def test_lse_is_transposed_to_heads_by_tokens():
 
 
 @pytest.mark.parametrize("block, hq, hkv, d, top_k, dtype, match", [
-    (64, 4, 2, 128, 4, torch.bfloat16, "block_size=64"),
-    (128, 4, 2, 64, 4, torch.bfloat16, "head dim 64"),
-    (128, 4, 2, 128, 17, torch.bfloat16, "top_k=17"),
-    (128, 32, 1, 128, 4, torch.bfloat16, "GQA group 32/1"),
+    (64, 4, 2, 128, 4, torch.bfloat16, "msa_block_size=64"),
+    (128, 4, 2, 64, 4, torch.bfloat16, "kv_channels=64"),
+    (128, 4, 2, 128, 17, torch.bfloat16, "msa_topk=17"),
+    (128, 32, 1, 128, 4, torch.bfloat16, "= 32 query heads per KV head"),
     (128, 4, 2, 128, 4, torch.float32, "torch.float32"),
     (128, 64, 4, 128, 16, torch.bfloat16, None),  # MiniMax-M3
     (128, 4, 4, 128, 1, torch.float16, None),
@@ -301,7 +301,7 @@ def test_any_q2k_gives_the_dense_oracle(fake_flashinfer, pack, heads, top_k, see
     q2k = _scrambled(msa, hkv, top_k, g)
     scale = 1.0 / math.sqrt(128)
     out, lse = fa.flashinfer_attention_forward(q, k, v, q2k, msa, scale)
-    torch.testing.assert_close(out, dense_document_attention(q, k, v, msa, scale, q2k=q2k))
+    torch.testing.assert_close(out, masked_attention_reference(q, k, v, msa, scale, q2k=q2k))
     ref_lse = _dense_lse(q, k, msa, q2k, scale)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)

@@ -27,7 +27,7 @@ import nemo_msa.backends_flashinfer as bf
 import nemo_msa.backends_triton as bt
 from nemo_msa import MSAMicrobatch, backends, register_backend, sparse_attention
 from nemo_msa.attention import flashinfer_adapter as fa
-from nemo_msa.attention.naive import dense_document_attention
+from nemo_msa.attention.naive import masked_attention_reference
 from nemo_msa.backends import ENV_VAR, get_backend, known_backends, resolve_backend
 from nemo_msa.selection.naive import select_blocks_reference
 
@@ -218,7 +218,7 @@ def test_forward_and_gradients_through_the_triton_backward(flashinfer_here):
     ref_out, ref_lse, *ref_grads = results["reference"]
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-5, atol=1e-5)
-    dense = dense_document_attention(q.double(), k.double(), v.double(), msa, q2k=q2k)
+    dense = masked_attention_reference(q.double(), k.double(), v.double(), msa, q2k=q2k)
     assert _rel(out, dense) < 1e-2
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
         assert got.dtype == torch.bfloat16 and got.shape == want.shape
@@ -277,7 +277,7 @@ def test_real_flashinfer_forward_and_gradients(rows, seq_len, top_k):
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
     if msa.num_tokens <= 4096:
-        dense = dense_document_attention(q.double(), k.double(), v.double(), msa, scale, q2k)
+        dense = masked_attention_reference(q.double(), k.double(), v.double(), msa, scale, q2k)
         assert _rel(out, dense) < 1e-2
     xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
     grads = torch.autograd.grad(sparse_attention(*xs, q2k, msa, backend="flashinfer"), xs, dout)

@@ -31,13 +31,17 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # What every layer reads: the contract's limits, the document map and the layout built from
     # it, the canonical q2k. The kernels take the layout as their input, so it sits below them.
-    # The kernels' typed view of the layout (device index tensors, torch only) sits with it.
-    ("layout", ("nemo_msa.limits", "nemo_msa.document_map", "nemo_msa.layout", "nemo_msa.q2k",
-                "nemo_msa.kernel_layout")),
+    # The kernels' typed view of the layout (device index tensors, torch only) sits with it, and
+    # the backends' capability records (data read by the kernels' asserts and the plan).
+    ("layout", ("nemo_msa.limits", "nemo_msa.capabilities", "nemo_msa.document_map",
+                "nemo_msa.layout", "nemo_msa.q2k", "nemo_msa.triton.kernel_layout")),
     # Kernels and references: attention (naive, dense, Triton, flashinfer adapter), selection,
     # the indexer loss (reference, by-products, fused dense).
-    ("kernels", ("nemo_msa.attention", "nemo_msa.selection", "nemo_msa.indexer_loss")),
-    # The core: backend record, backend modules, registry, ops, support gate, the public facade.
+    # The Triton pieces they share (launch settings, tile helpers) live in nemo_msa.triton.
+    ("kernels", ("nemo_msa.attention", "nemo_msa.selection", "nemo_msa.indexer_loss",
+                 "nemo_msa.triton")),
+    # The core: backend record, backend modules, registry, ops, support gate, the layer plan, the
+    # public facade.
     ("core", (
         "nemo_msa.backend_spec",
         "nemo_msa.backends_reference",
@@ -46,9 +50,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "nemo_msa.backends",
         "nemo_msa.ops",
         "nemo_msa.support",
+        "nemo_msa.plan",
         "nemo_msa",
     )),
     ("megatron", ("nemo_msa.megatron",)),
+    # The layer specs assemble the MSA modules with Megatron's backend spec providers.
+    ("specs", ("nemo_msa.megatron.layer_specs",)),
     ("training", ("nemo_msa.training",)),
 )
 
@@ -60,7 +67,7 @@ DEFERRED_ALLOWED = {
     "triton": "optional kernels' dependency",
     "matplotlib": "optional: the loss-curve PNG only",
     "tqdm": "optional: the progress bar only",
-    "layer_specs": "the top-level spec package, above nemo_msa.megatron (MSA runs only)",
+    "transformer_engine": "optional: the layer specs' TE implementation only",
 }
 #: Package modules a layer may import inside a function: training falls back to a dense GPT
 #: where the MSA extension (nemo_msa.megatron, hence Megatron-Core) does not import

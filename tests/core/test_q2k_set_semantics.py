@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from nemo_msa import MSAMicrobatch, select_blocks, sparse_attention
 from nemo_msa.attention.naive import (
     canonical_q2k,
-    dense_document_attention,
+    masked_attention_reference,
     sparse_attention_forward_reference,
 )
 from nemo_msa.ops import validate_q2k
@@ -70,7 +70,7 @@ def test_reference_forward_means_the_set(seed, extra):
     v = torch.randn(msa.num_tokens, KV_HEADS, DIM, dtype=torch.float64, generator=gen)
     scale = 1 / math.sqrt(DIM)
     out, _ = sparse_attention_forward_reference(q, k, v, messy, msa, scale)
-    want = dense_document_attention(q, k, v, msa, scale, q2k=canon)  # independent oracle
+    want = masked_attention_reference(q, k, v, msa, scale, q2k=canon)  # independent oracle
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
 
 
@@ -100,8 +100,8 @@ def test_the_dense_oracle_reads_the_set_too():
     q = torch.randn(msa.num_tokens, Q_HEADS, DIM, dtype=torch.float64)
     k = torch.randn(msa.num_tokens, KV_HEADS, DIM, dtype=torch.float64)
     v = torch.randn(msa.num_tokens, KV_HEADS, DIM, dtype=torch.float64)
-    torch.testing.assert_close(dense_document_attention(q, k, v, msa, q2k=messy),
-                               dense_document_attention(q, k, v, msa, q2k=canon))
+    torch.testing.assert_close(masked_attention_reference(q, k, v, msa, q2k=messy),
+                               masked_attention_reference(q, k, v, msa, q2k=canon))
 
 
 def _edit(q2k: torch.Tensor, h: int, t: int, row: list[int]) -> torch.Tensor:

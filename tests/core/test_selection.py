@@ -132,7 +132,7 @@ def test_forced_init_and_local_blocks_count_inside_top_k():
     "change, message",
     [
         ({"top_k": 0}, "top_k=0"),
-        ({"top_k": 33}, "top_k=33"),
+        ({"top_k": 33}, "msa_topk=33: the reference"),
         ({"score": "mean"}, "score='mean'"),
         ({"index_q": torch.zeros(5, 2, 8, dtype=torch.int64)}, "index_q must be a float"),
         ({"index_k": torch.zeros(5, 4)}, "index_k dim 4"),

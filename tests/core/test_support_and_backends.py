@@ -18,6 +18,7 @@ from nemo_msa import (
     select_blocks,
 )
 from nemo_msa.backends import ENV_VAR, MSABackend, get_backend, known_backends
+from nemo_msa.plan import MSAPlan
 
 
 def production_config(**changes):
@@ -130,7 +131,7 @@ def test_a_registered_backend_is_dispatched_to(monkeypatch):
         attention_forward=reference.attention_forward,
         attention_backward=reference.attention_backward,
         unavailable_reason=lambda device: None if device.type == "cpu" else "cpu only",
-        description="test double",
+        capabilities=reference.capabilities, description="test double",
     ))
     msa = MSAMicrobatch.build(batch_size=1, seq_len=40, block_size=16)
     got = select_blocks(torch.randn(40, 1, 8), torch.randn(40, 8), msa, top_k=2,
@@ -163,7 +164,8 @@ def test_forward_residuals_reach_the_backward(monkeypatch):
     register_backend(MSABackend(
         name="residual", select_blocks=reference.select_blocks, attention_forward=forward,
         attention_backward=backward, unavailable_reason=lambda device: None,
-        description="test double", forward_residuals=True,
+        capabilities=reference.capabilities, description="test double",
+        forward_residuals=True,
     ))
     g = torch.Generator().manual_seed(3)
     msa = MSAMicrobatch.build(batch_size=1, seq_len=40, block_size=16)
@@ -210,8 +212,9 @@ def test_the_gate_asks_the_backend_that_will_run(triton_runs_on_the_cpu, changes
     backend that can run it instead."""
     config = production_config(**changes)
     with pytest.raises(ValueError, match=re.escape(field)):
-        require_msa_support(config, backend="triton", device="cpu", dtype=torch.bfloat16)
-    assert require_msa_support(config, backend="auto", device="cpu", dtype=torch.bfloat16)
+        MSAPlan.build(config, "cpu", torch.bfloat16, backend="triton")
+    assert MSAPlan.build(config, "cpu", torch.bfloat16, backend="auto").backend.name == (
+        "reference")
     assert resolve_backend(
         "auto", "cpu", score_type=config.msa_score_type, head_dim=config.kv_channels,
         index_head_dim=config.msa_index_head_dim, block_size=config.msa_block_size,
@@ -219,11 +222,9 @@ def test_the_gate_asks_the_backend_that_will_run(triton_runs_on_the_cpu, changes
 
 
 def test_the_gate_refuses_triton_for_fp32_parameters(triton_runs_on_the_cpu):
-    require_msa_support(production_config(), backend="triton", device="cpu",
-                        dtype=torch.bfloat16)
+    MSAPlan.build(production_config(), "cpu", torch.bfloat16, backend="triton")
     with pytest.raises(ValueError, match="params dtype torch.float32"):
-        require_msa_support(production_config(), backend="triton", device="cpu",
-                            dtype=torch.float32)
+        MSAPlan.build(production_config(), "cpu", torch.float32, backend="triton")
     assert resolve_backend("auto", "cpu", dtype=torch.bfloat16).name == "triton"
 
 
@@ -232,7 +233,7 @@ def test_on_the_gpu_the_gate_refuses_lse_and_head_dim_256_for_triton():
     for changes, field in ((dict(msa_score_type="lse"), "msa_score_type"),
                            (dict(kv_channels=256), "kv_channels=256")):
         with pytest.raises(ValueError, match=field):
-            require_msa_support(production_config(**changes), backend="triton", device="cuda",
-                                dtype=torch.bfloat16)
-    assert require_msa_support(production_config(), backend="triton", device="cuda",
-                               dtype=torch.bfloat16)
+            MSAPlan.build(production_config(**changes), "cuda", torch.bfloat16,
+                          backend="triton")
+    assert MSAPlan.build(production_config(), "cuda", torch.bfloat16,
+                         backend="triton").backend.name == "triton"

@@ -445,7 +445,7 @@ def sequence_parallel_worker(rank: int, world_size: int) -> dict:
     outputs = {}
     for sp in (False, True):
         config = tiny_config(tensor_model_parallel_size=world_size, sequence_parallel=sp)
-        spec = get_msa_self_attention_spec(config, sparse=True, backend="local")
+        spec = get_msa_self_attention_spec(config, sparse=True, transformer_impl="local")
         layer = build_module(spec, config=config, layer_number=1)
         with torch.no_grad():
             for name, param in layer.named_parameters():

@@ -74,12 +74,23 @@ def test_production_topology_defaults():
         ("msa_layer_pattern", "SSD", "describes 3 layers; expected num_layers=4"),
         ("msa_layer_pattern", "SSXD", "characters \\['X'\\]"),
         ("msa_layer_pattern", [1, 2, 1, 1], "0/1 per layer"),
-        ("tensor_model_parallel_size", 8, "tensor_model_parallel_size=8 exceeds"),
     ],
 )
 def test_config_rejects_bad_fields(field, value, match):
     with pytest.raises(ValueError, match=match):
         MSATransformerConfig(**{**PRODUCTION, field: value})
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_the_layer_refuses_tensor_parallelism_that_splits_a_kv_head():
+    """Checked once, when the layer is built, against its tensor-parallel group's size."""
+    from nemo_msa.megatron.msa_attention import check_msa_layer_config
+
+    config = tiny_config()
+    assert check_msa_layer_config(config, tp_size=2, cp_size=1, sparse=True).backend
+    for tp in (4, 3):
+        with pytest.raises(ValueError, match=f"tensor parallel size {tp} with num_query_groups=2"):
+            check_msa_layer_config(config, tp_size=tp, cp_size=1, sparse=True)
 
 
 def test_layer_pattern_forms():
@@ -109,7 +120,7 @@ def test_specs_follow_the_pattern_and_share_objects():
 def test_sequence_parallel_with_local_norms_is_refused_with_the_reason():
     config = tiny_config()
     config.sequence_parallel = True  # set after validation, as a launcher might
-    with pytest.raises(ValueError, match="sequence_parallel=True with backend='local'"):
+    with pytest.raises(ValueError, match="sequence_parallel=True with transformer_impl='local'"):
         get_msa_layer_spec(config)
 
 
@@ -117,7 +128,7 @@ def test_transformer_engine_spec_where_te_imports():
     reason = te_unavailable_reason()
     if reason is not None:
         with pytest.raises(ImportError, match="needs Transformer Engine"):
-            get_msa_self_attention_spec(tiny_config(), backend="transformer_engine")
+            get_msa_self_attention_spec(tiny_config(), transformer_impl="transformer_engine")
         pytest.skip(f"TE spec not buildable here: {reason}")
     if not torch.cuda.is_available():
         pytest.skip("Transformer Engine imports but there is no CUDA device to run its layers")
@@ -138,7 +149,7 @@ def test_transformer_engine_spec_where_te_imports():
 def _build_attention(config, sparse=True):
     from megatron.core.transformer.spec_utils import build_module
 
-    spec = get_msa_self_attention_spec(config, sparse=sparse, backend="local")
+    spec = get_msa_self_attention_spec(config, sparse=sparse, transformer_impl="local")
     return build_module(spec, config=config, layer_number=1)
 
 
@@ -177,7 +188,7 @@ def test_the_layer_gate_asks_the_triton_backend_for_lse(monkeypatch):
     monkeypatch.setitem(backends._REGISTRY, "triton",
                         dataclasses.replace(triton, unavailable_reason=lambda device: None))
     config = tiny_config(msa_backend="triton", msa_score_type="lse", bf16=True)
-    with pytest.raises(ValueError, match="msa_score_type='lse': the Triton selection"):
+    with pytest.raises(ValueError, match="msa_score_type='lse': the Triton kernels take one of"):
         _build_attention(config)
     _build_attention(tiny_config(msa_backend="auto", msa_score_type="lse"))  # reference runs
 

@@ -9,8 +9,7 @@ import torch
 
 from nemo_msa import MSAMicrobatch
 from nemo_msa.attention import dense_document_attention
-from nemo_msa.attention.naive import dense_document_attention as oracle
-from nemo_msa.megatron import msa_attention
+from nemo_msa.attention.naive import masked_attention_reference as oracle
 
 
 def test_dense_document_attention_matches_the_oracle_with_gqa_and_padding():
@@ -47,24 +46,32 @@ def test_sbhd_pack_and_unpack_match_the_layout_on_transposed_tensors():
     assert torch.equal(back[ids.T == 0], torch.zeros_like(back[ids.T == 0]))
 
 
-def test_layer_takes_the_fused_dense_loss_only_where_it_computes_the_same_function(monkeypatch):
-    """``MSASelfAttention.fused_dense_loss``: score "max", a Triton-based backend and a shape the
-    kernel runs; otherwise the chunked reference (a GPU-less double stands in for the backend)."""
-    backend = {"name": "triton"}
-    monkeypatch.setattr(msa_attention, "resolve_backend",
-                        lambda name, device: SimpleNamespace(name=backend["name"]))
-    bf = torch.bfloat16
-    q, k, iq = torch.zeros(8, 8, 16, dtype=bf), torch.zeros(8, 2, 16, dtype=bf), torch.zeros(
-        8, 2, 16, dtype=bf)
+def test_the_plan_takes_the_fused_dense_loss_only_where_it_computes_the_same_function(
+        monkeypatch):
+    """``MSAPlan.fused_dense_loss``: score "max", a backend whose record has the fused loss and
+    a shape and dtype the kernel runs; otherwise the chunked reference (a GPU-less double of the
+    Triton backend's device check stands in)."""
+    import dataclasses
 
-    def fused(score="max", block=64, query=q, index_q=iq):
-        layer = SimpleNamespace(config=SimpleNamespace(
-            msa_score_type=score, msa_backend="auto", msa_block_size=block))
-        return msa_attention.MSASelfAttention.fused_dense_loss(layer, query, k, index_q)
+    from nemo_msa import backends
+    from nemo_msa.plan import MSAPlan
+
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    triton = backends.get_backend("triton")
+    monkeypatch.setitem(backends._REGISTRY, "triton",
+                        dataclasses.replace(triton, unavailable_reason=lambda device: None))
+
+    def fused(backend="triton", dtype=torch.bfloat16, **changes):
+        fields = dict(num_attention_heads=8, num_query_groups=2, kv_channels=16, hidden_size=128,
+                      msa_num_index_heads=2, msa_index_head_dim=16, msa_block_size=64,
+                      msa_topk=4, msa_init_blocks=0, msa_local_blocks=1, msa_score_type="max")
+        fields.update(changes)
+        return MSAPlan.build(SimpleNamespace(**fields), "cpu", dtype,
+                             backend=backend).fused_dense_loss
 
     assert fused()
-    assert not fused(score="lse")
-    assert not fused(block=256)
-    assert not fused(query=q.float(), index_q=iq.float())
-    backend["name"] = "reference"
-    assert not fused()
+    assert not fused(backend="reference")
+    assert not fused(backend="reference", msa_score_type="lse")
+    assert not fused(backend="reference", msa_block_size=256)
+    assert not fused(backend="reference", dtype=torch.float32)
+    assert not fused(num_attention_heads=64)  # 32 query heads per KV head

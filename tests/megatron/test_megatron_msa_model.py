@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -25,6 +26,7 @@ from nemo_msa.megatron import (
     set_main_parameters_trainable,
     set_training_iteration,
 )
+from nemo_msa.plan import MSAPlan
 
 pytestmark = pytest.mark.usefixtures("single_rank")
 
@@ -348,7 +350,9 @@ def test_sparse_loss_from_byproducts_matches_the_recomputing_reference(monkeypat
     loss, grads = _loss_and_grads(msa_indexer_loss_type="sparse", **recompute)
     kl = MSAIndexerMetrics.pop(reduce=False)["indexer_loss"]
     assert calls, "the sparse loss did not take the by-product path"
-    monkeypatch.setattr(msa_attention.MSASelfAttention, "loss_from_byproducts", lambda self: False)
+    build = MSAPlan.build.__func__
+    monkeypatch.setattr(MSAPlan, "build", classmethod(lambda cls, *a, **k: dataclasses.replace(
+        build(cls, *a, **k), loss_from_byproducts=False)))
     ref_loss, ref_grads = _loss_and_grads(msa_indexer_loss_type="sparse", **recompute)
     ref_kl = MSAIndexerMetrics.pop(reduce=False)["indexer_loss"]
     assert len(calls) == 3, calls  # one per MSA layer; the reference run made none

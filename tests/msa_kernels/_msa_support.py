@@ -1,13 +1,14 @@
-"""Shared helpers of the Triton kernel tests: a small layout stand-in and random selections.
+"""Shared helpers of the Triton kernel tests: layouts of packed rows and random selections.
 
 The float64 references are nemo_msa.testing.oracle's (shared with scripts/bench_msa.py).
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
+
+from nemo_msa import MSAMicrobatch
+from nemo_msa.testing.packs import document_map_from_lengths
 
 #: Where the kernels run in these tests: compiled on a CUDA GPU, else under the interpreter on
 #: the host. Inputs and float64 references are built on the host either way (same seeds, same
@@ -21,48 +22,28 @@ def on_kernel_device(*tensors: torch.Tensor):
     return moved[0] if len(moved) == 1 else moved
 
 
-def layout_on_kernel_device(msa):
-    """A copy of a :func:`make_layout` namespace with its tensors on :data:`KERNEL_DEVICE`."""
-    fields = {name: value.to(KERNEL_DEVICE) if isinstance(value, torch.Tensor) else value
-              for name, value in vars(msa).items()}
-    return SimpleNamespace(**fields)
+def layout_on_kernel_device(msa: MSAMicrobatch) -> MSAMicrobatch:
+    """The same layout built from its document map on :data:`KERNEL_DEVICE`."""
+    ids = torch.zeros(msa.batch_size * msa.seq_len, dtype=torch.int64)
+    ids[msa.token_rows.cpu()] = msa.token_documents.cpu().long() + 1
+    init_blocks, local_blocks = msa.forced_blocks
+    return MSAMicrobatch.from_document_map(
+        ids.view(msa.batch_size, msa.seq_len).to(KERNEL_DEVICE), block_size=msa.block_size,
+        init_blocks=init_blocks, local_blocks=local_blocks)
 
 
-def make_layout(rows: list[list[int]], seq_len: int, block_size: int, device="cpu"):
-    """Builds the layout fields the kernels read, for documents packed into padded rows.
+def make_layout(rows: list[list[int]], seq_len: int, block_size: int,
+                device="cpu") -> MSAMicrobatch:
+    """The layout of documents packed into padded rows (what the kernels take in production).
 
     Args:
         rows: per batch row, the document lengths in order (the rest of the row is padding).
         seq_len: padded row length.
         block_size: MSA block size.
         device: where the tensors live.
-
-    Returns:
-        A namespace with ``cu_seqlens`` int32 [D+1], ``token_documents`` int32 [T],
-        ``document_positions`` int32 [T], ``token_rows`` int64 [T], host ints ``num_tokens``,
-        ``num_documents``, ``max_seqlen``, ``block_size``, ``batch_size``, ``seq_len``.
     """
-    lengths, token_rows = [], []
-    for r, docs in enumerate(rows):
-        assert sum(docs) <= seq_len
-        off = 0
-        for n in docs:
-            lengths.append(n)
-            token_rows.extend(range(r * seq_len + off, r * seq_len + off + n))
-            off += n
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    docs = [d for d, n in enumerate(lengths) for _ in range(n)]
-    pos = [p for n in lengths for p in range(n)]
-    return SimpleNamespace(
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
-        token_documents=torch.tensor(docs, dtype=torch.int32, device=device),
-        document_positions=torch.tensor(pos, dtype=torch.int32, device=device),
-        token_rows=torch.tensor(token_rows, dtype=torch.int64, device=device),
-        num_tokens=cu[-1], num_documents=len(lengths), max_seqlen=max(lengths),
-        block_size=block_size, batch_size=len(rows), seq_len=seq_len,
-    )
+    return MSAMicrobatch.from_document_map(
+        document_map_from_lengths(rows, seq_len, device), block_size=block_size)
 
 
 def random_q2k(msa, hkv, top_k, block_size, gen, drop_own=False):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 KERNEL_MODULES = (
-    "nemo_msa.kernel_layout",
+    "nemo_msa.triton.kernel_layout",
     "nemo_msa.selection.triton_select",
     "nemo_msa.attention.triton_union",
     "nemo_msa.attention.triton_fwd",
@@ -34,7 +34,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 def set_launch():
     """``set_launch({"fwd.union_qt": 0, ...})``: launch parameters for the rest of the test
     (``launch_overrides`` blocks entered in order and left when the test ends)."""
-    from nemo_msa.attention.triton_launch import launch_overrides
+    from nemo_msa.triton.launch import launch_overrides
 
     with contextlib.ExitStack() as stack:
         yield lambda settings: stack.enter_context(launch_overrides(settings))

@@ -19,18 +19,19 @@ def _bench():
 
 
 def test_overrides_set_json_values_and_plain_strings():
-    from nemo_msa.attention.triton_launch import ForwardLaunch, current_launch
+    from nemo_msa.triton.launch import ForwardLaunch, current_launch
 
-    with _bench().apply_overrides(["fwd.union_max=48", "bwd.skip=dq", "bwd.dq_union_tma=false",
+    with _bench().apply_overrides(["fwd.union_max=48", "bwd.kv_warps=8", "bwd.dq_union_tma=false",
                                    "sel.tma=false", "fwd.union_maxnreg=null"]) as launches:
         assert launches["fwd"].union_max == 48 and launches["fwd"].union_maxnreg is None
-        assert launches["bwd"].skip == "dq" and launches["bwd"].dq_union_tma is False
+        assert launches["bwd"].kv_warps == 8 and launches["bwd"].dq_union_tma is False
         assert current_launch("sel").tma is False
     assert current_launch("fwd") == ForwardLaunch()
 
 
 @pytest.mark.parametrize("item", ["fwd.no_such_key=1", "attn.union_max=1", "fwd.union_max=",
-                                  "fwd.union_max=4.5", "fwd.union_build=triton", "bwd.skip=dk"])
+                                  "fwd.union_max=4.5", "fwd.union_build=triton", "bwd.skip=dq",
+                                  "fwd.union_flat=false"])
 def test_overrides_reject_unknown_kernels_keys_and_bad_values(item):
     with pytest.raises(SystemExit, match="expected KERNEL.KEY=VALUE"):
         _bench().apply_overrides([item])

@@ -16,9 +16,9 @@ from _msa_support import layout_on_kernel_device, make_layout, on_kernel_device,
 import nemo_msa.attention.triton_union as tu
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
-from nemo_msa.attention.triton_launch import ForwardLaunch
-from nemo_msa.kernel_layout import kernel_layout
 from nemo_msa.testing.oracle import attention_grads_f64, rel_err, tile_unions_reference
+from nemo_msa.triton.kernel_layout import kernel_layout
+from nemo_msa.triton.launch import ForwardLaunch
 
 TOL = 1e-2  # bf16 operands: MSA_SPEC.md's bound on ||x - ref|| / ||ref||
 
@@ -178,15 +178,14 @@ def test_union_register_cap_only_with_the_own_block_by_tma():
     assert tf.union_register_cap(128, False) is None
 
 
-@pytest.mark.parametrize("flat,own_tma", [(False, False), (True, False), (False, True),
-                                          (True, True)])
-def test_union_flat_loop_and_own_block_by_tma_match_reference(set_launch, flat, own_tma):
+@pytest.mark.parametrize("own_tma", [False, True])
+def test_union_flat_loop_and_own_block_by_tma_match_reference(set_launch, own_tma):
     """The union forward's flat whole-block loop (one 64-key tile per step, d = 128 and block
     128 so that a block is two tiles) and its own block read by TMA, with the union dq, against
     float64. The documents end inside a block, the next document starts with infinite K and V
     rows (a zero probability or dS must not meet them), and some rows select a block past
     their own (it holds no visible key and must contribute nothing)."""
-    set_launch({"fwd.union_max": 1000, "fwd.union_flat": flat, "fwd.union_own_tma": own_tma,
+    set_launch({"fwd.union_max": 1000, "fwd.union_own_tma": own_tma,
                 "bwd.dq_union_max": 1000})
     bs, hq, hkv, d, top_k = 128, 16, 1, 128, 3
     gen = torch.Generator().manual_seed(31)
@@ -262,13 +261,15 @@ def test_union_build_programs_write_only_their_tiles():
     ("fwd.tile_grid_tiles", 2.0, "fwd.tile_grid_tiles=2.0: expected int"),
     ("fwd.union_tma", 1, "fwd.union_tma=1: expected bool"),
     ("fwd.union_maxnreg", "128", "fwd.union_maxnreg='128': expected int or None"),
-    ("bwd.skip", "dk", "bwd.skip='dk': expected '' or 'dq' or 'dkdv'"),
+    # Gone: a backward that skipped dq also skipped delta, which dk/dv read (wrong dk).
+    ("bwd.skip", "dq", "unknown launch parameter 'bwd.skip'"),
+    ("fwd.union_flat", False, "unknown launch parameter 'fwd.union_flat'"),
     ("fwd.union_build", "torch", "unknown launch parameter 'fwd.union_build'"),
     ("attn.union_max", 1, "unknown launch parameter 'attn.union_max'"),
 ])
 def test_launch_settings_are_validated(key, value, match):
     """A bad launch setting is named with its value before anything launches."""
-    from nemo_msa.attention.triton_launch import launch_overrides
+    from nemo_msa.triton.launch import launch_overrides
 
     with pytest.raises(ValueError, match=re.escape(match)):
         with launch_overrides({key: value}):
@@ -276,14 +277,14 @@ def test_launch_settings_are_validated(key, value, match):
 
 
 def test_launch_overrides_restore_the_defaults_and_launchers_take_instances():
-    from nemo_msa.attention.triton_launch import current_launch, launch_overrides
+    from nemo_msa.triton.launch import current_launch, launch_overrides
 
     with launch_overrides({"fwd.union_max": 48}, fwd=ForwardLaunch(union_qt=4)) as launches:
         assert launches["fwd"] == ForwardLaunch(union_qt=4, union_max=48)
         assert current_launch("fwd") == launches["fwd"]
-        with launch_overrides({"bwd.skip": "dq"}):
-            assert current_launch("fwd").union_max == 48 and current_launch("bwd").skip == "dq"
-        assert current_launch("bwd").skip == ""
+        with launch_overrides({"bwd.kv_warps": 8}):
+            assert current_launch("fwd").union_max == 48 and current_launch("bwd").kv_warps == 8
+        assert current_launch("bwd").kv_warps == 4
     assert current_launch("fwd") == ForwardLaunch()
     msa = make_layout([[20]], 20, 16)
     gen = torch.Generator().manual_seed(2)
@@ -302,8 +303,8 @@ def test_launch_overrides_restore_the_defaults_and_launchers_take_instances():
 def test_kv_descriptors_only_for_unit_head_stride_and_aligned_rows():
     """TMA needs k/v viewable as [T, Hkv * d] with 16-byte aligned rows; anything else falls
     back to pointer loads (None) rather than reading the wrong rows."""
-    from nemo_msa.attention.triton_tiles import TensorDescriptor, kv_descriptors
-    from nemo_msa.kernel_layout import INTERPRET
+    from nemo_msa.triton.kernel_layout import INTERPRET
+    from nemo_msa.triton.tiles import TensorDescriptor, kv_descriptors
 
     if TensorDescriptor is None:
         pytest.skip("this Triton has no host TensorDescriptor (the kernels use pointer loads)")

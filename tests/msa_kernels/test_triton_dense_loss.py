@@ -15,10 +15,10 @@ import torch
 from _msa_support import KERNEL_DEVICE
 
 from nemo_msa import MSAMicrobatch
+from nemo_msa.capabilities import TRITON
 from nemo_msa.indexer_loss import (
     compute_indexer_loss,
     dense_indexer_loss_triton,
-    dense_loss_kernel_unsupported,
 )
 from nemo_msa.selection import select_blocks_reference
 from nemo_msa.testing.packs import document_map_from_lengths
@@ -132,11 +132,19 @@ def test_dense_loss_propagates_nan():
 def test_dense_loss_refuses_shapes_and_second_backward():
     msa = _layout([[40]], 40, 16, KERNEL_DEVICE)
     iq, ik, q, k = (x.to(KERNEL_DEVICE) for x in _inputs(40, 1, 2, 16, 16, seed=1))
-    assert "dtype" in dense_loss_kernel_unsupported(q.float(), k, iq, 16)
-    assert "block size 256" in dense_loss_kernel_unsupported(q, k, iq, 256)
-    assert "heads per KV head 32" in dense_loss_kernel_unsupported(
-        q.repeat(1, 16, 1), k, iq, 16)
-    with pytest.raises(ValueError, match="cannot run query dtype torch.float32"):
+    assert "params dtype torch.float32" in TRITON.why_not_fused_dense_loss(
+        dtype=torch.float32, head_dim=16, index_head_dim=16, block_size=16, group=2,
+        score_type="max")
+    assert "msa_block_size=256" in TRITON.why_not_fused_dense_loss(
+        dtype=torch.bfloat16, head_dim=16, index_head_dim=16, block_size=256, group=2,
+        score_type="max")
+    assert "32 query heads per KV head" in TRITON.why_not_fused_dense_loss(
+        dtype=torch.bfloat16, head_dim=16, index_head_dim=16, block_size=16, group=32,
+        score_type="max")
+    with pytest.raises(ValueError, match="cannot run params dtype torch.float32"):
+        dense_indexer_loss_triton(iq.float(), ik.float(), q.float(), k.float(), msa,
+                                  softmax_scale=0.3, num_index_heads_total=1, loss_coeff=1.0)
+    with pytest.raises(ValueError, match="index_q dtype torch.bfloat16 differs"):
         dense_indexer_loss_triton(iq, ik, q.float(), k, msa, softmax_scale=0.3,
                                   num_index_heads_total=1, loss_coeff=1.0)
     iq.requires_grad_(True)

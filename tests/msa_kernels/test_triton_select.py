@@ -94,7 +94,7 @@ def test_selection_rejects_bad_arguments():
     msa = make_layout([[32]], 32, 16)
     q = torch.zeros((32, 1, 16), dtype=torch.bfloat16)
     k = torch.zeros((32, 16), dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="top_k=40"):
+    with pytest.raises(ValueError, match="cannot run msa_topk=40: the Triton kernels take 1..32"):
         triton_select_blocks(q, k, msa, top_k=40, init_blocks=0, local_blocks=1, block_size=16)
     with pytest.raises(ValueError, match="index_k"):
         triton_select_blocks(q, k[:, :8], msa, top_k=4, init_blocks=0, local_blocks=1,

@@ -72,8 +72,6 @@ class ForwardLaunch:
         union_stages: union kernel: pipeline depth.
         union_tma: read the whole blocks before a tile's own block by TMA (Hopper or newer;
             False forces the pointer loads other GPUs take).
-        union_flat: the whole-block loop takes one key tile per step (one K/V buffer per stage,
-            so that two programs fit an SM's shared memory).
         union_own_tma: read the own block by TMA too (no int64 pointer tiles in registers).
         union_maxnreg: register cap per thread of the union kernel (None: Triton's), applied
             only with the own block by TMA (else it spills the pointer tiles); with it two
@@ -93,7 +91,6 @@ class ForwardLaunch:
     union_bn: int = 64
     union_stages: int = 2
     union_tma: bool = True
-    union_flat: bool = True
     union_own_tma: bool = True
     union_maxnreg: int | None = 128
     tile_grid_tiles: int = 1
@@ -122,8 +119,6 @@ class BackwardLaunch:
         kv_bn: dk/dv: keys per program (a block is split into ``bs / kv_bn`` programs).
         kv_rows: dk/dv: rows per query tile (tokens x padded group).
         kv_warps, kv_stages: dk/dv: warps and stages.
-        skip: ``"dq"`` or ``"dkdv"`` leaves that kernel out, so that a benchmark times the
-            other alone; ``""`` runs both.
     """
 
     dq_bn: int = 64
@@ -142,7 +137,6 @@ class BackwardLaunch:
     kv_rows: int = 64
     kv_warps: int = 4
     kv_stages: int = 2
-    skip: typing.Literal["", "dq", "dkdv"] = ""
 
     def __post_init__(self) -> None:
         _check_fields(self, "bwd")

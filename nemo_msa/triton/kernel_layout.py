@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_msa.capabilities import TRITON
+
 # The Triton interpreter computes tl.dot on bf16 operands wrongly (PLATFORM.md); kernels take
 # this as a constexpr and cast their dot operands to fp32 when it is set.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -102,22 +104,23 @@ def kernel_layout(msa, block_size: int) -> KernelLayout:
 
     Args:
         msa: an ``MSAMicrobatch`` (its :meth:`~nemo_msa.layout.MSAMicrobatch.kernel_layout`
-            builds the view once and keeps it), a :class:`KernelLayout` of that block size, or
-            any object with the fields :func:`build_kernel_layout` reads (built each call).
+            builds the view once and keeps it) or a :class:`KernelLayout` of that block size.
         block_size: key block size in tokens.
 
     Raises:
-        ValueError: for a :class:`KernelLayout` of another block size, or a layout without
-            host ints ``num_tokens`` / ``num_documents``.
+        ValueError: for a :class:`KernelLayout` of another block size.
+        TypeError: for anything else.
     """
     if isinstance(msa, KernelLayout):
         if msa.block_size != block_size:
             raise ValueError(f"a KernelLayout of block_size={msa.block_size} was given for "
                              f"block_size={block_size}")
         return msa
-    if callable(getattr(type(msa), "kernel_layout", None)):
-        return msa.kernel_layout(block_size)
-    return build_kernel_layout(msa, block_size)
+    # Duck-typed: the layout module imports this one, so it cannot name MSAMicrobatch here.
+    if not callable(getattr(type(msa), "kernel_layout", None)):
+        raise TypeError(f"msa must be an MSAMicrobatch or a KernelLayout; got "
+                        f"{type(msa).__name__}")
+    return msa.kernel_layout(block_size)
 
 
 def build_kernel_layout(msa, block_size: int) -> KernelLayout:
@@ -182,10 +185,9 @@ def check_attention_inputs(q, k, v, q2k, view: KernelLayout):
     if q2k.dtype != torch.int32 or q2k.dim() != 3 or q2k.shape[:2] != (hkv, t):
         raise ValueError(f"q2k must be int32 [Hkv={hkv}, T={t}, top_k], got {q2k.dtype} "
                          f"{tuple(q2k.shape)}")
-    if not 1 <= q2k.shape[2] <= 32:
-        raise ValueError(f"q2k top_k={q2k.shape[2]}: expected 1..32")
-    if d not in (16, 32, 64, 128):
-        raise ValueError(f"head dim d={d}: expected one of 16, 32, 64, 128")
+    reason = TRITON.why_not(head_dim=d, top_k=q2k.shape[2])
+    if reason is not None:
+        raise ValueError(f"q {tuple(q.shape)}, q2k {tuple(q2k.shape)}: {reason}")
     if t != view.num_tokens:
         raise ValueError(f"q has T={t} tokens but msa.num_tokens={view.num_tokens}")
     check_kernel_devices(view, q=q, k=k, v=v, q2k=q2k)
@@ -193,9 +195,10 @@ def check_attention_inputs(q, k, v, q2k, view: KernelLayout):
 
 
 def check_block_size(block_size: int) -> None:
-    """The kernels take blocks of 16, 32, 64 or 128 tokens."""
-    if block_size not in (16, 32, 64, 128):
-        raise ValueError(f"block_size={block_size}: expected one of 16, 32, 64, 128")
+    """The kernels take the block sizes of :data:`nemo_msa.capabilities.TRITON`."""
+    reason = TRITON.why_not(block_size=block_size)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 @dataclass(frozen=True)

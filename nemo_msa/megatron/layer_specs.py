@@ -1,0 +1,312 @@
+"""Megatron-Core layer specs for MSA block-sparse attention (MiniMax-M3 style).
+
+Put MSA layers into a GPT model::
+
+    from megatron.core.models.gpt import GPTModel
+    from nemo_msa.megatron import MSATransformerConfig
+    from nemo_msa.megatron.layer_specs import get_msa_decoder_block_spec
+
+    config = MSATransformerConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                                  num_query_groups=4, kv_channels=128, rotary_percent=0.5,
+                                  msa_layer_pattern="DSSS" * 2, attention_dropout=0.0, ...)
+    model = GPTModel(config, get_msa_decoder_block_spec(config, vp_stage=None),
+                     vocab_size=..., max_sequence_length=..., position_embedding_type="rope",
+                     rotary_percent=0.5, rotary_base=5_000_000)
+    loss = model(tokens, position_ids, attention_mask=packed_seq_ids, labels=labels)
+
+``attention_mask`` carries the loader's packed_seq_ids [b, s] (document ids, 0 = padding);
+every MSA and dense layer of the pattern attends within documents and rotates at document
+positions (docs/adr/0005-document-map-to-layers.md).
+
+Two implementations, as Megatron's ``transformer_impl``: ``"local"`` (Megatron-Core modules
+only; runs on the CPU) and ``"transformer_engine"`` (TE linears and norms where TE is
+installed). The modules come from Megatron's own backend spec providers
+(``LocalSpecProvider``, ``TESpecProvider``), as Megatron's GPT specs build theirs; "backend" in
+nemo_msa means the MSA kernels (nemo_msa.backends), never this choice. The input layernorm is not
+fused into ``linear_qkv`` in either, because the indexer reads the normalized hidden states too;
+the ``sharded_state_dict_keys_map`` keeps the checkpoint names of Megatron's fused layout, so
+local and TE checkpoints load into each other.
+
+Specs are built fresh per call and never mutated afterwards: the same spec object is shared by
+all layers of one kind (as Megatron's own block specs do). This module sits above the MSA
+modules and below training (ADR 0017); ``layer_specs`` re-exports it.
+"""
+
+from __future__ import annotations
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+from megatron.core.transformer.enums import AttnMaskType, LayerType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+
+from nemo_msa.megatron.config import normalize_layer_pattern
+from nemo_msa.megatron.core_attention import MSACoreAttention
+from nemo_msa.megatron.indexer import (
+    GemmaRMSNorm,
+    MSAIndexer,
+    MSAIndexerSubmodules,
+    ReplicatedLinear,
+)
+from nemo_msa.megatron.msa_attention import MSASelfAttention, MSASelfAttentionSubmodules
+
+__all__ = [
+    "TRANSFORMER_IMPLS",
+    "get_msa_decoder_block_spec",
+    "get_msa_decoder_layer_specs",
+    "get_msa_layer_spec",
+    "get_msa_self_attention_spec",
+    "spec_provider",
+    "te_unavailable_reason",
+]
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+# The fused-layernorm checkpoint names (Megatron's TE spec) for the separate norms used here.
+_KEYS_MAP = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+
+
+def te_unavailable_reason() -> str | None:
+    """None when Transformer Engine imports, else why not (for skips and errors)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as error:  # ImportError, or a CUDA/ABI error raised on import
+        return f"transformer_engine does not import: {type(error).__name__}: {error}"
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    if not HAVE_TE:
+        return "megatron.core.extensions.transformer_engine reports HAVE_TE=False"
+    return None
+
+
+def _resolve_impl(config: TransformerConfig | None, transformer_impl: str | None) -> str:
+    if transformer_impl is None:
+        impl = getattr(config, "transformer_impl", "local") if config is not None else "local"
+        transformer_impl = "transformer_engine" if impl == "transformer_engine" else "local"
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(
+            f"transformer_impl={transformer_impl!r}; expected one of {TRANSFORMER_IMPLS}")
+    if transformer_impl == "transformer_engine":
+        reason = te_unavailable_reason()
+        if reason is not None:
+            raise ImportError(
+                f"transformer_impl='transformer_engine' (config.transformer_impl="
+                f"{getattr(config, 'transformer_impl', None)!r}, Megatron's default) needs "
+                f"Transformer Engine; {reason}. Set transformer_impl='local' to build the "
+                "Megatron-Core-only spec"
+            )
+    return transformer_impl
+
+
+def spec_provider(transformer_impl: str) -> BackendSpecProvider:
+    """Megatron's backend spec provider of ``transformer_impl`` ("local" or
+    "transformer_engine", already checked by :func:`_resolve_impl`)."""
+    if transformer_impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        return TESpecProvider()
+    return LocalSpecProvider()
+
+
+def _check_sequence_parallel(config: TransformerConfig | None, transformer_impl: str) -> None:
+    if config is not None and config.sequence_parallel and transformer_impl == "local":
+        raise ValueError(
+            "sequence_parallel=True with transformer_impl='local': Megatron's local norms "
+            "(torch.nn.LayerNorm/RMSNorm) do not support sequence parallelism; use "
+            "transformer_impl='transformer_engine' or sequence_parallel=False"
+        )
+
+
+def get_msa_self_attention_spec(
+    config: TransformerConfig | None = None,
+    *,
+    sparse: bool = True,
+    transformer_impl: str | None = None,
+) -> ModuleSpec:
+    """Spec of the MSA self-attention (``sparse=True``) or its dense-document sibling.
+
+    Args:
+        config: the MSATransformerConfig (reads qk_layernorm, normalization, transformer_impl);
+            None builds the local spec without q/k norms.
+        sparse: True for an MSA layer (with the indexer), False for a dense layer of a mixed
+            pattern (document-causal dense attention, no indexer).
+        transformer_impl: "local", "transformer_engine", or None (config.transformer_impl).
+
+    Returns:
+        ModuleSpec of :class:`nemo_msa.megatron.MSASelfAttention`.
+    """
+    impl = _resolve_impl(config, transformer_impl)
+    provider = spec_provider(impl)
+    qk_layernorm = bool(getattr(config, "qk_layernorm", False))
+    rms = getattr(config, "normalization", "LayerNorm") == "RMSNorm"
+    column, row = provider.column_parallel_linear(), provider.row_parallel_linear()
+    # The shared index key head is replicated: TE's plain linear, or this package's.
+    replicated = provider.linear() if impl == "transformer_engine" else ReplicatedLinear
+    qk_norm = provider.layer_norm(rms_norm=rms, for_qk=True)
+
+    indexer = None
+    if sparse:
+        indexer = ModuleSpec(
+            module=MSAIndexer,
+            submodules=MSAIndexerSubmodules(
+                index_q_proj=column,
+                index_k_proj=replicated,
+                # Gemma-style (weight + 1) whatever the implementation: the checkpoint's
+                # convention.
+                index_q_norm=GemmaRMSNorm,
+                index_k_norm=GemmaRMSNorm,
+            ),
+        )
+    return ModuleSpec(
+        module=MSASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MSASelfAttentionSubmodules(
+            linear_qkv=column,
+            core_attention=MSACoreAttention,
+            linear_proj=row,
+            q_layernorm=qk_norm if qk_layernorm else IdentityOp,
+            k_layernorm=qk_norm if qk_layernorm else IdentityOp,
+            indexer=indexer,
+        ),
+    )
+
+
+def get_msa_layer_spec(
+    config: TransformerConfig | None = None,
+    *,
+    sparse: bool = True,
+    transformer_impl: str | None = None,
+) -> ModuleSpec:
+    """Spec of one transformer layer with MSA (or dense-document) self-attention.
+
+    The MLP (dense or MoE: ``num_moe_experts``, ``moe_grouped_gemm``) and norms follow
+    Megatron's GPT layer spec of the same implementation.
+
+    Args:
+        config: the MSATransformerConfig (None: local, LayerNorm, dense MLP).
+        sparse: MSA layer (True) or dense-document layer (False).
+        transformer_impl: "local", "transformer_engine", or None (config.transformer_impl).
+
+    Returns:
+        ModuleSpec of a Megatron ``TransformerLayer``.
+
+    Raises:
+        ValueError: an unknown implementation, or sequence parallelism with the local one.
+        ImportError: "transformer_engine" where TE does not import.
+    """
+    impl = _resolve_impl(config, transformer_impl)
+    _check_sequence_parallel(config, impl)
+    num_experts = getattr(config, "num_moe_experts", None)
+    grouped = bool(getattr(config, "moe_grouped_gemm", False))
+    normalization = getattr(config, "normalization", "LayerNorm")
+    if impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_submodules,
+        )
+
+        base = get_gpt_layer_with_transformer_engine_submodules(
+            num_experts=num_experts, moe_grouped_gemm=grouped
+        )
+        # Not fused into linear_qkv: the indexer reads the normalized hidden states too.
+        input_layernorm = spec_provider(impl).layer_norm()
+        keys_map = {"input_layernorm.": _KEYS_MAP["input_layernorm."]}
+    else:
+        base = get_gpt_layer_local_submodules(
+            num_experts=num_experts, moe_grouped_gemm=grouped, normalization=normalization
+        )
+        input_layernorm = base.input_layernorm
+        keys_map = dict(base.sharded_state_dict_keys_map or _KEYS_MAP)
+    submodules = TransformerLayerSubmodules(
+        input_layernorm=input_layernorm,
+        self_attention=get_msa_self_attention_spec(config, sparse=sparse, transformer_impl=impl),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=base.pre_mlp_layernorm,
+        mlp=base.mlp,
+        mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map=keys_map,
+    )
+    return ModuleSpec(module=TransformerLayer, submodules=submodules)
+
+
+def get_msa_decoder_layer_specs(
+    config: TransformerConfig, transformer_impl: str | None = None
+) -> list[ModuleSpec]:
+    """One layer spec per layer of the whole model, by ``config.msa_layer_pattern``.
+
+    Args:
+        config: the MSATransformerConfig.
+        transformer_impl: "local", "transformer_engine", or None (config.transformer_impl).
+
+    Returns:
+        ``config.num_layers`` specs; MSA layers share one spec object, dense layers another.
+    """
+    flags = normalize_layer_pattern(getattr(config, "msa_layer_pattern", None), config.num_layers)
+    sparse_spec = (get_msa_layer_spec(config, sparse=True, transformer_impl=transformer_impl)
+                   if any(flags) else None)
+    dense_spec = (get_msa_layer_spec(config, sparse=False, transformer_impl=transformer_impl)
+                  if not all(flags) else None)
+    return [sparse_spec if flag else dense_spec for flag in flags]
+
+
+def get_msa_decoder_block_spec(
+    config: TransformerConfig,
+    vp_stage: int | None = None,
+    pp_rank: int | None = None,
+    transformer_impl: str | None = None,
+) -> TransformerBlockSubmodules:
+    """Decoder-block spec of this pipeline stage / virtual chunk, MSA and dense by the pattern.
+
+    Mirrors Megatron's ``get_gpt_decoder_block_spec``: the layers of the stage (``pp_rank``,
+    default the current rank) and virtual chunk ``vp_stage`` are sliced out of the full pattern,
+    honouring ``pipeline_model_parallel_layout`` and uneven first/last stages.
+
+    Args:
+        config: the MSATransformerConfig.
+        vp_stage: virtual pipeline chunk (None without VPP).
+        pp_rank: pipeline rank (None: this process's).
+        transformer_impl: "local", "transformer_engine", or None (config.transformer_impl).
+
+    Returns:
+        ``TransformerBlockSubmodules`` for ``GPTModel(config, transformer_layer_spec=...)``.
+    """
+    impl = _resolve_impl(config, transformer_impl)
+    layer_specs = get_msa_decoder_layer_specs(config, transformer_impl=impl)
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        if not isinstance(layout, PipelineParallelLayerLayout):
+            raise ValueError(
+                f"pipeline_model_parallel_layout={layout!r}; expected a "
+                "PipelineParallelLayerLayout (TransformerConfig converts strings)"
+            )
+        local_specs = [
+            layer_specs[layer_id]
+            for layer_id in layout.get_layer_id_list(
+                layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
+            )
+        ]
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        local_specs = layer_specs[offset : offset + count]
+    if impl == "transformer_engine":
+        final_norm = spec_provider(impl).layer_norm()
+    else:
+        final_norm = get_gpt_layer_local_submodules(
+            normalization=getattr(config, "normalization", "LayerNorm")
+        ).input_layernorm
+    return TransformerBlockSubmodules(layer_specs=local_specs, layer_norm=final_norm)

@@ -1,0 +1,114 @@
+"""One resolved plan per MSA layer: what runs, decided once when the layer is built (ADR 0019).
+
+:meth:`MSAPlan.build` is the construction gate: the config's refusals and topology
+(:func:`nemo_msa.support.require_msa_support`), the backend for the device (the registry, with
+``NEMO_MSA_BACKEND`` read here and nowhere later), the backend's capability record asked for the
+layer's shape and dtype, and the indexer loss's path. The layer keeps the plan and passes
+``plan.backend`` (an :class:`~nemo_msa.backend_spec.MSABackend`, not a name) to the ops, so a
+training step makes no registry lookup and repeats no range check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nemo_msa.backend_spec import MSABackend
+from nemo_msa.backends import resolve_backend
+from nemo_msa.support import MSATopology, require_msa_support
+
+__all__ = ["MSAPlan", "params_dtype"]
+
+
+def params_dtype(config: Any) -> torch.dtype:
+    """The dtype a Megatron config trains its parameters in (bf16, fp16, else fp32)."""
+    if getattr(config, "bf16", False):
+        return torch.bfloat16
+    if getattr(config, "fp16", False):
+        return torch.float16
+    return torch.float32
+
+
+@dataclass(frozen=True)
+class MSAPlan:
+    """What one MSA layer runs, resolved at construction.
+
+    Attributes:
+        topology: the validated topology (heads, dims, block size, top_k, forced blocks, score).
+        backend: the resolved backend; the ops take it as it is.
+        device: where the layer runs.
+        dtype: the layer's parameter dtype (q/k/v and the indexer's).
+        cp_size: the context-parallel group size the layer was built in.
+        loss_from_byproducts: the sparse indexer loss comes from by-products of the selection
+            and the sparse forward (``msa_indexer_loss_type="sparse"``, score ``"max"``; ADR
+            0016); otherwise :func:`nemo_msa.indexer_loss.compute_indexer_loss` recomputes its
+            target.
+        fused_dense_loss: the dense indexer loss (dense warm-up, or
+            ``msa_indexer_loss_type="dense"``) runs fused in Triton
+            (:func:`nemo_msa.indexer_loss.dense_indexer_loss_triton`) rather than on the
+            chunked reference (the same function; ADR 0018).
+        dense_loss_reason: why the dense loss takes the reference (None when fused).
+    """
+
+    topology: MSATopology
+    backend: MSABackend
+    device: torch.device
+    dtype: torch.dtype
+    cp_size: int = 1
+    loss_from_byproducts: bool = False
+    fused_dense_loss: bool = False
+    dense_loss_reason: str | None = None
+
+    @classmethod
+    def build(
+        cls,
+        config: Any,
+        device: torch.device | str,
+        dtype: torch.dtype | None = None,
+        cp_size: int = 1,
+        backend: str | None = None,
+    ) -> MSAPlan:
+        """Resolves a layer's plan; every refusal names the config field.
+
+        Args:
+            config: a Megatron TransformerConfig with the ``msa_*`` fields (or any object with
+                those names).
+            device: where the layer will run.
+            dtype: the parameter dtype (default: from ``config.bf16`` / ``config.fp16``).
+            cp_size: the context-parallel group size (Megatron's process groups).
+            backend: the requested backend (default ``config.msa_backend``); the environment
+                variable ``NEMO_MSA_BACKEND`` overrides it (read here, once).
+
+        Returns:
+            The plan.
+
+        Raises:
+            NotImplementedError: a feature MSA does not run (FP8, fused RoPE, context
+                parallelism; :func:`~nemo_msa.support.require_msa_support`).
+            ValueError: a topology MSA cannot run, or one the backend cannot (from its
+                capability record, naming the field and its value).
+        """
+        requested = backend if backend is not None else getattr(config, "msa_backend", None)
+        topology = require_msa_support(config, requested, cp_size=cp_size)
+        dtype = params_dtype(config) if dtype is None else dtype
+        device = torch.device(device)
+        chosen = resolve_backend(
+            requested, device, score_type=topology.score_type, head_dim=topology.head_dim,
+            index_head_dim=topology.index_head_dim, block_size=topology.block_size,
+            top_k=topology.top_k, dtype=dtype,
+        )
+        caps = chosen.capabilities
+        loss_type = getattr(config, "msa_indexer_loss_type", "sparse")
+        byproducts = loss_type == "sparse" and topology.score_type == "max" and caps.block_mass
+        reason = caps.why_not_fused_dense_loss(
+            dtype=dtype, head_dim=topology.head_dim, index_head_dim=topology.index_head_dim,
+            block_size=topology.block_size, group=topology.num_heads // topology.num_kv_heads,
+            score_type=topology.score_type,
+        )
+        return cls(
+            topology=topology, backend=chosen, device=device, dtype=dtype, cp_size=cp_size,
+            loss_from_byproducts=byproducts, fused_dense_loss=reason is None,
+            dense_loss_reason=reason,
+        )

@@ -1,0 +1,127 @@
+"""Each MSA layer resolves its plan once, when it is built (ADR 0019): a training step looks up
+no backend, and a shape the backend cannot run is refused at construction by its capability
+record, naming the config field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _megatron_harness import (
+    MICRO_BATCH,
+    SEQ,
+    build_model_chunks,
+    deterministic_init,
+    packed_batches,
+    tiny_config,
+)
+
+from nemo_msa import backends, ops, plan
+from nemo_msa.capabilities import REFERENCE
+from nemo_msa.megatron import MSAIndexerMetrics
+
+pytestmark = pytest.mark.usefixtures("single_rank")
+
+
+@pytest.fixture
+def registry_calls(monkeypatch):
+    """Counts every registry lookup (``_load``: the one way to a backend by name, which
+    ``get_backend`` and ``resolve_backend`` both take) and every resolution, wherever it is
+    called from."""
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    calls = {"load": 0, "resolve": 0}
+    load, resolve = backends._load, backends.resolve_backend
+
+    def counting_load(name):
+        calls["load"] += 1
+        return load(name)
+
+    def counting_resolve(*args, **kwargs):
+        calls["resolve"] += 1
+        return resolve(*args, **kwargs)
+
+    monkeypatch.setattr(backends, "_load", counting_load)
+    for module in (backends, ops, plan):
+        monkeypatch.setattr(module, "resolve_backend", counting_resolve)
+    return calls
+
+
+def _attention_layers(model):
+    return [layer.self_attention for layer in model.decoder.layers]
+
+
+def test_a_training_step_resolves_the_backend_zero_times(registry_calls):
+    """Construction resolves one plan per layer; the forward and backward of a step (sparse
+    layers with selection, the indexer loss from by-products, a dense layer) then make no
+    registry lookup at all."""
+    (model,) = build_model_chunks(tiny_config(msa_indexer_loss_coeff=0.1,
+                                              msa_indexer_loss_type="sparse",
+                                              msa_log_selection_recall=True))
+    deterministic_init([model])
+    layers = _attention_layers(model)
+    assert registry_calls["resolve"] == len(layers), registry_calls  # one plan per layer
+    assert all(layer.msa_plan.backend.name == "reference" for layer in layers)
+    assert [layer.msa_plan.loss_from_byproducts for layer in layers] == [True] * len(layers)
+    registry_calls.update(load=0, resolve=0)
+
+    MSAIndexerMetrics.reset()
+    batch = packed_batches(1)[0]
+    positions = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+    model.train()
+    loss = model(batch["tokens"], positions, batch["packed_seq_ids"], labels=batch["labels"])
+    (loss * batch["loss_mask"]).sum().backward()
+    assert "indexer_loss" in MSAIndexerMetrics.pop(num_layers=4)  # the loss path ran
+    assert registry_calls == {"load": 0, "resolve": 0}, (
+        f"a training step looked the backend up: {registry_calls}")
+
+
+def _build_attention(config):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from layer_specs import get_msa_self_attention_spec
+
+    spec = get_msa_self_attention_spec(config, sparse=True, transformer_impl="local")
+    return build_module(spec, config=config, layer_number=1)
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+@pytest.mark.parametrize(("changes", "field"), [
+    (dict(msa_score_type="lse"), "msa_score_type='lse'"),
+    (dict(kv_channels=256, msa_index_head_dim=32), "kv_channels=256"),
+    (dict(msa_index_head_dim=256), "msa_index_head_dim=256"),
+    (dict(msa_block_size=256), "msa_block_size=256"),
+    (dict(bf16=False), "params dtype torch.float32"),
+])
+def test_the_kernel_backends_refuse_at_construction_naming_the_field(
+        kernel_backends_on_the_cpu, backend, changes, field):
+    changes = {"bf16": True, **changes}
+    config = tiny_config(msa_backend=backend, **changes)
+    with pytest.raises(ValueError, match=f"backend={backend!r}: the {backend} backend cannot "
+                                         f"run {field}"):
+        _build_attention(config)
+    # The same config on the reference backend builds (its record holds the whole contract).
+    layer = _build_attention(tiny_config(msa_backend="reference", **changes))
+    assert layer.msa_plan.backend.name == "reference"
+
+
+def test_the_reference_backend_refuses_at_construction_naming_the_field():
+    """The reference record is the contract (nemo_msa.limits): what it refuses no backend
+    runs; the layer is refused when it is built, even where the config was changed after its
+    own checks."""
+    assert "msa_topk=33" in REFERENCE.why_not(top_k=33)
+    assert "msa_block_size=512" in REFERENCE.why_not(block_size=512)
+    config = tiny_config(msa_backend="reference")
+    config.msa_topk = 33  # bypasses __post_init__
+    with pytest.raises(ValueError, match="msa_topk=33"):
+        _build_attention(config)
+    config = tiny_config(msa_backend="reference")
+    config.msa_block_size = 512
+    with pytest.raises(ValueError, match="msa_block_size=512"):
+        _build_attention(config)
+
+
+def test_the_plan_reads_the_environment_variable_once(monkeypatch, registry_calls):
+    monkeypatch.setenv(backends.ENV_VAR, "reference")
+    layer = _build_attention(tiny_config(msa_backend="auto"))
+    assert layer.msa_plan.backend.name == "reference"
+    monkeypatch.setenv(backends.ENV_VAR, "nonexistent")  # too late: the plan is resolved
+    assert layer.msa_plan.backend.name == "reference"
