@@ -22,7 +22,7 @@ from nemo_msa.megatron.microbatch import SharedMicrobatchIterators
 from nemo_msa.training import msa_hooks
 from nemo_msa.training.build import TrainingObjects
 from nemo_msa.training.checkpoint import TrainState, save_checkpoint
-from nemo_msa.training.data import MicrobatchSource
+from nemo_msa.training.data import Microbatch, MicrobatchSource
 from nemo_msa.training.recipe import Recipe
 from nemo_msa.training.setup import RunContext
 from nemo_msa.training.ux import MetricsLog, Progress, StepTimer
@@ -53,28 +53,42 @@ def _hold_main_parameters(optimizer) -> None:
             group["weight_decay"] = 0.0
 
 
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Per-token LM loss in Megatron's 3-tuple form (sum, token count, reporting)."""
+def _loss_func(mb: Microbatch, per_token: bool, output_tensor: torch.Tensor):
+    """Per-token LM loss in Megatron's 3-tuple form (sum, token count, reporting).
+
+    The report is this rank's loss sum and loss-token count (summed over every rank after the
+    step). What goes to the schedule depends on the normalisation:
+
+    - ``config.calculate_per_token_loss``: the local sum and count (Megatron's convention:
+      finalize_model_grads all-reduces the count over DP x CP and divides the summed gradients);
+    - otherwise (the default) the schedule divides by the count, and DDP averages gradients over
+      DP x CP. Each CP rank then returns ``N x`` its local sum with the *global* count of the
+      microbatch, so that the average over the N CP ranks is the microbatch's mean loss exactly
+      as at CP = 1, whatever share of loss tokens each rank holds.
+    """
     losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
+    mask = mb.loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss.detach(), num_tokens.detach().float()])
-    return loss, num_tokens, {"lm loss": report}
+    local_tokens = mask.sum()
+    report = torch.stack([loss.detach(), local_tokens.detach()])
+    if per_token or mb.cp_size == 1:
+        return loss, local_tokens.to(torch.int), {"lm loss": report}
+    return loss * mb.cp_size, mb.loss_tokens.to(torch.int), {"lm loss": report}
 
 
 def _forward_step(config, data_iterator, model):
     mb = next(data_iterator)
     output = model(mb.tokens, mb.position_ids, labels=mb.labels,
                    **msa_hooks.model_forward_kwargs(config, mb.packed_seq_ids))
-    return output, partial(_loss_func, mb.loss_mask)
+    return output, partial(_loss_func, mb, bool(config.calculate_per_token_loss))
 
 
 def _reduce_step_losses(losses: list[dict], device) -> dict[str, float]:
-    """Sum the LM loss over microbatches and DP ranks; make it known to every rank (collective).
+    """Sum the LM loss over microbatches, DP and CP ranks; make it known to every rank (collective).
 
-    Only the last pipeline stage has the losses; tensor-parallel ranks hold copies. The sum goes
-    over the whole world with non-owners contributing zeros, which needs no pipeline broadcast.
+    Only the last pipeline stage has the losses; tensor-parallel ranks hold copies; each
+    context-parallel rank holds the sum and count of its share of the tokens. The sum goes over
+    the whole world with non-owners contributing zeros, which needs no pipeline broadcast.
     """
     owner = (ps.is_pipeline_last_stage(ignore_virtual=True)
              and ps.get_tensor_model_parallel_rank() == 0)
