@@ -1,5 +1,7 @@
 """The reference MSA backend: the plain-PyTorch selection and attention, any device, the oracle.
 
+It has the query-subset mode (``queries=``, context parallelism) in all three functions.
+
 Registered by nemo_msa.backends when it loads (this module does not import the registry).
 """
 
@@ -20,5 +22,6 @@ BACKEND = MSABackend(
     attention_forward=sparse_attention_forward_reference,
     attention_backward=sparse_attention_backward_reference,
     unavailable_reason=lambda device: None,
+    supports_queries=True,
     description="pure PyTorch, chunked over queries; any device; the oracle",
 )

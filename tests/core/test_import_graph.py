@@ -46,6 +46,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "nemo_msa.backends",
         "nemo_msa.ops",
         "nemo_msa.support",
+        "nemo_msa.context_parallel",
         "nemo_msa",
     )),
     ("megatron", ("nemo_msa.megatron",)),
