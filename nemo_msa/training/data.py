@@ -27,6 +27,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType
 
+from nemo_msa.context_parallel import split_for_context_parallel
 from nemo_msa.training.recipe_fields import RecipeError
 from nemo_msa.training.recipe_schema import DatasetConfig, GPTModelArgs
 
@@ -255,7 +256,7 @@ class Microbatch:
 
     Under context parallelism (CP = N > 1) ``tokens``, ``labels``, ``loss_mask`` and
     ``position_ids`` hold this rank's share [b, S / N] in Megatron's load-balanced order
-    (:func:`split_for_context_parallel`), while ``packed_seq_ids`` stays the *global* document
+    (:func:`split_microbatch`), while ``packed_seq_ids`` stays the *global* document
     map [b, S] that every CP rank shares (the MSA layers take the global map and know their
     local queries from the CP rank).
     """
@@ -276,60 +277,30 @@ class Microbatch:
         return int(self.tokens.numel())
 
 
-def load_balanced_columns(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Global columns of one CP rank's positions in Megatron's load-balanced split (BSHD).
-
-    The sequence is cut into ``2 * cp_size`` equal chunks; rank r keeps chunk r, then chunk
-    ``2 * cp_size - 1 - r`` (``megatron.core.utils.get_batch_on_this_cp_rank``), so every rank
-    gets an equal share of the causal attention work.
-
-    Args:
-        seq_len: S, a multiple of ``2 * cp_size``.
-        cp_size: N >= 1.
-        cp_rank: 0 <= r < N.
-
-    Returns:
-        int64 [S / N], ascending.
-
-    Raises:
-        ValueError: naming ``seq_len`` when it is not a multiple of ``2 * cp_size``, or
-            ``cp_rank`` outside ``[0, cp_size)``.
-    """
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank={cp_rank}: expected 0 <= cp_rank < cp_size={cp_size}")
-    if seq_len % (2 * cp_size) != 0:
-        raise ValueError(f"seq_len={seq_len}: expected a multiple of 2 x cp_size = "
-                         f"{2 * cp_size} (Megatron's load-balanced split of the sequence)")
-    chunk = seq_len // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
-    return torch.cat([first, second])
-
-
-def split_for_context_parallel(mb: Microbatch, cp_size: int, cp_rank: int) -> Microbatch:
+def split_microbatch(mb: Microbatch, cp_size: int, cp_rank: int) -> Microbatch:
     """This CP rank's share of a global microbatch (done once per microbatch, on the host).
 
-    Tokens, labels, loss mask and position ids keep the columns of
-    :func:`load_balanced_columns`; the document map stays global. ``loss_tokens`` is the loss-mask
-    sum of the global microbatch, which the loss divides by so that the CP ranks' shares add up
-    to the CP = 1 loss.
+    Tokens, labels, loss mask and position ids keep the columns of Megatron's load-balanced
+    split (``nemo_msa.context_parallel.load_balanced_indices``: 2N chunks, rank r keeps chunks
+    r and 2N-1-r, as ``megatron.core.utils.get_batch_on_this_cp_rank``); the document map stays
+    global. ``loss_tokens`` is the loss-mask sum of the global microbatch, which the loss
+    divides by so that the CP ranks' shares add up to the CP = 1 loss.
 
     Args:
-        mb: the global microbatch, tensors [b, S].
-        cp_size: N; 1 returns ``mb`` with ``loss_tokens`` set.
+        mb: the global microbatch, tensors [b, S] (S a multiple of 2 * cp_size).
+        cp_size: N; 1 returns the same tensors with ``loss_tokens`` set.
         cp_rank: this rank's index in the CP group.
 
     Returns:
         A Microbatch with [b, S / N] tensors (``packed_seq_ids`` [b, S]).
+
+    Raises:
+        ValueError: S not a multiple of ``2 * cp_size``, or a bad size or rank.
     """
     loss_tokens = mb.loss_mask.sum(dtype=torch.float32)
-    if cp_size == 1:
-        return Microbatch(mb.tokens, mb.labels, mb.loss_mask, mb.position_ids, mb.packed_seq_ids,
-                          loss_tokens, 1)
-    cols = load_balanced_columns(mb.tokens.shape[1], cp_size, cp_rank).to(mb.tokens.device)
 
     def take(x: torch.Tensor) -> torch.Tensor:
-        return x.index_select(1, cols)
+        return split_for_context_parallel(x, 1, cp_size, cp_rank)
 
     return Microbatch(take(mb.tokens), take(mb.labels), take(mb.loss_mask),
                       take(mb.position_ids), mb.packed_seq_ids, loss_tokens, cp_size)
@@ -343,7 +314,7 @@ def collate(samples: list[dict[str, torch.Tensor]], eod_id: int, device: torch.d
     with label 0 and loss 0; such a tail (token 0, label 0, loss 0 up to the row end) becomes
     padding (document id 0). With ``cp_size > 1`` the document map and positions are derived
     from the whole rows, then the rows are split for this CP rank
-    (:func:`split_for_context_parallel`) before the copy to the device.
+    (:func:`split_microbatch`) before the copy to the device.
     """
     tokens = torch.stack([s["tokens"] for s in samples]).long()
     labels = torch.stack([s["labels"] for s in samples]).long()
@@ -356,8 +327,8 @@ def collate(samples: list[dict[str, torch.Tensor]], eod_id: int, device: torch.d
         positions = positions_from_document_ids(ids)
     else:
         positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
-    host = split_for_context_parallel(Microbatch(tokens, labels, loss_mask, positions, ids),
-                                      cp_size, cp_rank)
+    host = split_microbatch(Microbatch(tokens, labels, loss_mask, positions, ids), cp_size,
+                            cp_rank)
     nb = device.type != "cpu"
     return Microbatch(
         tokens=host.tokens.to(device, non_blocking=nb),

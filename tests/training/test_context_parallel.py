@@ -6,12 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_msa.training.data import (
-    Microbatch,
-    collate,
-    load_balanced_columns,
-    split_for_context_parallel,
-)
+from nemo_msa.context_parallel import load_balanced_indices
+from nemo_msa.training.data import Microbatch, collate, split_microbatch
 from nemo_msa.training.loop import _loss_func
 from nemo_msa.training.recipe import RECIPES_DIR, RecipeError, check_parallel_layout, load_recipe
 
@@ -31,19 +27,12 @@ def test_split_matches_megatrons_get_batch_on_this_cp_rank(monkeypatch, cp):
         monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, r=rank: r)
         want = mcore_utils._get_batch_on_this_cp_rank_per_sequence_balancing(
             dict(batch), cp_group=None)
-        cols = load_balanced_columns(seq, cp, rank)
+        cols = load_balanced_indices(seq, cp, rank)
         assert torch.equal(batch["tokens"][:, cols], want["tokens"])
         assert torch.equal(batch["position_ids"][:, cols], want["position_ids"])
         parts.append(cols)
     # The ranks' shares partition the sequence.
     assert torch.equal(torch.sort(torch.cat(parts)).values, torch.arange(seq))
-
-
-def test_split_names_a_bad_length_and_rank():
-    with pytest.raises(ValueError, match=r"seq_len=12: expected a multiple of 2 x cp_size = 8"):
-        load_balanced_columns(12, 4, 0)
-    with pytest.raises(ValueError, match=r"cp_rank=2: expected 0 <= cp_rank < cp_size=2"):
-        load_balanced_columns(8, 2, 2)
 
 
 def test_collate_splits_rows_and_keeps_the_global_document_map():
@@ -76,8 +65,8 @@ def test_cp_loss_shares_average_to_the_cp1_loss():
     want = float((per_token * mask).sum() / mask.sum())
     mean_of_shares, sums, counts, naive = 0.0, 0.0, 0.0, 0.0
     for rank in range(cp):
-        share = split_for_context_parallel(mb, cp, rank)
-        cols = load_balanced_columns(seq, cp, rank)
+        share = split_microbatch(mb, cp, rank)
+        cols = load_balanced_indices(seq, cp, rank)
         loss, count, report = _loss_func(share, False, per_token[:, cols])
         mean_of_shares += float(loss / count) / cp
         loss, count, _ = _loss_func(share, True, per_token[:, cols])
@@ -88,7 +77,7 @@ def test_cp_loss_shares_average_to_the_cp1_loss():
     assert mean_of_shares == pytest.approx(want, rel=1e-6)
     assert sums / counts == pytest.approx(want, rel=1e-6)
     assert naive != pytest.approx(want, rel=1e-3)
-    loss, count, _ = _loss_func(split_for_context_parallel(mb, 1, 0), False, per_token)
+    loss, count, _ = _loss_func(split_microbatch(mb, 1, 0), False, per_token)
     assert float(loss / count) == pytest.approx(want, rel=1e-6)
 
 
