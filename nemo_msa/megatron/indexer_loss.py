@@ -113,8 +113,8 @@ class MSAIndexerMetrics:
         Args:
             num_layers: total layers of the model (default: the largest recorded layer number,
                 which must then be the same on all ranks; pass it with pipelining).
-            reduce: all-reduce over TP (sum of shares), PP (layers live on one stage) and DP
-                (average).
+            reduce: all-reduce over TP and CP (sum of shares), PP (layers live on one stage)
+                and DP (average).
 
         Returns:
             ``{"indexer_loss": mean KL over MSA layers and microbatches (without the
@@ -157,6 +157,12 @@ def _reduce_table(table: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(
         micro, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
     )
+    # Context parallelism: each rank recorded its own queries' share (KL divided by the global
+    # token count, recall over its own tokens), so the shares add up over the CP group.
+    cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        dist.all_reduce(shares, group=cp_group)
+        dist.all_reduce(micro, op=dist.ReduceOp.MAX, group=cp_group)
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     dist.all_reduce(shares, group=pp_group)
     dist.all_reduce(micro, group=pp_group)
