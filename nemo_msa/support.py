@@ -2,14 +2,15 @@
 
 ``require_msa_support`` runs when an MSA attention layer is built, never at the first step: a
 configuration MSA cannot run fails before any batch is read. The runtime checks reject what the
-layer receives but does not implement (KV caches, THD input, sliding windows, cross-attention,
-non-causal masks, CUDA-graph capture).
+layer receives but does not implement (KV caches, sliding windows, cross-attention, non-causal
+masks, CUDA-graph capture; THD input is checked by the layer, nemo_msa.megatron.microbatch).
 
 Config field names (Megatron TransformerConfig + the ``msa_*`` fields of
 nemo_msa.megatron.config): num_attention_heads, num_query_groups, kv_channels,
 msa_num_index_heads, msa_index_head_dim, msa_block_size, msa_topk, msa_init_blocks,
 msa_local_blocks, msa_score_type, msa_backend; plus the features refused here: fp8, fp4,
-apply_rope_fusion, fused_single_qkv_rope, context_parallel_size.
+apply_rope_fusion, fused_single_qkv_rope; context_parallel_size > 1 with a backend that has no
+query-subset mode.
 """
 
 from __future__ import annotations
@@ -126,14 +127,17 @@ def require_msa_support(
             topology and ``dtype``.
         dtype: the layer's parameter dtype (bf16 in production).
         cp_size: the size of the context-parallel group the layer is built in (Megatron's
-            process groups); refused like ``config.context_parallel_size`` when > 1.
+            process groups); the larger of it and ``config.context_parallel_size`` counts.
+            Context parallelism needs the query-subset mode (``MSABackend.supports_queries``):
+            a backend named without it is refused; ``auto`` is left to the layer, which picks
+            the reference at construction (:func:`context_parallel_backend`).
 
     Returns:
         The validated topology.
 
     Raises:
         NotImplementedError: FP8/FP4, fused RoPE (apply_rope_fusion, fused_single_qkv_rope), or
-            context parallelism > 1.
+            context parallelism > 1 with a named backend that has no query-subset mode.
         ValueError: a topology, score type or backend MSA cannot run; names field and value.
     """
     if getattr(config, "fp8", None):
@@ -153,11 +157,14 @@ def require_msa_support(
                 "positions, which is wrong for packed documents; set it to False"
             )
     cp = max(getattr(config, "context_parallel_size", 1) or 1, cp_size or 1)
-    if cp > 1:
-        raise NotImplementedError(
-            f"MSA attention does not support context parallelism yet "
-            f"(context_parallel_size={cp}); expected 1"
-        )
+    if cp > 1 and backend is not None and backend != AUTO:
+        named = get_backend(backend)
+        if not named.supports_queries:
+            raise NotImplementedError(
+                f"msa_backend={backend!r} has no query-subset mode, which context parallelism "
+                f"(context_parallel_size={cp}) needs (local queries against the gathered keys); "
+                "set msa_backend='reference' or 'auto'"
+            )
     topology = MSATopology.from_config(config)
     topology.validate()
     if backend is not None and backend != AUTO:
@@ -169,6 +176,30 @@ def require_msa_support(
             top_k=topology.top_k, dtype=dtype,
         )
     return topology
+
+
+def context_parallel_backend(
+    backend: str | None, device: torch.device | str, cp_size: int, **shape: Any
+) -> str | None:
+    """The backend name a layer uses under context parallelism, decided once at construction.
+
+    With ``cp_size`` 1 or a backend that has the query-subset mode, ``backend`` itself. Where
+    ``auto`` (or None) resolves to a backend without the mode, ``"reference"``: the only
+    fallback, taken when the layer is built, never per step.
+
+    Args:
+        backend: ``msa_backend`` (a name, ``"auto"`` or None).
+        device: where the layer runs.
+        cp_size: the context-parallel size.
+        shape: the keywords :func:`nemo_msa.backends.resolve_backend` takes.
+
+    Returns:
+        The name to pass to the ops (``backend`` unchanged when no fallback is needed).
+    """
+    if cp_size <= 1:
+        return backend
+    chosen = resolve_backend(backend, device, **shape)
+    return backend if chosen.supports_queries else "reference"
 
 
 def reject_cuda_graph_capture(op: str) -> None:
@@ -192,11 +223,15 @@ def check_runtime_arguments(
 ) -> None:
     """Rejects what an MSA attention layer receives but does not implement.
 
+    ``packed_seq_params`` (THD input) is accepted here and checked where the layout is built
+    (:func:`nemo_msa.megatron.microbatch.context_parallel_layout_for_layer`).
+
     Raises:
-        NotImplementedError: KV cache / inference, THD input (packed_seq_params), sliding
-            windows, cross-attention (key_value_states), or a non-causal mask type.
+        NotImplementedError: KV cache / inference, sliding windows, cross-attention
+            (key_value_states), or a non-causal mask type.
         RuntimeError: called during CUDA-graph capture.
     """
+    del packed_seq_params  # THD input: checked where its layout is built
     if inference_context is not None or inference_params is not None:
         raise NotImplementedError(
             "MSA attention has no KV-cache / inference path (inference_context given); it is a "
@@ -205,11 +240,6 @@ def check_runtime_arguments(
     if key_value_states is not None:
         raise NotImplementedError(
             "MSA attention is self-attention only; key_value_states (cross-attention) was given"
-        )
-    if packed_seq_params is not None:
-        raise NotImplementedError(
-            "MSA attention takes BSHD input with packed_seq_ids; THD input "
-            "(packed_seq_params) is not supported"
         )
     if window_size is not None and tuple(window_size) != (-1, 0) and tuple(window_size) != (
         -1,

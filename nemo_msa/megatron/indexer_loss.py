@@ -181,11 +181,12 @@ def _reduce_table(table: torch.Tensor) -> torch.Tensor:
         return table
     dist = torch.distributed
     shares, micro = table[:, :3].contiguous(), table[:, 3:].contiguous()
-    # TP and CP ranks each hold a share of the same microbatches of a layer: shares add up,
-    # the microbatch count is the same on all of them.
+    # TP and CP ranks each hold a share of the same microbatches of a layer (a CP rank records
+    # its own queries' KL divided by the global token count and its own tokens' recall): the
+    # shares add up, the microbatch count is the same on all of them.
     for group in (parallel_state.get_tensor_model_parallel_group(),
-                  parallel_state.get_context_parallel_group()):
-        if dist.get_world_size(group) > 1:
+                  parallel_state.get_context_parallel_group(check_initialized=False)):
+        if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(shares, group=group)
             dist.all_reduce(micro, op=dist.ReduceOp.MAX, group=group)
     pp_group = parallel_state.get_pipeline_model_parallel_group()

@@ -130,6 +130,7 @@ def test_selection_attention_and_losses_match_the_unsplit_ops(rows, cp_size):
     dv = torch.zeros_like(v)
     losses = torch.zeros(3, dtype=torch.float64)
     dik = torch.zeros_like(ik)
+    dik_byproducts = torch.zeros_like(ik)
     covered = torch.zeros((), dtype=torch.float64)
     for layout in _ranks(msa, cp_size):
         qs = layout.queries
@@ -165,6 +166,12 @@ def test_selection_attention_and_losses_match_the_unsplit_ops(rows, cp_size):
         losses += torch.stack([ld.detach(), ls.detach(), lb.detach()])
         ld.backward()
         dik += lik.grad
+        lib = ik.clone().requires_grad_()
+        lb2, _ = sparse_indexer_loss_from_byproducts(
+            iq[qs], lib, lscores, lkeys, mass, num_index_heads_total=2, loss_coeff=1.0,
+            queries=qs)
+        lb2.backward()
+        dik_byproducts += lib.grad
         covered += sampled_selection_recall(q[qs], k, lids, msa, softmax_scale=scale,
                                             num_rows=10**6, queries=qs)["recall_mass"]
         assert float(st["recall_count"]) == qs.numel() * 2
@@ -180,6 +187,10 @@ def test_selection_attention_and_losses_match_the_unsplit_ops(rows, cp_size):
     compute_indexer_loss(iq, ikf, q, k, msa, softmax_scale=scale, num_index_heads_total=2,
                          loss_coeff=1.0)[0].backward()
     assert ikf.grad.abs().sum() > 0 and _rel(dik, ikf.grad) < 1e-10
+    ikb = ik.clone().requires_grad_()
+    sparse_indexer_loss_from_byproducts(iq, ikb, scores, keys, mass_full,
+                                        num_index_heads_total=2, loss_coeff=1.0)[0].backward()
+    assert ikb.grad.abs().sum() > 0 and _rel(dik_byproducts, ikb.grad) < 1e-10
 
 
 def test_dense_query_runs_follow_documents():

@@ -18,6 +18,7 @@ from nemo_msa import (
     select_blocks,
 )
 from nemo_msa.backends import ENV_VAR, MSABackend, get_backend, known_backends
+from nemo_msa.support import context_parallel_backend
 
 
 def production_config(**changes):
@@ -44,7 +45,6 @@ def test_production_topology_passes_the_gate():
         ({"fp4": "nvfp4"}, "FP4"),
         ({"apply_rope_fusion": True}, "apply_rope_fusion=True"),
         ({"fused_single_qkv_rope": True}, "fused_single_qkv_rope=True"),
-        ({"context_parallel_size": 2}, "context_parallel_size=2"),
     ],
 )
 def test_unsupported_features_raise_not_implemented(changes, match):
@@ -52,10 +52,17 @@ def test_unsupported_features_raise_not_implemented(changes, match):
         require_msa_support(production_config(**changes))
 
 
-def test_the_layers_context_parallel_group_decides_over_the_config():
-    with pytest.raises(NotImplementedError, match="context_parallel_size=2"):
-        require_msa_support(production_config(), cp_size=2)
-    require_msa_support(production_config(context_parallel_size=1), cp_size=1)
+def test_context_parallelism_needs_the_query_subset_mode():
+    """CP > 1 (the layer's group or the config) is refused only with a backend named without
+    the query-subset mode; 'auto' resolves at the layer (context_parallel_backend)."""
+    with pytest.raises(NotImplementedError, match="msa_backend='triton'.*context_parallel_size=2"):
+        require_msa_support(production_config(), backend="triton", cp_size=2)
+    with pytest.raises(NotImplementedError, match="context_parallel_size=4"):
+        require_msa_support(production_config(context_parallel_size=4), backend="triton")
+    require_msa_support(production_config(), backend="reference", cp_size=2)
+    require_msa_support(production_config(context_parallel_size=2), backend="auto")
+    assert context_parallel_backend("auto", "cpu", 2) == "auto"  # auto -> reference on the CPU
+    assert context_parallel_backend("triton", "cpu", 1) == "triton"
 
 
 @pytest.mark.parametrize(
@@ -86,7 +93,6 @@ def test_unknown_backend_is_refused_at_construction():
     [
         ({"inference_context": object()}, "KV-cache"),
         ({"key_value_states": torch.zeros(1)}, "cross-attention"),
-        ({"packed_seq_params": object()}, "THD"),
         ({"window_size": (128, 0)}, "sliding windows"),
         ({"attn_mask_type": SimpleNamespace(name="no_mask")}, "no_mask"),
         ({"rotary_pos_cos_sin": (torch.zeros(1), torch.zeros(1))}, "rotary_pos_cos_sin"),

@@ -529,3 +529,76 @@ def transformer_engine_worker(rank: int, world_size: int) -> dict:
             if ".indexer." in n and p.grad is not None
         },
     }
+
+
+# ---------------------------------------------------------------------- context parallelism
+CP_VARIANTS = {
+    # name: config overrides (every variant logs the exact recall: sample rows >= tokens)
+    "dense_loss": {},
+    "sparse_loss": {"msa_indexer_loss_type": "sparse"},
+    "warmup": {"msa_dense_warmup_steps": 100},
+}
+
+
+def _cp_step(chunk, batch: dict, cp_size: int, cp_rank: int, local_ids: bool) -> dict:
+    """One forward/backward of ``chunk`` on this rank's share of ``batch``: the LM loss summed
+    over local tokens divided by the GLOBAL token count (so the ranks' losses add up to the
+    unsplit mean), the indexer loss attached by the layers."""
+    from nemo_msa.context_parallel import split_for_context_parallel
+
+    def split(x):
+        return split_for_context_parallel(x, 1, cp_size, cp_rank)
+
+    ids = split(batch["packed_seq_ids"]) if local_ids else batch["packed_seq_ids"]
+    tokens, labels, mask = split(batch["tokens"]), split(batch["labels"]), split(batch["loss_mask"])
+    positions = split(torch.arange(SEQ).expand(MICRO_BATCH, SEQ))
+    out = chunk(tokens, positions, ids, labels=labels)  # [b, s_local] per-token LM loss
+    loss = (out.float() * mask).sum() / batch["loss_mask"].sum()
+    loss.backward()
+    return {"loss": float(loss.detach()), "per_token": out.detach()}
+
+
+def context_parallel_worker(rank: int, world_size: int, variants: list[str]) -> dict:
+    """Every variant at CP = world_size, then at CP = 1 (data-parallel replicas): losses,
+    per-token LM losses, gradients (summed over the CP group, as Megatron's gradient all-reduce
+    over the data x context group does), indexer metrics, layout builds."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from nemo_msa.megatron import MSAIndexerLossAutoScaler, MSAIndexerMetrics
+    from nemo_msa.megatron.phase import set_training_iteration
+
+    batches = packed_batches(2, seed=5)
+    results = {}
+    for name in variants:
+        for cp in (world_size, 1):
+            ps.initialize_model_parallel(1, 1, context_parallel_size=cp)
+            model_parallel_cuda_manual_seed(1234)
+            config = tiny_config(context_parallel_size=cp, msa_recall_sample_rows=4096,
+                                 **CP_VARIANTS[name])
+            set_training_iteration(1)
+            (chunk,) = build_model_chunks(config)
+            deterministic_init([chunk])
+            chunk.zero_grad(set_to_none=True)
+            MSAIndexerLossAutoScaler.reset()
+            MSAIndexerMetrics.reset()
+            cp_rank = ps.get_context_parallel_rank()
+            steps = [_cp_step(chunk, batch, cp, cp_rank, local_ids=index == 1)
+                     for index, batch in enumerate(batches)]
+            grads = full_gradients([chunk])
+            if cp > 1:
+                for grad in grads.values():
+                    torch.distributed.all_reduce(grad, group=ps.get_context_parallel_group())
+                losses = torch.tensor([s["loss"] for s in steps], dtype=torch.float64)
+                torch.distributed.all_reduce(losses, group=ps.get_context_parallel_group())
+            else:
+                losses = torch.tensor([s["loss"] for s in steps], dtype=torch.float64)
+            results[(name, cp)] = {
+                "losses": losses.tolist(),
+                "per_token": [s["per_token"] for s in steps],
+                "grads": grads,
+                "metrics": MSAIndexerMetrics.pop(num_layers=config.num_layers),
+            }
+            set_training_iteration(None)
+            ps.destroy_model_parallel()
+    return results

@@ -57,12 +57,13 @@ def test_layer_takes_the_fused_dense_loss_only_where_it_computes_the_same_functi
     q, k, iq = torch.zeros(8, 8, 16, dtype=bf), torch.zeros(8, 2, 16, dtype=bf), torch.zeros(
         8, 2, 16, dtype=bf)
 
-    def fused(score="max", block=64, query=q, index_q=iq):
-        layer = SimpleNamespace(config=SimpleNamespace(
+    def fused(score="max", block=64, query=q, index_q=iq, cp_size=1):
+        layer = SimpleNamespace(cp_size=cp_size, msa_backend="auto", config=SimpleNamespace(
             msa_score_type=score, msa_backend="auto", msa_block_size=block))
         return msa_attention.MSASelfAttention.fused_dense_loss(layer, query, k, index_q)
 
     assert fused()
+    assert not fused(cp_size=2)  # the fused kernel has no query-subset mode (yet)
     assert not fused(score="lse")
     assert not fused(block=256)
     assert not fused(query=q.float(), index_q=iq.float())
