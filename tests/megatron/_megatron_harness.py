@@ -602,3 +602,113 @@ def context_parallel_worker(rank: int, world_size: int, variants: list[str]) -> 
             set_training_iteration(None)
             ps.destroy_model_parallel()
     return results
+
+
+THD_LENGTHS = (37, 50, 30)  # padded to multiples of 4 (2 x CP) in the THD pack
+
+
+def _thd_step(chunk, tokens_row: torch.Tensor, cp_size: int, cp_rank: int, cp_group) -> dict:
+    """One forward/backward of a one-row pack of THD_LENGTHS as THD input (Megatron's
+    PackedSeqParams, sequences padded to multiples of 2 x CP, split per sequence); returns the
+    per-token LM loss of every real token in document order and the summed loss."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from nemo_msa.context_parallel import thd_load_balanced_indices
+
+    lengths = torch.tensor(THD_LENGTHS)
+    padded = (lengths + 3) // 4 * 4
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+    cu_padded = torch.cat([torch.zeros(1, dtype=torch.int64), padded.cumsum(0)]).to(torch.int32)
+    total = int(cu_padded[-1])
+    tokens = torch.zeros(total, dtype=torch.int64)
+    labels = torch.zeros(total, dtype=torch.int64)
+    real = torch.zeros(total, dtype=torch.bool)
+    for i, n in enumerate(THD_LENGTHS):
+        start, src = int(cu_padded[i]), int(cu[i])
+        tokens[start:start + n] = tokens_row[src:src + n]
+        labels[start:start + n] = torch.roll(tokens_row, -1)[src:src + n]
+        real[start:start + n] = True
+    index = thd_load_balanced_indices(cu_padded, cp_size, cp_rank)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded, max_seqlen_q=int(padded.max()),
+        max_seqlen_kv=int(padded.max()),
+    )
+    out = chunk(tokens[index][None], index[None], None, labels=labels[index][None],
+                packed_seq_params=params)[0]
+    mask = real[index].float()
+    loss = (out.float() * mask).sum() / float(sum(THD_LENGTHS))
+    loss.backward()
+    full = torch.zeros(total)
+    full[index] = out.detach().float()
+    if cp_size > 1:
+        torch.distributed.all_reduce(full, group=cp_group)
+    return {"per_token": full[real], "loss": float(loss.detach())}
+
+
+def thd_worker(rank: int, world_size: int) -> dict:
+    """BSHD at CP=1 (one row, the documents back to back, padding at the end) against THD input
+    at CP=1 and CP=world_size: per-token LM losses of the real tokens and gradients."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from nemo_msa.megatron import MSAIndexerLossAutoScaler, MSAIndexerMetrics
+
+    generator = torch.Generator().manual_seed(3)
+    tokens_row = torch.randint(0, VOCAB, (SEQ,), generator=generator)
+    results = {"gather": _gather_check(rank, world_size)}
+    for kind, cp in (("bshd", 1), ("thd", 1), ("thd", world_size)):
+        ps.initialize_model_parallel(1, 1, context_parallel_size=cp)
+        model_parallel_cuda_manual_seed(1234)
+        (chunk,) = build_model_chunks(tiny_config(context_parallel_size=cp))
+        deterministic_init([chunk])
+        chunk.zero_grad(set_to_none=True)
+        MSAIndexerLossAutoScaler.reset()
+        MSAIndexerMetrics.reset()
+        group = ps.get_context_parallel_group()
+        if kind == "bshd":
+            ids = torch.zeros(1, SEQ, dtype=torch.int64)
+            start = 0
+            for i, n in enumerate(THD_LENGTHS):
+                ids[0, start:start + n] = i + 1
+                start += n
+            labels = torch.roll(tokens_row, -1)[None]
+            out = chunk(tokens_row[None], torch.arange(SEQ)[None], ids, labels=labels)[0]
+            loss = (out.float() * (ids[0] > 0)).sum() / float(sum(THD_LENGTHS))
+            loss.backward()
+            step = {"per_token": out.detach().float()[: sum(THD_LENGTHS)],
+                    "loss": float(loss.detach())}
+        else:
+            step = _thd_step(chunk, tokens_row, cp, ps.get_context_parallel_rank(), group)
+        grads = full_gradients([chunk])
+        if cp > 1:
+            for grad in grads.values():
+                torch.distributed.all_reduce(grad, group=group)
+        step["grads"] = grads
+        results[(kind, cp)] = step
+        ps.destroy_model_parallel()
+    return results
+
+
+def _gather_check(rank: int, world_size: int) -> dict:
+    """gather_from_context_parallel on the world group: the forward's global tensor, and the
+    gradient each rank's local rows receive when rank r back-propagates (r + 1) * weight."""
+    from nemo_msa.context_parallel import (
+        gather_from_context_parallel,
+        gather_order,
+        load_balanced_indices,
+    )
+
+    seq = 4 * world_size
+    x = torch.randn(2, seq, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    weight = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=x.dtype)
+    local_index = load_balanced_indices(seq, world_size, rank)
+    order = gather_order([load_balanced_indices(seq, world_size, r) for r in range(world_size)])
+    local = x[:, local_index].clone().requires_grad_()
+    gathered = gather_from_context_parallel(local, 1, torch.distributed.group.WORLD, order)
+    (gathered * weight * (rank + 1)).sum().backward()
+    total = sum(range(1, world_size + 1))
+    return {
+        "forward_error": float((gathered.detach() - x).abs().max()),
+        "grad_error": float((local.grad - total * weight[:, local_index]).abs().max()),
+    }
