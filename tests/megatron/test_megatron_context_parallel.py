@@ -45,6 +45,9 @@ def test_cp2_matches_cp1(runs, name):
     # Issue #5643: the indexer's key side must train under CP.
     index_k = [k for k in grads2 if "index_k_proj" in k]
     assert index_k and all(float(grads2[k].abs().sum()) > 0 for k in index_k)
+    # One layout per microbatch shared by the 4 layers, from global or local (gathered) ids.
+    assert all(result["builds"] == [1, 1] for result in cp2.values()), {
+        rank: result["builds"] for rank, result in cp2.items()}
     m1, m2 = cp1["metrics"], cp2[0]["metrics"]
     assert set(m1) == set(m2) and "selection_recall" in m1 and "indexer_loss" in m1
     for key, value in m1.items():
