@@ -562,10 +562,13 @@ def _cp_step(chunk, batch: dict, cp_size: int, cp_rank: int, local_ids: bool) ->
             "builds": MSAMicrobatch.num_builds() - builds}
 
 
-def context_parallel_worker(rank: int, world_size: int, variants: list[str]) -> dict:
-    """Every variant at CP = world_size, then at CP = 1 (data-parallel replicas): losses,
-    per-token LM losses, gradients (summed over the CP group, as Megatron's gradient all-reduce
-    over the data x context group does), indexer metrics, layout builds."""
+def context_parallel_worker(
+    rank: int, world_size: int, variants: list[str], tp: int = 1, sequence_parallel: bool = False
+) -> dict:
+    """Every variant at TP = tp x CP = world_size / tp, then at TP = CP = 1 (data-parallel
+    replicas): losses, per-token LM losses, gradients (TP shards gathered, summed over the CP
+    group as Megatron's gradient all-reduce over the data x context group does), indexer
+    metrics, layout builds, this rank's CP rank."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -575,10 +578,13 @@ def context_parallel_worker(rank: int, world_size: int, variants: list[str]) -> 
     results = {}
     for name in variants:
         batches = packed_batches(2, seed=5)  # new tensors: no layout memoized on them yet
-        for cp in (world_size, 1):
-            ps.initialize_model_parallel(1, 1, context_parallel_size=cp)
+        for cp in (world_size // tp, 1):
+            tp_size = tp if cp > 1 else 1
+            ps.initialize_model_parallel(tp_size, 1, context_parallel_size=cp)
             model_parallel_cuda_manual_seed(1234)
             config = tiny_config(context_parallel_size=cp, msa_recall_sample_rows=4096,
+                                 tensor_model_parallel_size=tp_size,
+                                 sequence_parallel=sequence_parallel and tp_size > 1,
                                  **CP_VARIANTS[name])
             set_training_iteration(1)
             (chunk,) = build_model_chunks(config)
@@ -603,6 +609,7 @@ def context_parallel_worker(rank: int, world_size: int, variants: list[str]) -> 
                 "builds": [s["builds"] for s in steps],
                 "grads": grads,
                 "metrics": MSAIndexerMetrics.pop(num_layers=config.num_layers),
+                "cp_rank": cp_rank,
             }
             set_training_iteration(None)
             ps.destroy_model_parallel()
