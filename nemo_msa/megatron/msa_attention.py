@@ -206,9 +206,13 @@ class MSASelfAttention(SelfAttention):
             )
         return name
 
-    def _token_rotary_freqs(self, rotary_pos_emb, msa, cp=None) -> torch.Tensor | None:
+    def _token_rotary_freqs(
+        self, rotary_pos_emb, msa, cp=None, sliced: bool = True
+    ) -> torch.Tensor | None:
         """Per-token RoPE angles [Tq, 1, rot_dim] at the document positions of this rank's
-        tokens (every token's without context parallelism), or None."""
+        tokens (every token's without context parallelism), or None. ``sliced``: under CP a
+        table of this rank's S / N rows is GPTModel's load-balanced slice (BSHD input; THD
+        input gets the whole table)."""
         if rotary_pos_emb is None:
             return None
         if isinstance(rotary_pos_emb, tuple):
@@ -219,7 +223,7 @@ class MSASelfAttention(SelfAttention):
                 )
             rotary_pos_emb = q_emb
         table = rotary_pos_emb.reshape(rotary_pos_emb.shape[0], rotary_pos_emb.shape[-1])
-        if cp is not None and cp.cp_size > 1 and table.shape[0] == cp.seq_len_local:
+        if sliced and cp is not None and cp.cp_size > 1 and table.shape[0] == cp.seq_len_local:
             table = full_rotary_table(table, cp)
         if table.shape[0] < msa.max_seqlen:
             raise ValueError(
@@ -309,7 +313,9 @@ class MSASelfAttention(SelfAttention):
         msa, queries = cp.msa, cp.queries
 
         query, key, value = self._compact_qkv(hidden_states, cp)
-        freqs = self._token_rotary_freqs(rotary_pos_emb, msa, cp)
+        freqs = self._token_rotary_freqs(
+            rotary_pos_emb, msa, cp, sliced=packed_seq_params is None
+        )
         if freqs is not None:
             cp_group = self.pg_collection.cp
             query = apply_rotary_pos_emb(query, freqs, config=self.config, cp_group=cp_group)

@@ -544,7 +544,10 @@ def _cp_step(chunk, batch: dict, cp_size: int, cp_rank: int, local_ids: bool) ->
     """One forward/backward of ``chunk`` on this rank's share of ``batch``: the LM loss summed
     over local tokens divided by the GLOBAL token count (so the ranks' losses add up to the
     unsplit mean), the indexer loss attached by the layers."""
+    from nemo_msa import MSAMicrobatch
     from nemo_msa.context_parallel import split_for_context_parallel
+
+    builds = MSAMicrobatch.num_builds()
 
     def split(x):
         return split_for_context_parallel(x, 1, cp_size, cp_rank)
@@ -555,26 +558,33 @@ def _cp_step(chunk, batch: dict, cp_size: int, cp_rank: int, local_ids: bool) ->
     out = chunk(tokens, positions, ids, labels=labels)  # [b, s_local] per-token LM loss
     loss = (out.float() * mask).sum() / batch["loss_mask"].sum()
     loss.backward()
-    return {"loss": float(loss.detach()), "per_token": out.detach()}
+    return {"loss": float(loss.detach()), "per_token": out.detach(),
+            "builds": MSAMicrobatch.num_builds() - builds}
 
 
-def context_parallel_worker(rank: int, world_size: int, variants: list[str]) -> dict:
-    """Every variant at CP = world_size, then at CP = 1 (data-parallel replicas): losses,
-    per-token LM losses, gradients (summed over the CP group, as Megatron's gradient all-reduce
-    over the data x context group does), indexer metrics, layout builds."""
+def context_parallel_worker(
+    rank: int, world_size: int, variants: list[str], tp: int = 1, sequence_parallel: bool = False
+) -> dict:
+    """Every variant at TP = tp x CP = world_size / tp, then at TP = CP = 1 (data-parallel
+    replicas): losses, per-token LM losses, gradients (TP shards gathered, summed over the CP
+    group as Megatron's gradient all-reduce over the data x context group does), indexer
+    metrics, layout builds, this rank's CP rank."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from nemo_msa.megatron import MSAIndexerLossAutoScaler, MSAIndexerMetrics
     from nemo_msa.megatron.phase import set_training_iteration
 
-    batches = packed_batches(2, seed=5)
     results = {}
     for name in variants:
-        for cp in (world_size, 1):
-            ps.initialize_model_parallel(1, 1, context_parallel_size=cp)
+        batches = packed_batches(2, seed=5)  # new tensors: no layout memoized on them yet
+        for cp in (world_size // tp, 1):
+            tp_size = tp if cp > 1 else 1
+            ps.initialize_model_parallel(tp_size, 1, context_parallel_size=cp)
             model_parallel_cuda_manual_seed(1234)
             config = tiny_config(context_parallel_size=cp, msa_recall_sample_rows=4096,
+                                 tensor_model_parallel_size=tp_size,
+                                 sequence_parallel=sequence_parallel and tp_size > 1,
                                  **CP_VARIANTS[name])
             set_training_iteration(1)
             (chunk,) = build_model_chunks(config)
@@ -596,8 +606,10 @@ def context_parallel_worker(rank: int, world_size: int, variants: list[str]) -> 
             results[(name, cp)] = {
                 "losses": losses.tolist(),
                 "per_token": [s["per_token"] for s in steps],
+                "builds": [s["builds"] for s in steps],
                 "grads": grads,
                 "metrics": MSAIndexerMetrics.pop(num_layers=config.num_layers),
+                "cp_rank": cp_rank,
             }
             set_training_iteration(None)
             ps.destroy_model_parallel()

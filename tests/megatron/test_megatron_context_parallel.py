@@ -30,11 +30,29 @@ def runs():
 
 @pytest.mark.parametrize("name", list(CP_VARIANTS))
 def test_cp2_matches_cp1(runs, name):
-    cp1, cp2 = runs[0][(name, 1)], {rank: runs[rank][(name, 2)] for rank in runs}
+    _check_cp_against_reference(runs, name, 2)
+
+
+@pytest.fixture(scope="module")
+def tp2_cp2_runs():
+    from _megatron_harness import context_parallel_worker
+
+    return spawn(context_parallel_worker, 4, timeout=500, variants=["sparse_loss"], tp=2)
+
+
+def test_tp2_cp2_matches_tp1_cp1(tp2_cp2_runs):
+    """TP=2 x CP=2 (4 processes): KV and index heads split over TP, index_k replicated over TP
+    (its gradient all-reduced there) and gathered over CP (reduce-scattered back)."""
+    _check_cp_against_reference(tp2_cp2_runs, "sparse_loss", 2)
+
+
+def _check_cp_against_reference(runs, name, cp_size):
+    cp1, cp2 = runs[0][(name, 1)], {rank: runs[rank][(name, cp_size)] for rank in runs}
     assert max(abs(a - b) for a, b in zip(cp1["losses"], cp2[0]["losses"], strict=True)) < 1e-5
-    for rank, result in cp2.items():
+    for result in cp2.values():
         for step, per_token in enumerate(result["per_token"]):
-            expected = split_for_context_parallel(cp1["per_token"][step], 1, 2, rank)
+            expected = split_for_context_parallel(
+                cp1["per_token"][step], 1, cp_size, result["cp_rank"])
             torch.testing.assert_close(per_token, expected, rtol=1e-4, atol=1e-5)
     grads1, grads2 = cp1["grads"], cp2[0]["grads"]
     assert set(grads1) == set(grads2)
@@ -45,6 +63,9 @@ def test_cp2_matches_cp1(runs, name):
     # Issue #5643: the indexer's key side must train under CP.
     index_k = [k for k in grads2 if "index_k_proj" in k]
     assert index_k and all(float(grads2[k].abs().sum()) > 0 for k in index_k)
+    # One layout per microbatch shared by the 4 layers, from global or local (gathered) ids.
+    assert all(result["builds"] == [1, 1] for result in cp2.values()), {
+        rank: result["builds"] for rank, result in cp2.items()}
     m1, m2 = cp1["metrics"], cp2[0]["metrics"]
     assert set(m1) == set(m2) and "selection_recall" in m1 and "indexer_loss" in m1
     for key, value in m1.items():
