@@ -24,16 +24,22 @@ class MSABackend:
     Attributes:
         name: registry key.
         select_blocks: ``(index_q [T,H,d], index_k [T,d], msa, *, top_k, init_blocks,
-            local_blocks, score, return_scores=False) -> int32 [H,T,top_k]``; with
+            local_blocks, score, return_scores=False[, queries]) -> int32 [H,T,top_k]``; with
             ``return_scores`` also the per-slot block scores fp32 and keys int32 [H,T,top_k].
+            With ``queries`` (int64 [Tq] global compact rows of a query subset, only passed to
+            a backend whose capabilities declare ``query_subset``) index_q and the outputs have
+            Tq token rows.
         attention_forward: ``(q [T,Hq,d], k [T,Hkv,d], v, q2k int32 [Hkv,T,top_k], msa,
-            softmax_scale, return_block_mass=False) -> (out [T,Hq,d], lse fp32 [Hq,T])``; with
-            ``return_block_mass`` the per-slot attention mass fp32 [Hkv,T,top_k] is appended
-            (after the residuals, if any).
-        attention_backward: ``(dout, q, k, v, out, lse, q2k, msa, softmax_scale) ->
-            (dq, dk, dv)``.
+            softmax_scale, return_block_mass=False[, queries]) -> (out [T,Hq,d], lse fp32
+            [Hq,T])``; with ``return_block_mass`` the per-slot attention mass fp32
+            [Hkv,T,top_k] is appended (after the residuals, if any). With ``queries`` q, q2k,
+            out, lse and mass have Tq token rows, k and v every token's.
+        attention_backward: ``(dout, q, k, v, out, lse, q2k, msa, softmax_scale[, queries])
+            -> (dq, dk, dv)``; with ``queries`` dq has Tq rows, dk/dv every token's (the local
+            queries' share).
         capabilities: what it runs (:class:`~nemo_msa.capabilities.MSACapabilities`): the plan
-            (nemo_msa.plan) and ``auto`` ask its ``why_not`` before anything runs.
+            (nemo_msa.plan) and ``auto`` ask its ``why_not`` before anything runs; its
+            ``query_subset`` says whether the three functions take ``queries``.
         unavailable_reason: ``(device) -> str | None``; None when it runs on the device.
         description: one line for the README table and error messages.
         forward_residuals: when True, ``attention_forward`` returns ``(out, lse, residuals)``

@@ -1,5 +1,7 @@
 """The reference MSA backend: the plain-PyTorch selection and attention, any device, the oracle.
 
+It has the query-subset mode (``queries=``, context parallelism) in all three functions.
+
 Registered by nemo_msa.backends when it loads (this module does not import the registry).
 """
 

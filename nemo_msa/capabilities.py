@@ -70,6 +70,7 @@ class MSACapabilities:
         top_k: int | None = None,
         score_type: str | None = None,
         group: int | None = None,
+        cp_size: int | None = None,
     ) -> str | None:
         """Why this implementation cannot run a shape, or None when it can.
 
@@ -81,6 +82,8 @@ class MSACapabilities:
             top_k: ``msa_topk``.
             score_type: ``msa_score_type``.
             group: query heads per KV head (``num_attention_heads / num_query_groups``).
+            cp_size: the context-parallel size; above 1 the ops run a query subset (this rank's
+                queries against the gathered keys), which needs ``query_subset``.
             Absent (None) arguments are not checked.
 
         Returns:
@@ -101,6 +104,9 @@ class MSACapabilities:
         if group is not None and self.max_group is not None and group > self.max_group:
             return (f"num_attention_heads / num_query_groups = {group} query heads per KV head: "
                     f"{self.name} take at most {self.max_group}")
+        if cp_size is not None and cp_size > 1 and not self.query_subset:
+            return (f"context_parallel_size={cp_size}: {self.name} take no query subset (this "
+                    "rank's queries against the gathered keys)")
         if dtype is not None and dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
             return (f"params dtype {dtype} (model.bf16 / model.fp16): {self.name} read {names}")
@@ -108,7 +114,7 @@ class MSACapabilities:
 
     def why_not_fused_dense_loss(self, *, dtype: torch.dtype, head_dim: int,
                                  index_head_dim: int, block_size: int, group: int,
-                                 score_type: str) -> str | None:
+                                 score_type: str, cp_size: int = 1) -> str | None:
         """Why the fused dense indexer loss does not run with this backend and shape (then the
         chunked reference computes the same function), or None when it does."""
         if not self.fused_dense_loss:
@@ -119,7 +125,7 @@ class MSACapabilities:
             return (f"{group} query heads per KV head: the fused dense loss takes at most "
                     f"{self.fused_dense_loss_max_group}")
         return self.why_not(dtype=dtype, head_dim=head_dim, index_head_dim=index_head_dim,
-                            block_size=block_size)
+                            block_size=block_size, cp_size=cp_size)
 
 
 REFERENCE = MSACapabilities(
@@ -132,6 +138,7 @@ REFERENCE = MSACapabilities(
     block_sizes=SUPPORTED_BLOCK_SIZES,
     top_k=(1, MAX_TOP_K),
     score_types=SUPPORTED_SCORE_TYPES,
+    query_subset=True,
 )
 
 _TRITON_DIMS = (16, 32, 64, 128)

@@ -39,6 +39,46 @@ from nemo_msa.limits import SUPPORTED_BLOCK_SIZES, require_integer
 from nemo_msa.triton.kernel_layout import build_kernel_layout
 
 
+def query_rows(values: torch.Tensor, queries: torch.Tensor | None) -> torch.Tensor:
+    """A per-token table [T, ...] read at the query subset: ``values[queries]`` [Tq, ...], or
+    ``values`` itself when ``queries`` is None (every token is a query)."""
+    return values if queries is None else values[queries]
+
+
+def validate_queries(queries: torch.Tensor | None, msa: MSAMicrobatch, rows: int) -> None:
+    """Checks a query subset against the layout and the query-side tensors' row count.
+
+    ``queries`` (int64 [Tq]) are global compact rows of the layout, ascending and unique (the
+    caller's promise, not checked: that would cost a host synchronization); None means every
+    token.
+
+    Raises:
+        ValueError: ``queries`` not int64 1-D, on another device, longer than the layout's
+            tokens, or disagreeing with the query-side tensors' ``rows``; or, with None,
+            ``rows`` other than the layout's ``num_tokens``.
+    """
+    if queries is None:
+        if rows != msa.num_tokens:
+            raise ValueError(
+                f"the query-side tensors have {rows} rows but the layout has num_tokens="
+                f"{msa.num_tokens}; pass queries= (int64 [rows]) for a query subset"
+            )
+        return
+    if not isinstance(queries, torch.Tensor) or queries.dtype != torch.int64 or queries.dim() != 1:
+        raise ValueError(
+            f"queries must be an int64 [Tq] tensor of global compact rows; got "
+            f"{getattr(queries, 'dtype', type(queries))} "
+            f"{tuple(getattr(queries, 'shape', ()))}"
+        )
+    if queries.shape[0] != rows or rows > msa.num_tokens:
+        raise ValueError(
+            f"queries has {queries.shape[0]} rows; expected the query-side tensors' {rows} "
+            f"(at most the layout's num_tokens={msa.num_tokens})"
+        )
+    if queries.device != msa.device:
+        raise ValueError(f"queries is on {queries.device}; the layout is on {msa.device}")
+
+
 def _check_forced_blocks(block_size: int, init_blocks: int, local_blocks: int) -> None:
     require_integer("block_size", block_size)
     require_integer("init_blocks", init_blocks)

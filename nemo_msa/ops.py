@@ -20,7 +20,7 @@ import torch
 
 from nemo_msa.attention.dense import dense_document_attention, validate_qkv
 from nemo_msa.backends import MSABackend, resolve_backend
-from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.layout import MSAMicrobatch, query_rows, validate_queries
 from nemo_msa.limits import SUPPORTED_SCORE_TYPES, require_integer
 from nemo_msa.q2k import canonical_q2k, mark_canonical, marked_block_size
 from nemo_msa.support import reject_cuda_graph_capture
@@ -41,8 +41,9 @@ def validate_selection_inputs(
     msa: MSAMicrobatch,
     top_k: int,
     score: str,
+    queries: torch.Tensor | None = None,
 ) -> None:
-    """Checks selection inputs before dispatch.
+    """Checks selection inputs before dispatch (``queries``: an optional query subset).
 
     Raises:
         ValueError: names the argument, its value and what was expected.
@@ -57,11 +58,14 @@ def validate_selection_inputs(
             f"index_k must be [tokens, dim] with index_q's dtype {index_q.dtype}; got "
             f"{index_k.dtype} {tuple(index_k.shape)}"
         )
-    if index_q.shape[0] != msa.num_tokens or index_k.shape[0] != msa.num_tokens:
+    query_rows = msa.num_tokens if queries is None else queries.shape[0]
+    if index_q.shape[0] != query_rows or index_k.shape[0] != msa.num_tokens:
         raise ValueError(
             f"index_q {tuple(index_q.shape)} and index_k {tuple(index_k.shape)} must have "
-            f"tokens={msa.num_tokens} rows (the layout's num_tokens)"
+            f"{query_rows} and tokens={msa.num_tokens} rows (the query subset's and the "
+            "layout's num_tokens)"
         )
+    validate_queries(queries, msa, index_q.shape[0])
     if index_k.shape[1] != index_q.shape[2]:
         raise ValueError(
             f"index_k dim {index_k.shape[1]} != index_q dim {index_q.shape[2]}"
@@ -102,6 +106,7 @@ def select_blocks(
     score: str = "max",
     backend: str | MSABackend | None = None,
     return_scores: bool = False,
+    queries: torch.Tensor | None = None,
 ):
     """Chooses top_k key blocks per index head and query token, inside the query's document.
 
@@ -110,8 +115,9 @@ def select_blocks(
     visible keys), ties to the lower block id, NaN last.
 
     Args:
-        index_q: [T, H, d] float (bf16 in production) index queries; head h serves KV head h.
-        index_k: [T, d] the one shared index key head, index_q's dtype.
+        index_q: [T, H, d] float (bf16 in production) index queries; head h serves KV head h
+            ([Tq, H, d] with ``queries``).
+        index_k: [T, d] the one shared index key head, index_q's dtype (every token).
         msa: the batch layout.
         top_k: blocks per query, within the backend's range (1..32).
         score: ``"max"`` or ``"lse"``.
@@ -120,7 +126,12 @@ def select_blocks(
         return_scores: also return the indexer loss's by-products of the same pass, per slot:
             the block's real score (fp32 [H, T, top_k], the unscaled max of q.k over its visible
             keys, forced blocks included, -inf at -1 slots) and the compact row of the key that
-            attains it (int32 [H, T, top_k], -1 at -1 slots). ``score="max"`` only.
+            attains it (int32 [H, T, top_k], -1 at -1 slots; global compact rows).
+            ``score="max"`` only.
+        queries: optional int64 [Tq], the global compact rows of index_q's tokens (a query
+            subset, ascending and unique: context parallelism's local queries); the outputs
+            then have Tq token rows. None = every token (unchanged). A backend without the
+            query-subset mode refuses it (NotImplementedError naming the backend).
 
     Returns:
         int32 [H, T, top_k]: ascending document-local block ids, padded with -1 at the tail when
@@ -130,7 +141,7 @@ def select_blocks(
     Raises:
         ValueError: a bad argument (named), or ``return_scores`` with ``score="lse"``.
     """
-    validate_selection_inputs(index_q, index_k, msa, top_k, score)
+    validate_selection_inputs(index_q, index_k, msa, top_k, score, queries)
     if return_scores and score != "max":
         raise ValueError(
             f"return_scores=True needs score='max' (the block max and the key attaining it); "
@@ -142,6 +153,10 @@ def select_blocks(
         block_size=msa.block_size, top_k=top_k, dtype=index_q.dtype,
     )
     init_blocks, local_blocks = msa.forced_blocks
+    extra = {"return_scores": True} if return_scores else {}
+    if queries is not None:
+        _require_query_subset(chosen, "select_blocks")
+        extra["queries"] = queries
     result = chosen.select_blocks(
         index_q.contiguous(),
         index_k.contiguous(),
@@ -150,7 +165,7 @@ def select_blocks(
         init_blocks=init_blocks,
         local_blocks=local_blocks,
         score=score,
-        **({"return_scores": True} if return_scores else {}),
+        **extra,
     )
     # Canonical by construction: sparse_attention takes it as it is.
     mark_canonical(result[0] if return_scores else result, msa.block_size)
@@ -163,15 +178,18 @@ def validate_attention_inputs(
     v: torch.Tensor,
     q2k: torch.Tensor,
     msa: MSAMicrobatch,
+    *,
+    queries: torch.Tensor | None = None,
 ) -> None:
     """Checks shapes before any kernel runs (the dtypes a backend reads are its capability
-    record's, checked where the backend is resolved).
+    record's, checked where the backend is resolved). ``queries``: an optional query subset:
+    q and q2k then have its Tq token rows, k and v every token's.
 
     Raises:
         ValueError: shapes or dtypes that disagree; the message names the tensors and their
             shapes.
     """
-    validate_qkv(q, k, v, msa)
+    validate_qkv(q, k, v, msa, queries)
     if q2k.dtype != torch.int32 or q2k.dim() != 3:
         raise ValueError(
             f"q2k must be int32 [kv_heads, tokens, top_k]; got {q2k.dtype} {tuple(q2k.shape)}"
@@ -185,7 +203,9 @@ def validate_attention_inputs(
         raise ValueError(f"q, k, v, q2k and the layout must share one device; got {devices}")
 
 
-def validate_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> None:
+def validate_q2k(
+    q2k: torch.Tensor, msa: MSAMicrobatch, queries: torch.Tensor | None = None
+) -> None:
     """Reject a q2k that is not in the canonical form ``select_blocks`` returns.
 
     Canonical: per (KV head, token), document-local block ids in ``0..own block`` (the token's
@@ -198,7 +218,7 @@ def validate_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> None:
         ValueError: naming the first bad (head, token, slot) in row-major order, its value and
             the rule it breaks.
     """
-    own = (msa.document_positions.long() // msa.block_size)[None, :, None]
+    own = (query_rows(msa.document_positions, queries).long() // msa.block_size)[None, :, None]
     ids = q2k.long()
     prev = torch.full_like(ids, -1)
     prev[..., 1:] = ids[..., :-1]
@@ -227,11 +247,24 @@ def validate_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> None:
     )
 
 
+def _require_query_subset(backend: MSABackend, op: str) -> None:
+    """Refuses ``queries`` on a backend without the query-subset mode."""
+    if not backend.capabilities.query_subset:
+        raise NotImplementedError(
+            f"{op}(queries=...): the {backend.name!r} backend has no query-subset mode (context "
+            "parallelism's local queries against every token's keys); use backend='reference'"
+        )
+
+
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q2k, msa, softmax_scale, backend: MSABackend, block_mass: bool):
+    def forward(
+        ctx, q, k, v, q2k, msa, softmax_scale, backend: MSABackend, block_mass: bool,
+        queries=None,
+    ):
+        subset = {} if queries is None else {"queries": queries}
         extra = {"return_block_mass": True} if block_mass else {}
-        result = backend.attention_forward(q, k, v, q2k, msa, softmax_scale, **extra)
+        result = backend.attention_forward(q, k, v, q2k, msa, softmax_scale, **extra, **subset)
         out, lse = result[:2]
         if backend.forward_residuals:
             ctx.residuals = result[2]
@@ -240,6 +273,7 @@ class _SparseAttention(torch.autograd.Function):
         ctx.msa = msa
         ctx.softmax_scale = softmax_scale
         ctx.backend = backend
+        ctx.subset = subset
         ctx.mark_non_differentiable(lse, mass)
         return out, lse, mass
 
@@ -248,9 +282,10 @@ class _SparseAttention(torch.autograd.Function):
         q, k, v, q2k, out, lse = ctx.saved_tensors
         extra = {"residuals": ctx.residuals} if ctx.backend.forward_residuals else {}
         dq, dk, dv = ctx.backend.attention_backward(
-            dout.contiguous(), q, k, v, out, lse, q2k, ctx.msa, ctx.softmax_scale, **extra
+            dout.contiguous(), q, k, v, out, lse, q2k, ctx.msa, ctx.softmax_scale, **extra,
+            **ctx.subset,
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def sparse_attention(
@@ -265,6 +300,7 @@ def sparse_attention(
     return_lse: bool = False,
     return_block_mass: bool = False,
     validate: bool = False,
+    queries: torch.Tensor | None = None,
 ):
     """Block-sparse causal attention within documents (differentiable in q, k, v).
 
@@ -287,6 +323,11 @@ def sparse_attention(
         validate: reject a q2k that is not in select_blocks's canonical form (see
             :func:`validate_q2k`; one host synchronization). Without it any q2k means its set:
             per (KV head, token) the distinct ids in 0..own block (MSA_SPEC.md).
+        queries: optional int64 [Tq], the global compact rows of q's tokens (a query subset,
+            ascending and unique: context parallelism's local queries); q, q2k, the output,
+            LSE and mass then have Tq token rows, k and v every token's (dk/dv hold the local
+            queries' share). None = every token (unchanged). A backend without the
+            query-subset mode refuses it (NotImplementedError naming the backend).
 
     Returns:
         [T, Hq, d] output in q's dtype, then the LSE and the block mass when asked (in that
@@ -298,9 +339,9 @@ def sparse_attention(
             head, token and slot).
         RuntimeError: called during CUDA-graph capture.
     """
-    validate_attention_inputs(q, k, v, q2k, msa)
+    validate_attention_inputs(q, k, v, q2k, msa, queries=queries)
     if validate:
-        validate_q2k(q2k, msa)
+        validate_q2k(q2k, msa, queries)
     made_for = marked_block_size(q2k)
     if made_for is not None and made_for != msa.block_size:
         raise ValueError(
@@ -309,16 +350,18 @@ def sparse_attention(
         )
     if made_for is None:
         # One meaning for every backend (MSA_SPEC.md): the kernels read the canonical form.
-        q2k = canonical_q2k(q2k, msa)
+        q2k = canonical_q2k(q2k, msa, queries)
     reject_cuda_graph_capture("sparse_attention")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     chosen = _backend_for(
         backend, q.device, head_dim=q.shape[-1], block_size=msa.block_size,
         top_k=q2k.shape[-1], dtype=q.dtype,
     )
+    if queries is not None:
+        _require_query_subset(chosen, "sparse_attention")
     out, lse, mass = _SparseAttention.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), q2k.contiguous(), msa, scale, chosen,
-        return_block_mass,
+        return_block_mass, queries,
     )
     extra = ((lse,) if return_lse else ()) + ((mass,) if return_block_mass else ())
     return (out, *extra) if extra else out
@@ -334,6 +377,7 @@ def document_attention(
     q2k: torch.Tensor | None = None,
     backend: str | MSABackend | None = None,
     return_block_mass: bool = False,
+    queries: torch.Tensor | None = None,
 ):
     """Causal attention within documents on compact tokens: a layer's core attention.
 
@@ -353,9 +397,12 @@ def document_attention(
             or "auto"/None resolved for this call.
         return_block_mass: with ``q2k``, also return the attention mass per selected slot, fp32
             [Hkv, T, top_k] (no gradient; the sparse indexer loss's target).
+        queries: optional int64 [Tq] global compact rows of query's tokens (a query subset:
+            context parallelism); query and q2k then have Tq rows, key and value every token's.
 
     Returns:
-        [T, Hq, d] in query's dtype; with ``return_block_mass`` the pair ``(output, mass)``.
+        [T, Hq, d] ([Tq, Hq, d]) in query's dtype; with ``return_block_mass`` the pair
+        ``(output, mass)``.
 
     Raises:
         ValueError: ``return_block_mass`` without ``q2k``, or what the chosen path raises.
@@ -363,8 +410,8 @@ def document_attention(
     if q2k is None:
         if return_block_mass:
             raise ValueError("return_block_mass=True needs q2k (the selected blocks)")
-        return dense_document_attention(query, key, value, msa, softmax_scale)
+        return dense_document_attention(query, key, value, msa, softmax_scale, queries=queries)
     return sparse_attention(
         query, key, value, q2k, msa, softmax_scale=softmax_scale, backend=backend,
-        return_block_mass=return_block_mass,
+        return_block_mass=return_block_mass, queries=queries,
     )

@@ -85,19 +85,23 @@ class MSAPlan:
             The plan.
 
         Raises:
-            NotImplementedError: a feature MSA does not run (FP8, fused RoPE, context
-                parallelism; :func:`~nemo_msa.support.require_msa_support`).
+            NotImplementedError: a feature MSA does not run (FP8, fused RoPE;
+                :func:`~nemo_msa.support.require_msa_support`).
             ValueError: a topology MSA cannot run, or one the backend cannot (from its
-                capability record, naming the field and its value).
+                capability record, naming the field and its value: context parallelism with a
+                backend that takes no query subset among them).
         """
         requested = backend if backend is not None else getattr(config, "msa_backend", None)
-        topology = require_msa_support(config, requested, cp_size=cp_size)
+        topology = require_msa_support(config, requested)
         dtype = params_dtype(config) if dtype is None else dtype
         device = torch.device(device)
+        # The one check of context parallelism: the config's size or the layer's process group;
+        # above 1 the backend must take a query subset (``auto`` skips those that do not).
+        cp_size = max(getattr(config, "context_parallel_size", 1) or 1, cp_size)
         chosen = resolve_backend(
             requested, device, score_type=topology.score_type, head_dim=topology.head_dim,
             index_head_dim=topology.index_head_dim, block_size=topology.block_size,
-            top_k=topology.top_k, dtype=dtype,
+            top_k=topology.top_k, dtype=dtype, cp_size=cp_size,
         )
         caps = chosen.capabilities
         loss_type = getattr(config, "msa_indexer_loss_type", "sparse")
@@ -105,7 +109,7 @@ class MSAPlan:
         reason = caps.why_not_fused_dense_loss(
             dtype=dtype, head_dim=topology.head_dim, index_head_dim=topology.index_head_dim,
             block_size=topology.block_size, group=topology.num_heads // topology.num_kv_heads,
-            score_type=topology.score_type,
+            score_type=topology.score_type, cp_size=cp_size,
         )
         return cls(
             topology=topology, backend=chosen, device=device, dtype=dtype, cp_size=cp_size,

@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.layout import MSAMicrobatch, query_rows
 
 __all__ = ["canonical_q2k", "is_marked_canonical", "mark_canonical", "marked_block_size"]
 
@@ -26,7 +26,9 @@ __all__ = ["canonical_q2k", "is_marked_canonical", "mark_canonical", "marked_blo
 _CANONICAL: dict[int, tuple[weakref.ref, int, int]] = {}
 
 
-def canonical_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> torch.Tensor:
+def canonical_q2k(
+    q2k: torch.Tensor, msa: MSAMicrobatch, queries: torch.Tensor | None = None
+) -> torch.Tensor:
     """The canonical form of any q2k: per (KV head, token) the set of its entries that are
     document-local block ids in ``0..own block``, ascending, padded with -1 at the tail.
 
@@ -35,14 +37,16 @@ def canonical_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> torch.Tensor:
     host synchronization.
 
     Args:
-        q2k: int [Hkv, T, top_k].
+        q2k: int [Hkv, T, top_k] ([Hkv, Tq, top_k] with ``queries``).
         msa: the layout (``document_positions`` [T], ``block_size``).
+        queries: optional int64 [Tq] global compact rows of q2k's tokens (a query subset).
 
     Returns:
         int32 [Hkv, T, top_k], equal to ``select_blocks``'s output for the same sets (marked
         canonical).
     """
-    own = (msa.document_positions.long() // msa.block_size)[None, :, None]  # [1, T, 1]
+    positions = query_rows(msa.document_positions, queries)
+    own = (positions.long() // msa.block_size)[None, :, None]  # [1, T, 1]
     ids = q2k.long()
     unused = torch.iinfo(torch.int64).max
     ids = torch.where((ids >= 0) & (ids <= own), ids, unused).sort(dim=-1).values

@@ -2,15 +2,16 @@
 
 ``require_msa_support`` runs when an MSA attention layer is built (inside
 :meth:`nemo_msa.plan.MSAPlan.build`), never at the first step: a configuration MSA cannot run
-fails before any batch is read. The runtime checks reject what the
-layer receives but does not implement (KV caches, THD input, sliding windows, cross-attention,
-non-causal masks, CUDA-graph capture).
+fails before any batch is read. The runtime checks reject what the layer receives but does not
+implement (KV caches, sliding windows, cross-attention, non-causal masks, CUDA-graph capture;
+THD input is checked by the layer, nemo_msa.megatron.microbatch).
 
 Config field names (Megatron TransformerConfig + the ``msa_*`` fields of
 nemo_msa.megatron.config): num_attention_heads, num_query_groups, kv_channels,
 msa_num_index_heads, msa_index_head_dim, msa_block_size, msa_topk, msa_init_blocks,
 msa_local_blocks, msa_score_type, msa_backend; plus the features refused here: fp8, fp4,
-apply_rope_fusion, fused_single_qkv_rope, context_parallel_size.
+apply_rope_fusion, fused_single_qkv_rope. Whether the backend runs context parallelism (a
+query subset) is its capability record's answer, asked by nemo_msa.plan.
 """
 
 from __future__ import annotations
@@ -109,11 +110,7 @@ class MSATopology:
                 raise ValueError(f"MSA cannot run {field_name}={value!r}; expected {expected}")
 
 
-def require_msa_support(
-    config: Any,
-    backend: str | None = None,
-    cp_size: int | None = None,
-) -> MSATopology:
+def require_msa_support(config: Any, backend: str | None = None) -> MSATopology:
     """The device-free part of the construction gate (:meth:`nemo_msa.plan.MSAPlan.build` runs
     it, then resolves the backend for the device and asks its capability record).
 
@@ -121,15 +118,12 @@ def require_msa_support(
         config: a Megatron TransformerConfig (or any object with its field names and the
             ``msa_*`` fields).
         backend: the requested backend name (``msa_backend``), checked against the registry.
-        cp_size: the size of the context-parallel group the layer is built in (Megatron's
-            process groups); refused like ``config.context_parallel_size`` when > 1.
 
     Returns:
         The validated topology.
 
     Raises:
-        NotImplementedError: FP8/FP4, fused RoPE (apply_rope_fusion, fused_single_qkv_rope), or
-            context parallelism > 1.
+        NotImplementedError: FP8/FP4 or fused RoPE (apply_rope_fusion, fused_single_qkv_rope).
         ValueError: a topology, score type or backend name MSA cannot run; names field and
             value.
     """
@@ -149,13 +143,6 @@ def require_msa_support(
                 f"MSA attention does not support {flag}=True: fused RoPE applies row-0 "
                 "positions, which is wrong for packed documents; set it to False"
             )
-    # The one check of context parallelism (the config's size or the layer's process group).
-    cp = max(getattr(config, "context_parallel_size", 1) or 1, cp_size or 1)
-    if cp > 1:
-        raise NotImplementedError(
-            f"MSA attention does not support context parallelism yet "
-            f"(context_parallel_size={cp}); expected 1"
-        )
     topology = MSATopology.from_config(config)
     topology.validate()
     if backend is not None and backend != AUTO:
@@ -184,11 +171,15 @@ def check_runtime_arguments(
 ) -> None:
     """Rejects what an MSA attention layer receives but does not implement.
 
+    ``packed_seq_params`` (THD input) is accepted here and checked where the layout is built
+    (:func:`nemo_msa.megatron.microbatch.context_parallel_layout_for_layer`).
+
     Raises:
-        NotImplementedError: KV cache / inference, THD input (packed_seq_params), sliding
-            windows, cross-attention (key_value_states), or a non-causal mask type.
+        NotImplementedError: KV cache / inference, sliding windows, cross-attention
+            (key_value_states), or a non-causal mask type.
         RuntimeError: called during CUDA-graph capture.
     """
+    del packed_seq_params  # THD input: checked where its layout is built
     if inference_context is not None or inference_params is not None:
         raise NotImplementedError(
             "MSA attention has no KV-cache / inference path (inference_context given); it is a "
@@ -197,11 +188,6 @@ def check_runtime_arguments(
     if key_value_states is not None:
         raise NotImplementedError(
             "MSA attention is self-attention only; key_value_states (cross-attention) was given"
-        )
-    if packed_seq_params is not None:
-        raise NotImplementedError(
-            "MSA attention takes BSHD input with packed_seq_ids; THD input "
-            "(packed_seq_params) is not supported"
         )
     if window_size is not None and tuple(window_size) != (-1, 0) and tuple(window_size) != (
         -1,

@@ -13,7 +13,12 @@ softmax_j(q(p, hq) . k(j, g) * scale) v(j, g)`` with ``g = hq // (Hq / Hkv)``:
 - :func:`dense_document_attention_rows` (CPU, fp32/fp64, tests): SDPA per [b, s] row with a
   document-causal mask that the layout caches once per microbatch, K/V repeated per head.
 
-:func:`dense_document_attention` picks between them. See docs/adr/0012-dense-document-attention.md.
+:func:`dense_document_attention` picks between them. With a query subset (``queries``, context
+parallelism: local queries against the gathered keys) both devices take
+:func:`dense_document_attention_queries`: one SDPA per run of consecutive local queries of one
+document, against that document's keys up to the run's last query, with the causal diagonal
+aligned to the lower right (``causal_lower_right``), so no [s, s] mask either.
+See docs/adr/0012-dense-document-attention.md and 0020-context-parallelism.md.
 """
 
 from __future__ import annotations
@@ -25,17 +30,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
-from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.layout import MSAMicrobatch, validate_queries
 
 __all__ = [
     "GPU_SDPA_BACKENDS",
     "DocumentRun",
+    "QueryRun",
     "dense_document_attention",
     "dense_document_attention_per_document",
+    "dense_document_attention_queries",
     "dense_document_attention_rows",
     "document_causal_row_mask",
     "document_runs",
+    "query_runs",
     "padded_length",
     "validate_qkv",
 ]
@@ -279,37 +288,149 @@ def dense_document_attention_rows(
 
 
 def dense_document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, msa: MSAMicrobatch, softmax_scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    msa: MSAMicrobatch,
+    softmax_scale: float,
+    queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense causal attention within documents on compact tokens (dense layers, warm-up).
 
     On CUDA in fp16/bf16: :func:`dense_document_attention_per_document` (cuDNN SDPA per run of
     equal-length documents, GQA without copies, no mask). Elsewhere (CPU, fp32/fp64):
     :func:`dense_document_attention_rows` (per-row SDPA with the cached document mask). Both
-    compute the same function and gradients.
+    compute the same function and gradients. With ``queries`` (a query subset: context
+    parallelism) :func:`dense_document_attention_queries` on any device.
 
     Args:
-        q: [T, Hq, d] compact queries.
+        q: [T, Hq, d] compact queries ([Tq, Hq, d] with ``queries``).
         k: [T, Hkv, d] compact keys in q's dtype, Hq a multiple of Hkv.
         v: [T, Hkv, d] compact values in q's dtype.
         msa: the microbatch layout.
         softmax_scale: multiplies q.k.
+        queries: optional int64 [Tq] global compact rows of q's tokens (ascending); None =
+            every token.
 
     Returns:
-        [T, Hq, d] in q's dtype.
+        [T, Hq, d] ([Tq, Hq, d]) in q's dtype.
 
     Raises:
         ValueError: shapes that disagree with each other or with the layout.
     """
+    if queries is not None:
+        validate_qkv(q, k, v, msa, queries)
+        return dense_document_attention_queries(q, k, v, msa, softmax_scale, queries)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return dense_document_attention_per_document(q, k, v, msa, softmax_scale)
     return dense_document_attention_rows(q, k, v, msa, softmax_scale)
 
 
-def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, msa: MSAMicrobatch) -> None:
-    """The checks every attention entry makes of q [T, Hq, d], k and v [T, Hkv, d] against each
-    other and the layout (dense here; :func:`nemo_msa.ops.validate_attention_inputs` adds
-    the sparse op's dtype and q2k checks).
+@dataclass(frozen=True)
+class QueryRun:
+    """Consecutive local queries of one document: one SDPA call.
+
+    Attributes:
+        query_start: first row of the run in the query subset (rows of q).
+        count: queries in the run.
+        key_start: compact row of the document's first token (first key).
+        key_stop: compact row after the run's last query (last key + 1).
+    """
+
+    query_start: int
+    count: int
+    key_start: int
+    key_stop: int
+
+
+def query_runs(msa: MSAMicrobatch, queries: torch.Tensor) -> tuple[QueryRun, ...]:
+    """Runs of consecutive global rows of one document in a query subset (host plan).
+
+    One host synchronization per (layout, queries) pair, cached on the layout: every layer of the
+    microbatch shares it. Under the load-balanced split a document has at most two runs per
+    batch row on a rank.
+
+    Args:
+        msa: the global layout.
+        queries: int64 [Tq] global compact rows, ascending.
+
+    Returns:
+        The runs in query order; their counts add up to Tq.
+    """
+    name = "nemo_msa.attention.dense.query_runs"
+    cached = msa._cache.get(name)
+    if cached is not None and cached[0] is queries:
+        return cached[1]
+    rows = queries.tolist()
+    documents = msa.token_documents[queries].tolist()
+    starts = msa.cu_seqlens.tolist()
+    runs: list[QueryRun] = []
+    for index, (row, document) in enumerate(zip(rows, documents, strict=True)):
+        last = runs[-1] if runs else None
+        if last is not None and last.key_stop == row and starts[document] == last.key_start:
+            runs[-1] = QueryRun(last.query_start, last.count + 1, last.key_start, row + 1)
+        else:
+            runs.append(QueryRun(index, 1, starts[document], row + 1))
+    plan = tuple(runs)
+    msa._cache[name] = (queries, plan)
+    return plan
+
+
+def dense_document_attention_queries(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    msa: MSAMicrobatch,
+    softmax_scale: float,
+    queries: torch.Tensor,
+    backends: Sequence[SDPBackend] = GPU_SDPA_BACKENDS,
+) -> torch.Tensor:
+    """Dense causal attention within documents for a query subset (context parallelism).
+
+    Query p (document position) sees the keys of its document at positions <= p. Per run of
+    consecutive queries of one document (:func:`query_runs`) one SDPA call of the run's [n, d]
+    queries against the document's keys up to the run's last query, with a lower-right causal
+    alignment: query i of the run sees keys ``j <= i + (keys - n)``. GQA without copies.
+
+    Args:
+        q: [Tq, Hq, d] local queries.
+        k: [T, Hkv, d] every token's keys in q's dtype, Hq a multiple of Hkv.
+        v: [T, Hkv, d] values.
+        msa: the global layout.
+        softmax_scale: multiplies q.k.
+        queries: int64 [Tq] global compact rows of q's tokens, ascending.
+        backends: SDPA backends in order of preference (CUDA).
+
+    Returns:
+        [Tq, Hq, d] in q's dtype.
+    """
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    outputs = []
+    with _backend_preference(backends):
+        for run in query_runs(msa, queries):
+            qs = q[run.query_start : run.query_start + run.count].transpose(0, 1)[None]
+            ks = k[run.key_start : run.key_stop].transpose(0, 1)[None]
+            vs = v[run.key_start : run.key_stop].transpose(0, 1)[None]
+            out = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=causal_lower_right(run.count, ks.shape[2]),
+                scale=softmax_scale, enable_gqa=heads_q != heads_kv,
+            )
+            outputs.append(out[0].transpose(0, 1))
+    if not outputs:
+        return q.new_zeros(q.shape)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+def validate_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    msa: MSAMicrobatch,
+    queries: torch.Tensor | None = None,
+) -> None:
+    """The checks every attention entry makes of q [T, Hq, d] ([Tq, Hq, d] with a query subset
+    ``queries``), k and v [T, Hkv, d] against each other and the layout (dense here;
+    :func:`nemo_msa.ops.validate_attention_inputs` adds the sparse op's dtype and q2k checks).
 
     Raises:
         ValueError: a rank other than 3, shapes that disagree, a head count that is not a
@@ -320,7 +441,7 @@ def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, msa: MSAMicr
             raise ValueError(f"{name} must be [tokens, heads, dim]; got shape {tuple(x.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
-    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+    if q.shape[2] != k.shape[2] or (queries is None and q.shape[0] != k.shape[0]):
         raise ValueError(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on tokens or head dim"
         )
@@ -328,9 +449,11 @@ def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, msa: MSAMicr
         raise ValueError(
             f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
         )
-    if q.shape[0] != msa.num_tokens:
-        raise ValueError(
-            f"q has {q.shape[0]} tokens but the layout has num_tokens={msa.num_tokens}"
-        )
+    for name, x in (("q", q), ("k", k)) if queries is None else (("k", k),):
+        if x.shape[0] != msa.num_tokens:
+            raise ValueError(
+                f"{name} has {x.shape[0]} tokens but the layout has num_tokens={msa.num_tokens}"
+            )
+    validate_queries(queries, msa, q.shape[0])
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.layout import MSAMicrobatch, query_rows
 from nemo_msa.limits import accumulation_dtype
 from nemo_msa.q2k import canonical_q2k
 
@@ -40,10 +40,12 @@ def _gather_blocks(
     stop: int,
     k_blocks: torch.Tensor,
     v_blocks: torch.Tensor,
+    queries: torch.Tensor | None = None,
 ):
     """Gathers the selected blocks of a query chunk and their visibility mask.
 
     Args:
+        queries: optional int64 [Tq] global compact rows of the query tokens.
         k_blocks, v_blocks: [NB * Hkv, B, d], row ``block * Hkv + head`` (from
             :func:`_workspace_blocks`).
 
@@ -56,13 +58,13 @@ def _gather_blocks(
     dim = k_blocks.shape[-1]
     selected = q2k[:, start:stop].permute(1, 0, 2).long()  # [C, Hkv, K]
     chunk, kv_heads, top_k = selected.shape
-    first = msa.token_workspace_block_starts[start:stop]  # [C]
+    first = query_rows(msa.token_workspace_block_starts, queries)[start:stop]  # [C]
     heads = torch.arange(kv_heads, device=q2k.device)[None, :, None]
     rows = (first[:, None, None] + selected.clamp(min=0)) * kv_heads + heads  # [C, Hkv, K]
     flat = rows.reshape(-1)
     k = k_blocks.index_select(0, flat).view(chunk, kv_heads, top_k * block, dim)
     v = v_blocks.index_select(0, flat).view(chunk, kv_heads, top_k * block, dim)
-    positions = msa.document_positions[start:stop].long()
+    positions = query_rows(msa.document_positions, queries)[start:stop].long()
     key_positions = selected[..., None] * block + torch.arange(block, device=q2k.device)
     visible = (selected[..., None] >= 0) & (key_positions <= positions[:, None, None, None])
     return k, v, visible.reshape(chunk, kv_heads, top_k * block), rows
@@ -98,12 +100,13 @@ def sparse_attention_forward_reference(
     msa: MSAMicrobatch,
     softmax_scale: float,
     return_block_mass: bool = False,
+    queries: torch.Tensor | None = None,
 ):
     """Sparse attention forward over selected blocks.
 
     Args:
-        q: [T, Hq, d] float.
-        k: [T, Hkv, d] float, same dtype as q.
+        q: [T, Hq, d] float ([Tq, Hq, d] with ``queries``).
+        k: [T, Hkv, d] float, same dtype as q (always every token).
         v: [T, Hkv, d] float, same dtype as q.
         q2k: int32 [Hkv, T, top_k] document-local block ids (-1 = none); any order,
             duplicates and out-of-range ids allowed (set semantics, see the module docstring).
@@ -112,6 +115,8 @@ def sparse_attention_forward_reference(
         return_block_mass: also return the attention mass per selected slot [Hkv, T, top_k]
             (fp32, fp64 for fp64 inputs): the softmax probability of the slot's keys summed,
             averaged over the group's query heads; 0 at -1 slots.
+        queries: optional int64 [Tq], the global compact rows of q's tokens (a query subset,
+            ascending; context parallelism); q2k and the outputs then have Tq rows.
 
     Returns:
         ``(out [T, Hq, d] in q's dtype, lse fp32-or-fp64 [Hq, T])``; a query with no visible
@@ -119,7 +124,7 @@ def sparse_attention_forward_reference(
     """
     tokens, q_heads, dim = q.shape
     full_top_k = q2k.shape[-1]
-    q2k = _trim_unused_slots(canonical_q2k(q2k, msa), msa)
+    q2k = _trim_unused_slots(canonical_q2k(q2k, msa, queries), msa)
     kv_heads, _, top_k = q2k.shape
     group = q_heads // kv_heads
     dtype = accumulation_dtype(q)
@@ -133,7 +138,7 @@ def sparse_attention_forward_reference(
     chunk = _chunk_size(msa, kv_heads, top_k, dim)
     for start in range(0, tokens, chunk):
         stop = min(tokens, start + chunk)
-        kc, vc, visible, _ = _gather_blocks(msa, q2k, start, stop, k_blocks, v_blocks)
+        kc, vc, visible, _ = _gather_blocks(msa, q2k, start, stop, k_blocks, v_blocks, queries)
         qc = q[start:stop].to(dtype).view(stop - start, kv_heads, group, dim)
         scores = torch.matmul(qc, kc.transpose(-1, -2)) * softmax_scale  # [C, Hkv, G, n]
         scores = scores.masked_fill(~visible[:, :, None, :], -math.inf)
@@ -158,20 +163,22 @@ def sparse_attention_backward_reference(
     q2k: torch.Tensor,
     msa: MSAMicrobatch,
     softmax_scale: float,
+    queries: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse attention backward: recompute probabilities per chunk, accumulate dk/dv per block.
 
     Args:
-        dout: [T, Hq, d] gradient of the output.
-        q, k, v, q2k, msa, softmax_scale: as in the forward.
+        dout: [T, Hq, d] gradient of the output ([Tq, Hq, d] with ``queries``).
+        q, k, v, q2k, msa, softmax_scale, queries: as in the forward.
         out: [T, Hq, d] forward output.
         lse: [Hq, T] forward log-sum-exp.
 
     Returns:
-        ``(dq [T, Hq, d], dk [T, Hkv, d], dv [T, Hkv, d])`` in the inputs' dtypes.
+        ``(dq [T, Hq, d], dk [T, Hkv, d], dv [T, Hkv, d])`` in the inputs' dtypes; with
+        ``queries`` dq has Tq rows and dk/dv (every token) hold the local queries' share only.
     """
     tokens, q_heads, dim = q.shape
-    q2k = _trim_unused_slots(canonical_q2k(q2k, msa), msa)
+    q2k = _trim_unused_slots(canonical_q2k(q2k, msa, queries), msa)
     kv_heads, _, top_k = q2k.shape
     group = q_heads // kv_heads
     block = msa.block_size
@@ -187,7 +194,9 @@ def sparse_attention_backward_reference(
     for start in range(0, tokens, chunk):
         stop = min(tokens, start + chunk)
         count = stop - start
-        kc, vc, visible, rows = _gather_blocks(msa, q2k, start, stop, k_blocks, v_blocks)
+        kc, vc, visible, rows = _gather_blocks(
+            msa, q2k, start, stop, k_blocks, v_blocks, queries
+        )
         qc = q[start:stop].to(dtype).view(count, kv_heads, group, dim)
         doc = dout[start:stop].to(dtype).view(count, kv_heads, group, dim)
         lse_c = lse[:, start:stop].transpose(0, 1).reshape(count, kv_heads, group).to(dtype)
@@ -218,30 +227,33 @@ def masked_attention_reference(
     msa: MSAMicrobatch,
     softmax_scale: float | None = None,
     q2k: torch.Tensor | None = None,
+    queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention within documents over an explicit [T, T] mask, through plain autograd ops.
 
     The oracle of the sparse op (pass ``q2k`` to restrict keys to the selected blocks) and the
     dense path for small models (dense layers of a mixed pattern, the dense warm-up). Memory is
-    O(Hq x T x T): meant for tests and small sequences.
+    O(Hq x Tq x T): meant for tests and small sequences.
 
     Args:
-        q: [T, Hq, d] float.
-        k: [T, Hkv, d] float.
+        q: [T, Hq, d] float ([Tq, Hq, d] with ``queries``).
+        k: [T, Hkv, d] float (always every token).
         v: [T, Hkv, d] float.
         msa: layout.
         softmax_scale: defaults to 1 / sqrt(d).
-        q2k: optional int32 [Hkv, T, top_k]; when given only the selected blocks are visible.
+        q2k: optional int32 [Hkv, T, top_k] ([Hkv, Tq, top_k]); when given only the selected
+            blocks are visible.
+        queries: optional int64 [Tq] global compact rows of q's tokens (a query subset).
 
     Returns:
-        [T, Hq, d] in q's dtype (computed in fp32, or fp64 for fp64 inputs).
+        [T, Hq, d] ([Tq, Hq, d]) in q's dtype (computed in fp32, or fp64 for fp64 inputs).
     """
     tokens, q_heads, dim = q.shape
     kv_heads = k.shape[1]
     group = q_heads // kv_heads
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(dim)
     dtype = accumulation_dtype(q)
-    visible = document_causal_mask(msa)[None].expand(kv_heads, -1, -1)  # [Hkv, T, T]
+    visible = document_causal_mask(msa, queries)[None].expand(kv_heads, -1, -1)  # [Hkv, Tq, T]
     if q2k is not None:
         visible = visible & selected_key_mask(msa, q2k)
     qf = q.to(dtype).view(tokens, kv_heads, group, dim)
@@ -252,15 +264,18 @@ def masked_attention_reference(
     return out.reshape(tokens, q_heads, dim).to(q.dtype)
 
 
-def document_causal_mask(msa: MSAMicrobatch) -> torch.Tensor:
-    """bool [T, T]: query i sees key j when both are in one document and j <= i."""
+def document_causal_mask(msa: MSAMicrobatch, queries: torch.Tensor | None = None) -> torch.Tensor:
+    """bool [T, T] ([Tq, T] with ``queries``): query i sees key j when both are in one document
+    and j <= i."""
     docs = msa.token_documents
     positions = msa.document_positions
-    return (docs[:, None] == docs[None, :]) & (positions[None, :] <= positions[:, None])
+    query_docs, query_positions = query_rows(docs, queries), query_rows(positions, queries)
+    return (query_docs[:, None] == docs[None, :]) & (positions[None, :] <= query_positions[:, None])
 
 
 def selected_key_mask(msa: MSAMicrobatch, q2k: torch.Tensor) -> torch.Tensor:
-    """bool [Hkv, T, T]: key j lies in a block that query i selected for KV head g."""
+    """bool [Hkv, Tq, T]: key j lies in a block that query i selected for KV head g (q2k
+    [Hkv, Tq, top_k]; a query only sees its own document's keys through the causal mask)."""
     key_blocks = (msa.document_positions.long() // msa.block_size)[None, None, :]  # [1, 1, T]
     chosen = q2k.long()  # [Hkv, T, K]
     return (chosen[..., None] == key_blocks[..., None, :]).any(dim=2)

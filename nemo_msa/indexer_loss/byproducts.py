@@ -57,7 +57,7 @@ def _gather_scatter_grads(dscore, keys, index_q, index_k):
     Args:
         dscore: fp32 [H, T, K] gradient of each slot's (scaled) block score.
         keys: int32 [H, T, K] compact row of each slot's argmax key, -1 at unused slots.
-        index_q: [T, H, d]; index_k: [T, d].
+        index_q: [T, H, d] ([Tq, H, d] for a query subset); index_k: [T, d].
 
     Returns:
         ``(d index_q [T, H, d], d index_k [T, d])`` in the inputs' dtypes. The scatter is
@@ -68,7 +68,7 @@ def _gather_scatter_grads(dscore, keys, index_q, index_k):
     dim = index_q.shape[-1]
     work = accumulation_dtype(dscore)
     dq = torch.empty(tokens, heads, dim, dtype=work, device=index_q.device)
-    dk = torch.zeros(tokens, dim, dtype=work, device=index_q.device)
+    dk = torch.zeros(index_k.shape[0], dim, dtype=work, device=index_q.device)
     key_rows = index_k.to(work)
     chunk = max(1, _BYPRODUCT_GATHER_ELEMENTS // max(1, heads * top_k * dim))
     for start in range(0, tokens, chunk):
@@ -93,6 +93,7 @@ def sparse_indexer_loss_from_byproducts(
     *,
     num_index_heads_total: int,
     loss_coeff: float,
+    queries: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The sparse indexer loss (score ``"max"``) from the selection's and the forward's by-products.
 
@@ -101,8 +102,8 @@ def sparse_indexer_loss_from_byproducts(
     prediction the softmax of the selected blocks' real scores.
 
     Args:
-        index_q: [T, H_local, d_idx] index queries (with gradient).
-        index_k: [T, d_idx] the shared index key (with gradient).
+        index_q: [T, H_local, d_idx] index queries (with gradient; [Tq, ...] with ``queries``).
+        index_k: [T, d_idx] the shared index key (with gradient; every token).
         block_scores: fp32 [H_local, T, top_k] unscaled block max of index_q . index_k per slot,
             -inf at -1 slots (``select_blocks(..., return_scores=True)``).
         block_keys: int32 [H_local, T, top_k] compact row of the key attaining each slot's max,
@@ -111,10 +112,14 @@ def sparse_indexer_loss_from_byproducts(
             group's query heads (``sparse_attention(..., return_block_mass=True)``).
         num_index_heads_total: index heads of the whole layer (all TP ranks).
         loss_coeff: msa_indexer_loss_coeff.
+        queries: optional int64 [Tq] global compact rows of index_q's tokens (a query subset:
+            context parallelism); the by-products then have Tq token rows and their keys are
+            global rows of index_k. The KL is divided by index_k's (global) token count, so the
+            ranks' losses add up to the unsplit loss.
 
     Returns:
         ``(loss, stats)`` as :func:`compute_indexer_loss`: ``coeff * sum_local KL / (T * H)``
-        and ``{"kl": ...}``.
+        (T = index_k's rows) and ``{"kl": ...}``.
 
     Raises:
         ValueError: by-products whose shapes disagree with ``index_q`` (named).
@@ -133,7 +138,16 @@ def sparse_indexer_loss_from_byproducts(
             f"block_scores {tuple(block_scores.shape)}, block_keys {tuple(block_keys.shape)} and "
             f"block_mass {tuple(block_mass.shape)} must have one shape"
         )
-    denominator = float(tokens * num_index_heads_total)
+    if queries is not None and queries.shape != (tokens,):
+        raise ValueError(
+            f"queries has shape {tuple(queries.shape)}; expected [{tokens}] like index_q"
+        )
+    if queries is None and index_k.shape[0] != tokens:
+        raise ValueError(
+            f"index_k has {index_k.shape[0]} rows but index_q {tokens}; pass queries= for a "
+            "query subset"
+        )
+    denominator = float(index_k.shape[0] * num_index_heads_total)
     kl = _SparseKLFromByproducts.apply(
         index_q, index_k, block_scores, block_keys, block_mass.detach(),
         1.0 / math.sqrt(index_dim), denominator,

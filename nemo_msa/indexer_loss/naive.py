@@ -29,6 +29,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from nemo_msa.layout import query_rows
 from nemo_msa.limits import accumulation_dtype
 
 __all__ = ["compute_indexer_loss"]
@@ -91,6 +92,7 @@ def compute_indexer_loss(
     q2k: torch.Tensor | None = None,
     query_chunk: int = 1024,
     sparse: bool = False,
+    queries: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This rank's share of the indexer KL loss of one layer and microbatch.
 
@@ -109,9 +111,14 @@ def compute_indexer_loss(
         query_chunk: query tokens per chunk (dense loss; the sparse loss sizes its own chunks).
         sparse: restrict target and prediction to the selected blocks (both renormalized over
             them), O(T x top_k x block) instead of O(T^2); needs ``q2k``; no recall then.
+        queries: optional int64 [Tq] global compact rows of the query-side tensors' tokens (a
+            query subset: context parallelism). index_q, query and q2k then have Tq rows,
+            index_k and key every token's; the KL is still divided by the layout's (global)
+            token count, so the ranks' losses add up to the unsplit loss.
 
     Returns:
-        ``(loss, stats)``: loss is a scalar fp32 tensor, ``coeff * sum_local KL / (T * H)``;
+        ``(loss, stats)``: loss is a scalar fp32 tensor, ``coeff * sum_local KL / (T * H)``
+        (T the layout's num_tokens);
         stats holds detached fp32 scalars ``kl`` (the same without coeff), ``recall_mass`` and
         ``recall_count`` (sum over local heads and tokens of the target mass inside the selected
         blocks, and how many (token, head) pairs that sums; absent without q2k).
@@ -130,6 +137,7 @@ def compute_indexer_loss(
             num_index_heads_total=num_index_heads_total,
             loss_coeff=loss_coeff,
             score_type=score_type,
+            queries=queries,
         )
     tokens, heads, index_dim = index_q.shape
     q_heads = query.shape[1]
@@ -144,9 +152,9 @@ def compute_indexer_loss(
         key_ws = msa.to_workspace(key.detach().to(work))  # [W, G, d]
         key_documents = msa.workspace_documents  # [W], -1 past document ends
         key_positions = msa.workspace_positions_in_document  # [W]
-        documents = msa.token_documents.long()
-        positions = msa.document_positions.long()
-        first_block = msa.token_workspace_block_starts  # [T]
+        documents = query_rows(msa.token_documents, queries).long()
+        positions = query_rows(msa.document_positions, queries).long()
+        first_block = query_rows(msa.token_workspace_block_starts, queries)  # [T] or [Tq]
     # Differentiable placement of index_k into the workspace (index_copy has a gradient).
     index_k_ws = msa.to_workspace(index_k)
 
@@ -177,7 +185,7 @@ def compute_indexer_loss(
                 mass = target.permute(1, 0, 2).gather(-1, block_ids)  # [G, C, K]
                 recall_mass += torch.where(selected >= 0, mass, 0.0).sum()
 
-    denominator = float(tokens * num_index_heads_total)
+    denominator = float(msa.num_tokens * num_index_heads_total)
     kl = kl_total / denominator
     stats = {"kl": kl.detach()}
     if q2k is not None:
@@ -246,6 +254,7 @@ def _sparse_indexer_loss(
     num_index_heads_total,
     loss_coeff,
     score_type,
+    queries=None,
 ):
     tokens, heads, index_dim = index_q.shape
     group = query.shape[1] // key.shape[1]
@@ -257,8 +266,8 @@ def _sparse_indexer_loss(
     work = accumulation_dtype(query)
     with torch.no_grad():
         key_ws = msa.to_workspace(key.detach().to(work))  # [W, G, d]
-        positions = msa.document_positions.long()
-        first_block = msa.token_workspace_block_starts
+        positions = query_rows(msa.document_positions, queries).long()
+        first_block = query_rows(msa.token_workspace_block_starts, queries)
         offsets = torch.arange(block, device=device)
         head_index = torch.arange(heads, device=device)[None, :, None]
     index_k_ws = msa.to_workspace(index_k)
@@ -287,7 +296,7 @@ def _sparse_indexer_loss(
             kl_total = kl_total + checkpoint(_sparse_chunk_kl, *args, use_reentrant=False)
         else:
             kl_total = kl_total + _sparse_chunk_kl(*args)
-    kl = kl_total / float(tokens * num_index_heads_total)
+    kl = kl_total / float(msa.num_tokens * num_index_heads_total)
     return kl * loss_coeff, {"kl": kl.detach()}
 
 

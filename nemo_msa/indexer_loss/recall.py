@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from nemo_msa.layout import query_rows
 from nemo_msa.limits import accumulation_dtype
 
 __all__ = ["sampled_selection_recall"]
@@ -35,6 +36,7 @@ def sampled_selection_recall(
     *,
     softmax_scale: float,
     num_rows: int,
+    queries: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Selection recall measured exactly on a fixed-size sample of query tokens.
 
@@ -55,6 +57,10 @@ def sampled_selection_recall(
         msa: the microbatch layout.
         softmax_scale: the main attention's scale.
         num_rows: sample size (>= 1).
+        queries: optional int64 [Tq] global compact rows of query's and q2k's tokens (a query
+            subset: context parallelism; key stays every token's). The sample is then drawn
+            from the Tq local tokens (each rank samples its own; the sums add over ranks, and
+            ``num_rows >= Tq`` on every rank gives the exact recall of the whole microbatch).
 
     Returns:
         ``{"recall_mass": sum of covered mass, "recall_count": sampled (token, head) pairs}``,
@@ -77,9 +83,9 @@ def sampled_selection_recall(
     key_ws = msa.to_workspace(key.detach().to(work))  # [W, G, d]
     key_documents = msa.workspace_documents
     key_positions = msa.workspace_positions_in_document
-    documents = msa.token_documents.long()[rows]
-    positions = msa.document_positions.long()[rows]
-    first_block = msa.token_workspace_block_starts[rows]
+    documents = query_rows(msa.token_documents, queries).long()[rows]
+    positions = query_rows(msa.document_positions, queries).long()[rows]
+    first_block = query_rows(msa.token_workspace_block_starts, queries)[rows]
     covered = torch.zeros((), dtype=work, device=device)
     chunk = max(1, _RECALL_SCORE_ELEMENTS // max(1, q_heads * msa.workspace_size))
     for start in range(0, n, chunk):

@@ -32,9 +32,11 @@ class MSACoreAttention(MegatronModule):
         layer_number: the layer's number.
         attn_mask_type: causal or padding_causal (MSA is causal).
         attention_type: "self".
-        cp_comm_type: unused.
+        cp_comm_type: unused (MSA's context parallelism all-gathers K/V in the layer, whatever
+            Megatron's comm type).
         softmax_scale: defaults to 1 / sqrt(kv_channels).
-        pg_collection: unused (the layer's plan checks the process groups).
+        pg_collection: unused (the layer's plan checks the process groups; the layer gathers
+            K/V over ``cp``).
     """
 
     def __init__(
@@ -48,7 +50,7 @@ class MSACoreAttention(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
         super().__init__(config=config)
-        del cp_comm_type
+        del cp_comm_type, pg_collection
         if attention_type != "self":
             raise NotImplementedError(
                 f"MSA core attention is self-attention only; attention_type={attention_type!r}"
@@ -63,8 +65,6 @@ class MSACoreAttention(MegatronModule):
                 f"attention_dropout={config.attention_dropout}: MSA core attention has no "
                 "attention dropout; set attention_dropout=0.0"
             )
-        # Context parallelism is the layer plan's to refuse (nemo_msa.support, one check).
-        del pg_collection
         self.layer_number = layer_number
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
@@ -79,12 +79,14 @@ class MSACoreAttention(MegatronModule):
         q2k: torch.Tensor | None = None,
         backend: MSABackend | str | None = None,
         return_block_mass: bool = False,
+        queries: torch.Tensor | None = None,
     ):
-        """Attention over compact tokens.
+        """Attention over compact tokens (this rank's queries against every token's keys under
+        context parallelism).
 
         Args:
-            query: [T, Hq_local, d].
-            key: [T, Hkv_local, d].
+            query: [T, Hq_local, d] ([Tq, ...] with ``queries``).
+            key: [T, Hkv_local, d] (every token's).
             value: [T, Hkv_local, d].
             msa: the microbatch layout (:class:`nemo_msa.MSAMicrobatch`).
             q2k: int32 [Hkv_local, T, top_k] selected document-local blocks, or None for dense
@@ -94,6 +96,8 @@ class MSACoreAttention(MegatronModule):
                 attention used on its own).
             return_block_mass: with ``q2k``, also return the attention mass per selected slot,
                 fp32 [Hkv_local, T, top_k] (no gradient; the sparse indexer loss's target).
+            queries: optional int64 [Tq] global compact rows of the local queries (context
+                parallelism); q2k and the outputs then have Tq token rows.
 
         Returns:
             [T, Hq_local, d] in query's dtype; with ``return_block_mass`` the pair
@@ -102,5 +106,5 @@ class MSACoreAttention(MegatronModule):
         return document_attention(
             query, key, value, msa, softmax_scale=self.softmax_scale, q2k=q2k,
             backend=self.backend if backend is None else backend,
-            return_block_mass=return_block_mass,
+            return_block_mass=return_block_mass, queries=queries,
         )

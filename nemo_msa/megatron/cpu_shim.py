@@ -8,7 +8,9 @@ exactly those, and nothing else:
 
 - ``torch.cuda.current_device`` returns ``torch.device("cpu")``;
 - a :class:`torch.overrides.TorchFunctionMode` rewrites ``device="cuda"`` (and ``"cuda:N"``)
-  keyword arguments, ``Tensor.cuda()`` and ``Tensor.to("cuda")`` to the CPU;
+  keyword arguments, ``Tensor.cuda()`` and ``Tensor.to("cuda")`` to the CPU, and drops
+  ``pin_memory=True`` (pinning needs a GPU; context parallelism's
+  ``get_pos_emb_on_this_cp_rank`` pins its index tensor);
 - ``torch.cuda.synchronize`` / ``empty_cache`` become no-ops;
 - ``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` / ``manual_seed_all`` and
   Megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` use the CPU default generator, so
@@ -78,6 +80,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             # Tensor.cuda(device=None, non_blocking=False, ...): a CPU tensor stays where it is,
             # returning self as Tensor.cuda() does for a tensor already on the device.

@@ -35,6 +35,7 @@ from megatron.core.utils import (
     get_tensor_model_parallel_group_if_none,
 )
 
+from nemo_msa.context_parallel import ContextParallelLayout
 from nemo_msa.megatron.microbatch import pack_sbhd
 
 __all__ = [
@@ -259,19 +260,23 @@ class MSAIndexer(MegatronModule):
         )
 
     def forward(
-        self, hidden_states: torch.Tensor, msa, rotary_freqs: torch.Tensor | None
+        self, hidden_states: torch.Tensor, layout, rotary_freqs: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Index queries and keys of the real tokens.
 
         Args:
             hidden_states: [s_local, b, hidden] attention input; detached here (the indexer loss
                 trains only the indexer). With sequence parallelism s_local = s / tp.
-            msa: the microbatch's :class:`nemo_msa.MSAMicrobatch` ([b, s] layout).
-            rotary_freqs: [T, 1, rot_dim] per-token RoPE angles (document positions), or None
-                for no RoPE.
+            layout: the microbatch's :class:`nemo_msa.MSAMicrobatch` ([b, s] layout), or its
+                :class:`nemo_msa.context_parallel.ContextParallelLayout` (context parallelism:
+                index_q of this rank's tokens, index_k all-gathered over the CP group, its
+                gradient reduce-scattered back).
+            rotary_freqs: [Tq, 1, rot_dim] per-token RoPE angles of this rank's tokens (document
+                positions), or None for no RoPE.
 
         Returns:
-            ``(index_q [T, H_local, d_idx], index_k [T, d_idx])`` in the activation dtype.
+            ``(index_q [Tq, H_local, d_idx], index_k [T, d_idx])`` in the activation dtype (Tq =
+            T without context parallelism).
         """
         x = hidden_states.detach()
         if self.sequence_parallel:
@@ -279,7 +284,8 @@ class MSAIndexer(MegatronModule):
                 x, tensor_parallel_output_grad=False, group=self.tp_group
             )
         # [s, b, h] -> compact [T, h]: the projections skip padding entirely.
-        x = pack_sbhd(msa, x)
+        cp = isinstance(layout, ContextParallelLayout)
+        x = layout.pack_local(x) if cp else pack_sbhd(layout, x)
         q, _ = self.index_q_proj(x)
         k, _ = self.index_k_proj(x)
         q = q.view(q.shape[0], self.num_index_heads_per_partition, self.index_head_dim)
@@ -293,4 +299,8 @@ class MSAIndexer(MegatronModule):
             ).squeeze(1)
         if get_pg_size(self.tp_group) > 1:
             k = copy_to_tensor_model_parallel_region(k, group=self.tp_group)
+        if cp:
+            # Every rank's keys, in the global compact order; the backward sums every rank's
+            # gradient of them back to the owner (reduce-scatter), TP's all-reduce above.
+            k = layout.gather(k)
         return q, k

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 
-__all__ = ["MSAIndexerLossAutoScaler", "MSAIndexerMetrics"]
+__all__ = ["MSAIndexerLossAutoScaler", "MSAIndexerMetrics", "collective_device"]
 
 
 class MSAIndexerLossAutoScaler(torch.autograd.Function):
@@ -70,8 +70,11 @@ class MSAIndexerLossAutoScaler(torch.autograd.Function):
 class MSAIndexerMetrics:
     """Per-layer accumulator of the indexer loss and the selection recall, for logging.
 
-    Layers record every training microbatch; :meth:`pop` reduces over tensor-, pipeline- and
-    data-parallel ranks and resets. Process-wide like Megatron's DSA/MoE loss trackers.
+    Layers record every training microbatch; :meth:`pop` reduces over tensor-, context-,
+    pipeline- and data-parallel ranks and resets. Process-wide like Megatron's DSA/MoE loss
+    trackers. Under context parallelism each rank records its share of a microbatch (the KL of
+    its local queries normalised by the microbatch's global token count, the recall mass and
+    count of its local queries), so shares add up over the CP group as over the TP group.
     Selection recall = mean over (token, KV head) of the main attention's block mass that the
     selected blocks cover (1.0 means the sparse layer sees everything dense attention would
     weigh).
@@ -113,8 +116,8 @@ class MSAIndexerMetrics:
         Args:
             num_layers: total layers of the model (default: the largest recorded layer number,
                 which must then be the same on all ranks; pass it with pipelining).
-            reduce: all-reduce over TP (sum of shares), PP (layers live on one stage) and DP
-                (average).
+            reduce: all-reduce over TP and CP (sum of shares), PP (layers live on one stage)
+                and DP (average).
 
         Returns:
             ``{"indexer_loss": mean KL over MSA layers and microbatches (without the
@@ -125,11 +128,18 @@ class MSAIndexerMetrics:
         cls._values = {}
         if num_layers is None:
             num_layers = max(values) if values else 0
-        device = next(iter(values.values())).device if values else torch.device("cpu")
+        collective = (reduce and torch.distributed.is_available()
+                      and torch.distributed.is_initialized())
+        if collective:
+            # The table lives where the process group's backend reduces: a rank without MSA
+            # layers (or a dense-only model) has no recorded tensor to take the device from.
+            device = collective_device()
+        else:
+            device = next(iter(values.values())).device if values else torch.device("cpu")
         table = torch.zeros(num_layers, 4, dtype=torch.float32, device=device)
         for layer_number, row in values.items():
             table[layer_number - 1] += row.to(device)
-        if reduce and torch.distributed.is_available() and torch.distributed.is_initialized():
+        if collective:
             table = _reduce_table(table)
         present = table[:, 3] > 0
         if not bool(present.any()):
@@ -148,15 +158,37 @@ class MSAIndexerMetrics:
         return out
 
 
+def collective_device(group=None) -> torch.device:
+    """The device a tensor must be on to be all-reduced over ``group`` (default: the world).
+
+    NCCL reduces CUDA tensors only (a CPU tensor fails with "No backend type associated with
+    device type cpu"); gloo reduces CPU tensors. A group with both backends takes CUDA.
+
+    Args:
+        group: a process group, or None for the default group.
+
+    Returns:
+        ``cuda:<current device>`` when the group's backend includes NCCL, else ``cpu``.
+    """
+    backend = str(torch.distributed.get_backend(group)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _reduce_table(table: torch.Tensor) -> torch.Tensor:
     if not parallel_state.model_parallel_is_initialized():
         return table
     dist = torch.distributed
     shares, micro = table[:, :3].contiguous(), table[:, 3:].contiguous()
-    dist.all_reduce(shares, group=parallel_state.get_tensor_model_parallel_group())
-    dist.all_reduce(
-        micro, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
-    )
+    # TP and CP ranks each hold a share of the same microbatches of a layer (a CP rank records
+    # its own queries' KL divided by the global token count and its own tokens' recall): the
+    # shares add up, the microbatch count is the same on all of them.
+    for group in (parallel_state.get_tensor_model_parallel_group(),
+                  parallel_state.get_context_parallel_group(check_initialized=False)):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(shares, group=group)
+            dist.all_reduce(micro, op=dist.ReduceOp.MAX, group=group)
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     dist.all_reduce(shares, group=pp_group)
     dist.all_reduce(micro, group=pp_group)

@@ -24,20 +24,35 @@ tensors to the device once, and hands the *same* objects to every chunk's iterat
 
 Every pipeline stage (not only the first and last) must receive ``packed_seq_ids``, because its
 MSA layers need the document map.
+
+Context parallelism and THD input (:func:`context_parallel_layout_for_layer`): under CP the
+layer's activations hold the rank's load-balanced chunks; its ``attention_mask`` is either the
+global ids [b, S] or the rank's [b, S / N] (gathered once per microbatch), and the layer works
+through a :class:`nemo_msa.context_parallel.ContextParallelLayout` (memoized on that tensor).
+THD input (``packed_seq_params``, qkv_format "thd") is one row of packed sequences whose document
+map comes from ``cu_seqlens_q`` (and ``cu_seqlens_q_padded``), with or without CP.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from nemo_msa.context_parallel import (
+    ContextParallelLayout,
+    gather_from_context_parallel,
+    load_balanced_indices,
+)
 from nemo_msa.layout import MSAMicrobatch
 
 __all__ = [
     "SharedMicrobatchIterators",
+    "context_parallel_layout_for_layer",
+    "full_rotary_table",
     "layout_for_layer",
     "move_to_device",
     "pack_sbhd",
@@ -201,3 +216,144 @@ def unpack_sbhd(msa, x: torch.Tensor) -> torch.Tensor:
     out = x.new_zeros(msa.seq_len * msa.batch_size, *x.shape[1:])
     out = out.index_copy(0, _sbhd_rows(msa), x)
     return out.view(msa.seq_len, msa.batch_size, *x.shape[1:])
+
+
+def _single_rank_view(msa: MSAMicrobatch) -> ContextParallelLayout:
+    """The N = 1 view of a layout (queries None, the layout's own [s, b] maps), shared."""
+
+    def make() -> ContextParallelLayout:
+        columns = load_balanced_indices(msa.seq_len, 1, 0, device=msa.device)
+        return ContextParallelLayout.from_global(msa, columns, columns, 1, 0)
+
+    return msa.cached("nemo_msa.megatron.single_rank_view", make)
+
+
+def _thd_layout(packed_seq_params, attention_mask, batch_size, seq_len, device, config, group):
+    if attention_mask is not None:
+        raise ValueError(
+            "attention_mask and packed_seq_params were both given; THD input takes its document "
+            "map from packed_seq_params.cu_seqlens_q, pass attention_mask=None"
+        )
+    fmt = getattr(packed_seq_params, "qkv_format", None)
+    if fmt != "thd":
+        raise NotImplementedError(
+            f"packed_seq_params.qkv_format={fmt!r}: MSA attention takes THD packed sequences "
+            "(qkv_format 'thd') or BSHD input with packed_seq_ids as attention_mask"
+        )
+    cu = packed_seq_params.cu_seqlens_q
+    cu_kv = getattr(packed_seq_params, "cu_seqlens_kv", None)
+    if cu is None:
+        raise ValueError("packed_seq_params.cu_seqlens_q is None; THD input needs it")
+    if cu_kv is not None and cu_kv is not cu and not torch.equal(cu_kv, cu):
+        raise NotImplementedError(
+            "packed_seq_params.cu_seqlens_kv differs from cu_seqlens_q: MSA attention is "
+            "self-attention (one pack of sequences for queries and keys)"
+        )
+    if batch_size != 1:
+        raise ValueError(
+            f"THD activations must be [tokens, 1, hidden]; got batch {batch_size} with "
+            "packed_seq_params"
+        )
+    padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    layout = ContextParallelLayout.build_thd(
+        cu, padded, group=group, device=device, block_size=config.msa_block_size,
+        init_blocks=config.msa_init_blocks, local_blocks=config.msa_local_blocks,
+    )
+    if layout.seq_len_local != seq_len:
+        raise ValueError(
+            f"packed_seq_params describe {layout.msa.seq_len} tokens ({layout.seq_len_local} on "
+            f"this context-parallel rank) but the activations hold {seq_len}"
+        )
+    return layout
+
+
+def context_parallel_layout_for_layer(
+    attention_mask: torch.Tensor | None,
+    packed_seq_params,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+    config,
+    cp_group,
+) -> ContextParallelLayout:
+    """The layout an MSA layer uses, with or without context parallelism and THD input.
+
+    Args:
+        attention_mask: as :func:`layout_for_layer` (the global ids or, under CP, this rank's
+            [b, S / N] ids), or None.
+        packed_seq_params: Megatron's ``PackedSeqParams`` for THD input (qkv_format "thd",
+            ``cu_seqlens_q``, optional ``cu_seqlens_q_padded``), or None for BSHD.
+        batch_size: b of the activations.
+        seq_len: this rank's sequence length of the activations (before the sequence-parallel
+            split, after the context-parallel one).
+        device: the activations' device.
+        config: the MSATransformerConfig.
+        cp_group: the layer's context-parallel group (None or size 1: no split).
+
+    Returns:
+        The shared :class:`ContextParallelLayout` (its ``queries`` None without CP).
+
+    Raises:
+        ValueError / NotImplementedError: a mask or packed_seq_params the layer cannot use,
+            naming the argument.
+    """
+    if packed_seq_params is not None:
+        return _thd_layout(
+            packed_seq_params, attention_mask, batch_size, seq_len, device, config, cp_group
+        )
+    cp_size = cp_group.size() if cp_group is not None else 1
+    if cp_size == 1:
+        msa = layout_for_layer(attention_mask, batch_size, seq_len, device, config)
+        return _single_rank_view(msa)
+    if attention_mask is not None and attention_mask.device != torch.device(device):
+        raise ValueError(
+            f"attention_mask (the document map) is on {attention_mask.device} but the "
+            f"activations are on {device}; move the batch to the device once per microbatch"
+        )
+    if attention_mask is not None and attention_mask.dim() == 4:
+        expected = (batch_size, 1, seq_len * cp_size, seq_len * cp_size)
+        if tuple(attention_mask.shape) != expected:
+            raise ValueError(
+                f"attention_mask (4-D) has shape {tuple(attention_mask.shape)}; under context "
+                f"parallelism it must be the global block-causal mask {expected}"
+            )
+    return ContextParallelLayout.build(
+        attention_mask, group=cp_group, batch_size=batch_size, seq_len_local=seq_len,
+        device=device, block_size=config.msa_block_size, init_blocks=config.msa_init_blocks,
+        local_blocks=config.msa_local_blocks,
+    )
+
+
+# id(rank's table) -> (weak reference to it, its _version, the full table).
+_FULL_TABLES: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def full_rotary_table(table: torch.Tensor, cp: ContextParallelLayout) -> torch.Tensor:
+    """The rotary table of every position, from this rank's load-balanced slice of it.
+
+    Under context parallelism GPTModel hands each layer its rank's rows of the rotary table
+    (Megatron's ``get_pos_emb_on_this_cp_rank``: the angles of the rank's global columns), but a
+    packed token needs the angle of its *document* position, which another rank's slice may
+    hold. One all-gather (no gradient) rebuilds the table; it is cached on the slice, which
+    Megatron's RotaryEmbedding returns from an lru_cache, so it runs once per sequence length.
+
+    Args:
+        table: [S / N, rot_dim] this rank's slice.
+        cp: the microbatch's context-parallel layout.
+
+    Returns:
+        [S, rot_dim], row p the angles of position p.
+    """
+    entry = _FULL_TABLES.get(id(table))
+    if entry is not None and entry[0]() is table and entry[1] == table._version:
+        return entry[2]
+    with torch.no_grad():
+        full = gather_from_context_parallel(table, 0, cp.group, cp.order)
+    key = id(table)
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if _FULL_TABLES.get(key, (None,))[0] is ref:
+            del _FULL_TABLES[key]
+
+    _FULL_TABLES[key] = (weakref.ref(table, forget), table._version, full)
+    return full

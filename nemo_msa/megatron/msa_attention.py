@@ -5,11 +5,16 @@
 with a forward for packed documents:
 
 1. the layout of the microbatch from ``attention_mask`` (the loader's packed_seq_ids, see
-   nemo_msa.megatron.microbatch), built once per microbatch and shared by every layer;
+   nemo_msa.megatron.microbatch) or from THD ``packed_seq_params``, built once per microbatch
+   and shared by every layer;
 2. q/k/v from ``linear_qkv`` (+ q/k norms), gathered to compact tokens [T, heads, dim];
 3. RoPE at *document* positions (packed documents restart at 0): the rotary table GPTModel
    passes in is indexed per token, so partial RoPE (``rotary_percent``), the base and
    interleaving are Megatron's own;
+3b. context parallelism (docs/adr/0020-context-parallelism.md): the rank's queries stay local
+   ([Tq, ...]); K, V and index_k are all-gathered over ``pg_collection.cp`` into the global
+   compact order (backward: reduce-scatter), and every op takes the local queries' global rows
+   (``queries``);
 4. MSA layers: the indexer (index_q/index_k on the detached input), block selection, and block-
    sparse core attention; dense layers of a mixed pattern (no indexer) and the dense warm-up:
    document-causal dense attention;
@@ -42,8 +47,9 @@ from nemo_msa.indexer_loss import (
     sampled_selection_recall,
     sparse_indexer_loss_from_byproducts,
 )
+from nemo_msa.layout import query_rows
 from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler, MSAIndexerMetrics
-from nemo_msa.megatron.microbatch import layout_for_layer, pack_sbhd, unpack_sbhd
+from nemo_msa.megatron.microbatch import context_parallel_layout_for_layer, full_rotary_table
 from nemo_msa.megatron.phase import dense_warmup_active
 from nemo_msa.ops import select_blocks
 from nemo_msa.plan import MSAPlan
@@ -74,7 +80,8 @@ def check_msa_layer_config(
         on (the current CUDA device where there is one) and the parameters' dtype.
 
     Raises:
-        NotImplementedError: FP8/FP4, fused RoPE, context parallelism, output gate, MLA,
+        NotImplementedError: FP8/FP4, fused RoPE, context parallelism with a named backend
+            that has no query-subset mode, output gate, MLA,
             sliding windows, CUDA graphs.
         ValueError: a topology/score type MSA cannot run, TP that splits a KV head from its
             index head, a config without the msa_* fields.
@@ -129,7 +136,7 @@ class MSASelfAttention(SelfAttention):
             q_layernorm/k_layernorm, and ``indexer`` (None for a dense layer).
         layer_number: global 1-based layer number.
         attn_mask_type: causal (MSA is causal; the document map comes in ``attention_mask``).
-        cp_comm_type: unused (CP is refused).
+        cp_comm_type: unused (MSA's context parallelism all-gathers K/V and index_k).
         pg_collection: process groups (``tp``, ``cp``).
         pp_layer_offset: Megatron's pipeline layer offset.
         name: module name.
@@ -177,8 +184,13 @@ class MSASelfAttention(SelfAttention):
         )
 
     # ------------------------------------------------------------------ helpers
-    def _token_rotary_freqs(self, rotary_pos_emb, msa) -> torch.Tensor | None:
-        """Per-token RoPE angles [T, 1, rot_dim] at document positions, or None."""
+    def _token_rotary_freqs(
+        self, rotary_pos_emb, msa, cp=None, sliced: bool = True
+    ) -> torch.Tensor | None:
+        """Per-token RoPE angles [Tq, 1, rot_dim] at the document positions of this rank's
+        tokens (every token's without context parallelism), or None. ``sliced``: under CP a
+        table of this rank's S / N rows is GPTModel's load-balanced slice (BSHD input; THD
+        input gets the whole table)."""
         if rotary_pos_emb is None:
             return None
         if isinstance(rotary_pos_emb, tuple):
@@ -189,17 +201,20 @@ class MSASelfAttention(SelfAttention):
                 )
             rotary_pos_emb = q_emb
         table = rotary_pos_emb.reshape(rotary_pos_emb.shape[0], rotary_pos_emb.shape[-1])
+        if sliced and cp is not None and cp.cp_size > 1 and table.shape[0] == cp.seq_len_local:
+            table = full_rotary_table(table, cp)
         if table.shape[0] < msa.max_seqlen:
             raise ValueError(
                 f"the rotary table covers {table.shape[0]} positions but a document has "
                 f"{msa.max_seqlen} tokens"
             )
-        return table[msa.document_positions.long()].unsqueeze(1)
+        positions = query_rows(msa.document_positions, None if cp is None else cp.queries)
+        return table[positions.long()].unsqueeze(1)
 
-    def _compact_qkv(self, hidden_states: torch.Tensor, msa):
+    def _compact_qkv(self, hidden_states: torch.Tensor, cp):
         query, key, value = self.get_query_key_value_tensors(hidden_states, None)
-        # [s, b, heads, dim] -> compact [T, heads, dim]
-        return tuple(pack_sbhd(msa, x) for x in (query, key, value))
+        # [s, b, heads, dim] -> compact [T, heads, dim] (this rank's tokens under CP)
+        return tuple(cp.pack_local(x) for x in (query, key, value))
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -227,7 +242,11 @@ class MSASelfAttention(SelfAttention):
             key_value_states, inference_context, rotary_pos_cos, rotary_pos_sin,
             rotary_pos_cos_sin, attention_bias, packed_seq_params, sequence_len_offset,
             inference_params: Megatron's arguments; MSA refuses all but None.
-            rotary_pos_emb: GPTModel's rotary table [S, 1, 1, rot_dim] (or None).
+            packed_seq_params: THD input (qkv_format "thd": hidden_states [t, 1, hidden], the
+                document map from ``cu_seqlens_q`` / ``cu_seqlens_q_padded``), or None.
+            rotary_pos_emb: GPTModel's rotary table [S, 1, 1, rot_dim] (or None); under context
+                parallelism with BSHD input GPTModel hands this rank's [S / N, ...] slice, which
+                is all-gathered once (cached on the table).
 
         Returns:
             ``(output [s_local, b, hidden], bias or None)`` as Megatron's attention.
@@ -246,14 +265,22 @@ class MSASelfAttention(SelfAttention):
             )
         seq_local, batch = hidden_states.shape[0], hidden_states.shape[1]
         seq = seq_local * self.world_size if self.config.sequence_parallel else seq_local
-        msa = layout_for_layer(attention_mask, batch, seq, hidden_states.device, self.config)
+        cp = context_parallel_layout_for_layer(
+            attention_mask, packed_seq_params, batch, seq, hidden_states.device, self.config,
+            self.pg_collection.cp,
+        )
+        msa, queries = cp.msa, cp.queries
 
-        query, key, value = self._compact_qkv(hidden_states, msa)
-        freqs = self._token_rotary_freqs(rotary_pos_emb, msa)
+        query, key, value = self._compact_qkv(hidden_states, cp)
+        freqs = self._token_rotary_freqs(
+            rotary_pos_emb, msa, cp, sliced=packed_seq_params is None
+        )
         if freqs is not None:
             cp_group = self.pg_collection.cp
             query = apply_rotary_pos_emb(query, freqs, config=self.config, cp_group=cp_group)
             key = apply_rotary_pos_emb(key, freqs, config=self.config, cp_group=cp_group)
+        # Queries stay local; every rank's keys and values (global compact order) travel.
+        key, value = cp.gather(key), cp.gather(value)
 
         need_loss = (
             self.is_msa_layer
@@ -267,7 +294,7 @@ class MSASelfAttention(SelfAttention):
         byproducts = need_loss and sparse and plan.loss_from_byproducts
         selected = index_q = index_k = block_scores = block_keys = None
         if sparse or need_loss:
-            index_q, index_k = self.indexer(hidden_states, msa, freqs)
+            index_q, index_k = self.indexer(hidden_states, cp, freqs)
             # During the dense warm-up the selection feeds only the recall metric (how much dense
             # attention mass the indexer's blocks would hold); attention stays dense.
             if sparse or log_recall:
@@ -279,6 +306,7 @@ class MSASelfAttention(SelfAttention):
                     score=self.config.msa_score_type,
                     backend=plan.backend,
                     return_scores=byproducts,
+                    queries=queries,
                 )
                 if byproducts:
                     selected, block_scores, block_keys = selected
@@ -286,8 +314,10 @@ class MSASelfAttention(SelfAttention):
         found = {}
 
         def run_core(q, k, v):
-            out = self.core_attention(q, k, v, msa, q2k=q2k, backend=plan.backend,
-                                      return_block_mass=byproducts)
+            out = self.core_attention(
+                q, k, v, msa, q2k=q2k, backend=plan.backend, return_block_mass=byproducts,
+                queries=queries,
+            )
             if byproducts:
                 # A recompute in the backward finds the same mass; the loss keeps the first.
                 out, mass = out
@@ -310,6 +340,7 @@ class MSASelfAttention(SelfAttention):
                 found["block_mass"],
                 num_index_heads_total=self.config.msa_num_index_heads,
                 loss_coeff=self.config.msa_indexer_loss_coeff,
+                queries=queries,
             )
             if log_recall:
                 stats.update(
@@ -317,6 +348,7 @@ class MSASelfAttention(SelfAttention):
                         query, key, selected, msa,
                         softmax_scale=self.core_attention.softmax_scale,
                         num_rows=self.config.msa_recall_sample_rows,
+                        queries=queries,
                     )
                 )
             MSAIndexerMetrics.record(self.layer_number, stats)
@@ -341,12 +373,13 @@ class MSASelfAttention(SelfAttention):
                     q2k=selected if (sparse_loss or log_recall) else None,
                     query_chunk=self.config.msa_indexer_loss_query_chunk,
                     sparse=sparse_loss,
+                    queries=queries,
                     **common,
                 )
             MSAIndexerMetrics.record(self.layer_number, stats)
             core = MSAIndexerLossAutoScaler.apply(core, loss)
 
         # compact [T, heads, dim] -> [s, b, heads * dim], zeros at padding
-        context = unpack_sbhd(msa, core.reshape(core.shape[0], -1))
+        context = cp.unpack_local(core.reshape(core.shape[0], -1))
         output, bias = self.linear_proj(context)
         return output, bias

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.layout import MSAMicrobatch, query_rows
 from nemo_msa.limits import accumulation_dtype
 
 # Elements of one chunk's [H, chunk, W] score tensor; bounds the reference's peak memory.
@@ -33,12 +33,14 @@ def select_blocks_reference(
     local_blocks: int,
     score: str = "max",
     return_scores: bool = False,
+    queries: torch.Tensor | None = None,
 ):
     """Top-k block selection, reference implementation.
 
     Args:
-        index_q: [T, H, d] float (bf16/fp16/fp32/fp64) index queries.
-        index_k: [T, d] float, the one shared index key head.
+        index_q: [T, H, d] float (bf16/fp16/fp32/fp64) index queries ([Tq, H, d] with
+            ``queries``).
+        index_k: [T, d] float, the one shared index key head (always every token).
         msa: layout of the batch.
         top_k: blocks per query.
         init_blocks: forced sink blocks at each document start.
@@ -47,10 +49,13 @@ def select_blocks_reference(
         return_scores: also return each slot's real block score (the unscaled max of q.k over
             the block's visible keys, forced blocks included; -inf at -1 slots; fp32, fp64 for
             fp64 inputs) and the compact row of the key attaining it (int32, -1 at -1 slots),
-            both [H, T, top_k]; ``score="max"`` only.
+            both [H, T, top_k]; ``score="max"`` only. Key rows are global compact rows.
+        queries: optional int64 [Tq], the global compact rows of index_q's tokens (a query
+            subset, ascending; context parallelism); None = every token.
 
     Returns:
-        int32 [H, T, top_k], ascending document-local block ids, -1 at the tail; with
+        int32 [H, T, top_k] ([H, Tq, top_k] with ``queries``), ascending document-local block
+        ids, -1 at the tail; with
         ``return_scores`` the tuple ``(ids, scores, keys)``.
 
     Raises:
@@ -74,9 +79,10 @@ def select_blocks_reference(
     )
     block_ids = torch.arange(nblocks, device=device)
 
-    positions = msa.document_positions.long()
-    documents = msa.token_documents.long()
-    first_block = msa.token_workspace_block_starts  # [T]
+    positions = query_rows(msa.document_positions, queries).long()
+    documents = query_rows(msa.token_documents, queries).long()
+    first_block = query_rows(msa.token_workspace_block_starts, queries)  # [T] (or [Tq])
+    rows = torch.arange(tokens, device=device) if queries is None else queries
     scale = 1.0 / math.sqrt(dim)
 
     chunk = max(1, _SCORE_ELEMENTS_PER_CHUNK // max(1, heads * msa.workspace_size))
@@ -126,7 +132,7 @@ def select_blocks_reference(
             used = ids >= 0
             ws_block = first_block[start:stop, None] + ids.long().clamp(min=0)  # [H, C, K]
             # Compact row of a key: the document's first row + block * B + offset in the block.
-            doc_start = torch.arange(start, stop, device=device) - p
+            doc_start = rows[start:stop] - p
             key_row = doc_start[:, None] + ids.long().clamp(min=0) * block + block_args.gather(
                 -1, ws_block)
             out_scores[:, start:stop] = torch.where(used, block_scores.gather(-1, ws_block),

@@ -287,6 +287,7 @@ def build_microbatch_source(recipe: Recipe, ctx: RunContext, dp: int,
         dp_rank=ps.get_data_parallel_rank(), eod_id=eod_token_id(recipe.dataset, recipe.gpt),
         device=ctx.device, consumed_samples=consumed_samples,
         reset_position_ids=recipe.dataset.reset_position_ids,
+        cp_size=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
     )
 
 

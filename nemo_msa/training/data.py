@@ -27,6 +27,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType
 
+from nemo_msa.context_parallel import split_for_context_parallel
 from nemo_msa.training.recipe_fields import RecipeError
 from nemo_msa.training.recipe_schema import DatasetConfig, GPTModelArgs
 
@@ -268,27 +269,69 @@ def build_gpt_datasets(dataset: DatasetConfig, gpt: GPTModelArgs, seed: int, num
 
 @dataclass
 class Microbatch:
-    """One microbatch on the device; the same object is handed to every pipeline chunk."""
+    """One microbatch on the device; the same object is handed to every pipeline chunk.
+
+    Under context parallelism (CP = N > 1) ``tokens``, ``labels``, ``loss_mask`` and
+    ``position_ids`` hold this rank's share [b, S / N] in Megatron's load-balanced order
+    (:func:`split_microbatch`), while ``packed_seq_ids`` stays the *global* document
+    map [b, S] that every CP rank shares (the MSA layers take the global map and know their
+    local queries from the CP rank).
+    """
 
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
     position_ids: torch.Tensor
     packed_seq_ids: torch.Tensor
+    #: fp32 scalar: loss-mask sum of the whole (global) microbatch, the same on every CP rank.
+    loss_tokens: torch.Tensor | None = None
+    #: The context-parallel size the tensors above were split for.
+    cp_size: int = 1
 
     @property
     def num_tokens(self) -> int:
-        """Real (non-padding) tokens, for throughput."""
+        """Tokens of this rank's share (real and padding), for throughput."""
         return int(self.tokens.numel())
 
 
+def split_microbatch(mb: Microbatch, cp_size: int, cp_rank: int) -> Microbatch:
+    """This CP rank's share of a global microbatch (done once per microbatch, on the host).
+
+    Tokens, labels, loss mask and position ids keep the columns of Megatron's load-balanced
+    split (``nemo_msa.context_parallel.load_balanced_indices``: 2N chunks, rank r keeps chunks
+    r and 2N-1-r, as ``megatron.core.utils.get_batch_on_this_cp_rank``); the document map stays
+    global. ``loss_tokens`` is the loss-mask sum of the global microbatch, which the loss
+    divides by so that the CP ranks' shares add up to the CP = 1 loss.
+
+    Args:
+        mb: the global microbatch, tensors [b, S] (S a multiple of 2 * cp_size).
+        cp_size: N; 1 returns the same tensors with ``loss_tokens`` set.
+        cp_rank: this rank's index in the CP group.
+
+    Returns:
+        A Microbatch with [b, S / N] tensors (``packed_seq_ids`` [b, S]).
+
+    Raises:
+        ValueError: S not a multiple of ``2 * cp_size``, or a bad size or rank.
+    """
+    loss_tokens = mb.loss_mask.sum(dtype=torch.float32)
+
+    def take(x: torch.Tensor) -> torch.Tensor:
+        return split_for_context_parallel(x, 1, cp_size, cp_rank)
+
+    return Microbatch(take(mb.tokens), take(mb.labels), take(mb.loss_mask),
+                      take(mb.position_ids), mb.packed_seq_ids, loss_tokens, cp_size)
+
+
 def collate(samples: list[dict[str, torch.Tensor]], eod_id: int, device: torch.device,
-            reset_position_ids: bool = True) -> Microbatch:
+            reset_position_ids: bool = True, cp_size: int = 1, cp_rank: int = 0) -> Microbatch:
     """Stack dataset samples and derive the document map; one host-to-device copy per tensor.
 
     Megatron pads the last samples of a split with a pad id that it then rewrites to token 0
     with label 0 and loss 0; such a tail (token 0, label 0, loss 0 up to the row end) becomes
-    padding (document id 0).
+    padding (document id 0). With ``cp_size > 1`` the document map and positions are derived
+    from the whole rows, then the rows are split for this CP rank
+    (:func:`split_microbatch`) before the copy to the device.
     """
     tokens = torch.stack([s["tokens"] for s in samples]).long()
     labels = torch.stack([s["labels"] for s in samples]).long()
@@ -301,13 +344,17 @@ def collate(samples: list[dict[str, torch.Tensor]], eod_id: int, device: torch.d
         positions = positions_from_document_ids(ids)
     else:
         positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
+    host = split_microbatch(Microbatch(tokens, labels, loss_mask, positions, ids), cp_size,
+                            cp_rank)
     nb = device.type != "cpu"
     return Microbatch(
-        tokens=tokens.to(device, non_blocking=nb),
-        labels=labels.to(device, non_blocking=nb),
-        loss_mask=loss_mask.to(device, non_blocking=nb),
-        position_ids=positions.to(device, non_blocking=nb),
-        packed_seq_ids=ids.to(device, non_blocking=nb),
+        tokens=host.tokens.to(device, non_blocking=nb),
+        labels=host.labels.to(device, non_blocking=nb),
+        loss_mask=host.loss_mask.to(device, non_blocking=nb),
+        position_ids=host.position_ids.to(device, non_blocking=nb),
+        packed_seq_ids=host.packed_seq_ids.to(device, non_blocking=nb),
+        loss_tokens=host.loss_tokens.to(device, non_blocking=nb),
+        cp_size=cp_size,
     )
 
 
@@ -317,12 +364,13 @@ class MicrobatchSource:
     Sample order follows Megatron's pretraining sampler: global batch g of the run covers samples
     [g * gbs, (g + 1) * gbs); inside it, microbatch m of data-parallel rank r takes
     ``mbs`` consecutive samples at ``g * gbs + (m * dp + r) * mbs``. The position is just
-    ``consumed_samples``, which the checkpoint stores.
+    ``consumed_samples``, which the checkpoint stores. The ranks of one context-parallel group
+    read the same samples and keep their own share of each row (``cp_size``, ``cp_rank``).
     """
 
     def __init__(self, dataset, *, micro_batch_size: int, global_batch_size: int, dp_size: int,
                  dp_rank: int, eod_id: int, device: torch.device, consumed_samples: int = 0,
-                 reset_position_ids: bool = True):
+                 reset_position_ids: bool = True, cp_size: int = 1, cp_rank: int = 0):
         self.dataset = dataset
         self.mbs = micro_batch_size
         self.gbs = global_batch_size
@@ -332,6 +380,8 @@ class MicrobatchSource:
         self.device = device
         self.consumed_samples = consumed_samples
         self.reset_position_ids = reset_position_ids
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
 
     @property
     def num_microbatches(self) -> int:
@@ -348,6 +398,7 @@ class MicrobatchSource:
         for m in range(self.num_microbatches):
             start = base + (m * self.dp + self.dp_rank) * self.mbs
             samples = [self.dataset[(start + i) % len(self.dataset)] for i in range(self.mbs)]
-            out.append(collate(samples, self.eod_id, self.device, self.reset_position_ids))
+            out.append(collate(samples, self.eod_id, self.device, self.reset_position_ids,
+                               self.cp_size, self.cp_rank))
         self.consumed_samples += self.gbs
         return out

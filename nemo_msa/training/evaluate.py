@@ -24,6 +24,7 @@ from functools import partial
 import torch
 from megatron.core import parallel_state as ps
 
+from nemo_msa.context_parallel import split_for_context_parallel
 from nemo_msa.megatron.microbatch import SharedMicrobatchIterators
 from nemo_msa.training.data import (
     MicrobatchSource,
@@ -79,7 +80,10 @@ def _eval_forward_step(hooks: TrainingHooks, edges, data_iterator, model):
     mb = next(data_iterator)
     output = model(mb.tokens, mb.position_ids, labels=mb.labels,
                    **hooks.model_forward_kwargs(mb.packed_seq_ids))
-    pos = positions_from_document_ids(mb.packed_seq_ids).view(-1)
+    pos = positions_from_document_ids(mb.packed_seq_ids)  # global [b, S]
+    if mb.cp_size > 1:  # this CP rank's columns, as its tokens and losses
+        pos = split_for_context_parallel(pos, 1, mb.cp_size, ps.get_context_parallel_rank())
+    pos = pos.reshape(-1)
     bucket = torch.bucketize(pos, edges, right=True) - 1
     return output, partial(_eval_loss_func, mb.loss_mask, bucket, edges.numel())
 
@@ -144,7 +148,8 @@ class Evaluator:
             global_batch_size=train.global_batch_size, dp_size=self.dp,
             dp_rank=ps.get_data_parallel_rank(),
             eod_id=eod_token_id(self.recipe.dataset, self.recipe.gpt), device=self.device,
-            reset_position_ids=self.recipe.dataset.reset_position_ids)
+            reset_position_ids=self.recipe.dataset.reset_position_ids,
+            cp_size=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank())
         nb = len(self.edges_list)
         buf = torch.zeros(2 + 2 * nb, dtype=torch.float64, device=self.device)
         owner = (ps.is_pipeline_last_stage(ignore_virtual=True)

@@ -21,7 +21,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from nemo_msa.megatron.microbatch import SharedMicrobatchIterators
 from nemo_msa.training.build import TrainingObjects
 from nemo_msa.training.checkpoint import TrainState, save_checkpoint
-from nemo_msa.training.data import MicrobatchSource
+from nemo_msa.training.data import Microbatch, MicrobatchSource
 from nemo_msa.training.evaluate import Evaluator, StepFlops, should_exit
 from nemo_msa.training.msa_hooks import TrainingHooks
 from nemo_msa.training.recipe import Recipe
@@ -60,28 +60,42 @@ def _hold_main_parameters(optimizer) -> None:
             group["weight_decay"] = 0.0
 
 
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Per-token LM loss in Megatron's 3-tuple form (sum, token count, reporting)."""
+def _loss_func(mb: Microbatch, per_token: bool, output_tensor: torch.Tensor):
+    """Per-token LM loss in Megatron's 3-tuple form (sum, token count, reporting).
+
+    The report is this rank's loss sum and loss-token count (summed over every rank after the
+    step). What goes to the schedule depends on the normalisation:
+
+    - ``config.calculate_per_token_loss``: the local sum and count (Megatron's convention:
+      finalize_model_grads all-reduces the count over DP x CP and divides the summed gradients);
+    - otherwise (the default) the schedule divides by the count, and DDP averages gradients over
+      DP x CP. Each CP rank then returns ``N x`` its local sum with the *global* count of the
+      microbatch, so that the average over the N CP ranks is the microbatch's mean loss exactly
+      as at CP = 1, whatever share of loss tokens each rank holds.
+    """
     losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
+    mask = mb.loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss.detach(), num_tokens.detach().float()])
-    return loss, num_tokens, {"lm loss": report}
+    local_tokens = mask.sum()
+    report = torch.stack([loss.detach(), local_tokens.detach()])
+    if per_token or mb.cp_size == 1:
+        return loss, local_tokens.to(torch.int), {"lm loss": report}
+    return loss * mb.cp_size, mb.loss_tokens.to(torch.int), {"lm loss": report}
 
 
-def _forward_step(hooks: TrainingHooks, data_iterator, model):
+def _forward_step(hooks: TrainingHooks, per_token: bool, data_iterator, model):
     mb = next(data_iterator)
     output = model(mb.tokens, mb.position_ids, labels=mb.labels,
                    **hooks.model_forward_kwargs(mb.packed_seq_ids))
-    return output, partial(_loss_func, mb.loss_mask)
+    return output, partial(_loss_func, mb, per_token)
 
 
 def _reduce_step_losses(losses: list[dict], device) -> dict[str, float]:
-    """Sum the LM loss over microbatches and DP ranks; make it known to every rank (collective).
+    """Sum the LM loss over microbatches, DP and CP ranks; make it known to every rank (collective).
 
-    Only the last pipeline stage has the losses; tensor-parallel ranks hold copies. The sum goes
-    over the whole world with non-owners contributing zeros, which needs no pipeline broadcast.
+    Only the last pipeline stage has the losses; tensor-parallel ranks hold copies; each
+    context-parallel rank holds the sum and count of its share of the tokens. The sum goes over
+    the whole world with non-owners contributing zeros, which needs no pipeline broadcast.
     """
     owner = (ps.is_pipeline_last_stage(ignore_virtual=True)
              and ps.get_tensor_model_parallel_rank() == 0)
@@ -108,6 +122,7 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
     hooks = objs.hooks
     train, ck = recipe.train, recipe.checkpoint
     forward_backward = get_forward_backward_func()
+    forward_step = partial(_forward_step, hooks, bool(objs.config.calculate_per_token_loss))
     is_rank0 = ctx.rank == 0
     metrics_log = MetricsLog(out_dir, state.iteration) if is_rank0 else None
     progress = Progress(train.train_iters, state.iteration,
@@ -139,7 +154,7 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
         shared = SharedMicrobatchIterators(iter(microbatches), len(chunks))
         iterators = shared.iterators()
         losses = forward_backward(
-            forward_step_func=partial(_forward_step, hooks),
+            forward_step_func=forward_step,
             data_iterator=iterators if len(chunks) > 1 else iterators[0],
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=source.num_microbatches,

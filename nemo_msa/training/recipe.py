@@ -248,6 +248,7 @@ def _check_values(r: Recipe) -> None:
             "train.global_batch_size", t.global_batch_size,
             f"a positive multiple of train.micro_batch_size ({t.micro_batch_size})")
     require(r.gpt.seq_length > 0, "model.seq_length", r.gpt.seq_length, "a positive integer")
+    _check_context_parallel(r)
     impl = r.model.setdefault("transformer_impl", "local")
     require(impl in ("local", "transformer_engine"), "model.transformer_impl", impl,
             "'local' (torch modules) or 'transformer_engine'")
@@ -275,6 +276,21 @@ def _check_values(r: Recipe) -> None:
                                            "WSD"),
             "scheduler.lr_decay_style", r.scheduler.lr_decay_style,
             "one of constant, linear, cosine, inverse-square-root, WSD")
+
+
+def _check_context_parallel(r: Recipe) -> None:
+    """The sequence must split into 2 x CP equal chunks (and each rank's share over TP with SP)."""
+    cp = int(r.model.get("context_parallel_size", 1) or 1)
+    if cp == 1:
+        return
+    require(r.gpt.seq_length % (2 * cp) == 0, "model.seq_length", r.gpt.seq_length,
+            f"a multiple of 2 x model.context_parallel_size = {2 * cp} (Megatron's "
+            "load-balanced split cuts each sequence into 2 x CP chunks)")
+    tp = int(r.model.get("tensor_model_parallel_size", 1) or 1)
+    if r.model.get("sequence_parallel") and tp > 1:
+        require((r.gpt.seq_length // cp) % tp == 0, "model.seq_length", r.gpt.seq_length,
+                f"a multiple of model.context_parallel_size x tensor_model_parallel_size = "
+                f"{cp * tp} with sequence_parallel (each CP rank's share splits over TP)")
 
 
 def check_parallel_layout(model: dict[str, Any], world_size: int, global_batch_size: int,

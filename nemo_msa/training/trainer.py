@@ -75,6 +75,7 @@ def _summary(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, dp: int, st
         "world size": ctx.world_size,
         "layout TPxPPxVPPxDP": f"{config.tensor_model_parallel_size}x"
                                f"{config.pipeline_model_parallel_size}x{vpp or 1}x{dp}",
+        "context parallel": config.context_parallel_size,
         "steps": f"{state.iteration}/{train.train_iters}"
                  + (f" (resumed at {resumed_from})" if resumed_from else ""),
         "first loss": hist[0]["loss"] if hist else float("nan"),

@@ -51,6 +51,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "nemo_msa.ops",
         "nemo_msa.support",
         "nemo_msa.plan",
+        "nemo_msa.context_parallel",
         "nemo_msa",
     )),
     ("megatron", ("nemo_msa.megatron",)),

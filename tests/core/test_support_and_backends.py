@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from types import SimpleNamespace
 
@@ -45,7 +46,6 @@ def test_production_topology_passes_the_gate():
         ({"fp4": "nvfp4"}, "FP4"),
         ({"apply_rope_fusion": True}, "apply_rope_fusion=True"),
         ({"fused_single_qkv_rope": True}, "fused_single_qkv_rope=True"),
-        ({"context_parallel_size": 2}, "context_parallel_size=2"),
     ],
 )
 def test_unsupported_features_raise_not_implemented(changes, match):
@@ -53,10 +53,26 @@ def test_unsupported_features_raise_not_implemented(changes, match):
         require_msa_support(production_config(**changes))
 
 
-def test_the_layers_context_parallel_group_decides_over_the_config():
-    with pytest.raises(NotImplementedError, match="context_parallel_size=2"):
-        require_msa_support(production_config(), cp_size=2)
-    require_msa_support(production_config(context_parallel_size=1), cp_size=1)
+def test_context_parallelism_is_a_capability_of_the_backend(kernel_backends_on_the_cpu):
+    """CP > 1 (the layer's process group or the config) needs a backend whose capability record
+    declares the query subset: one named without it is refused when the plan is built, naming
+    context_parallel_size; ``auto`` skips it (the reference takes every query subset)."""
+    from nemo_msa import backends
+
+    for name in ("triton", "flashinfer"):
+        backend = backends.get_backend(name)
+        backends.register_backend(dataclasses.replace(
+            backend, capabilities=dataclasses.replace(backend.capabilities, query_subset=False)))
+    with pytest.raises(ValueError, match="context_parallel_size=2: the Triton kernels take no"):
+        MSAPlan.build(production_config(), "cpu", torch.bfloat16, cp_size=2, backend="triton")
+    with pytest.raises(ValueError, match="context_parallel_size=4"):
+        MSAPlan.build(production_config(context_parallel_size=4), "cpu", torch.bfloat16,
+                      backend="triton")
+    plan = MSAPlan.build(production_config(), "cpu", torch.bfloat16, cp_size=2, backend="auto")
+    assert (plan.backend.name, plan.cp_size) == ("reference", 2)
+    assert not plan.fused_dense_loss  # the reference has no fused loss
+    assert MSAPlan.build(production_config(), "cpu", torch.bfloat16,
+                         backend="auto").backend.name != "reference"  # CP = 1
 
 
 @pytest.mark.parametrize(
@@ -87,7 +103,6 @@ def test_unknown_backend_is_refused_at_construction():
     [
         ({"inference_context": object()}, "KV-cache"),
         ({"key_value_states": torch.zeros(1)}, "cross-attention"),
-        ({"packed_seq_params": object()}, "THD"),
         ({"window_size": (128, 0)}, "sliding windows"),
         ({"attn_mask_type": SimpleNamespace(name="no_mask")}, "no_mask"),
         ({"rotary_pos_cos_sin": (torch.zeros(1), torch.zeros(1))}, "rotary_pos_cos_sin"),

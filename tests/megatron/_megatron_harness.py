@@ -529,3 +529,198 @@ def transformer_engine_worker(rank: int, world_size: int) -> dict:
             if ".indexer." in n and p.grad is not None
         },
     }
+
+
+# ---------------------------------------------------------------------- context parallelism
+CP_VARIANTS = {
+    # name: config overrides (every variant logs the exact recall: sample rows >= tokens)
+    "dense_loss": {},
+    "sparse_loss": {"msa_indexer_loss_type": "sparse"},
+    "warmup": {"msa_dense_warmup_steps": 100},
+}
+
+
+def _cp_step(chunk, batch: dict, cp_size: int, cp_rank: int, local_ids: bool) -> dict:
+    """One forward/backward of ``chunk`` on this rank's share of ``batch``: the LM loss summed
+    over local tokens divided by the GLOBAL token count (so the ranks' losses add up to the
+    unsplit mean), the indexer loss attached by the layers."""
+    from nemo_msa import MSAMicrobatch
+    from nemo_msa.context_parallel import split_for_context_parallel
+
+    builds = MSAMicrobatch.num_builds()
+
+    def split(x):
+        return split_for_context_parallel(x, 1, cp_size, cp_rank)
+
+    ids = split(batch["packed_seq_ids"]) if local_ids else batch["packed_seq_ids"]
+    tokens, labels, mask = split(batch["tokens"]), split(batch["labels"]), split(batch["loss_mask"])
+    positions = split(torch.arange(SEQ).expand(MICRO_BATCH, SEQ))
+    out = chunk(tokens, positions, ids, labels=labels)  # [b, s_local] per-token LM loss
+    loss = (out.float() * mask).sum() / batch["loss_mask"].sum()
+    loss.backward()
+    return {"loss": float(loss.detach()), "per_token": out.detach(),
+            "builds": MSAMicrobatch.num_builds() - builds}
+
+
+def context_parallel_worker(
+    rank: int, world_size: int, variants: list[str], tp: int = 1, sequence_parallel: bool = False
+) -> dict:
+    """Every variant at TP = tp x CP = world_size / tp, then at TP = CP = 1 (data-parallel
+    replicas): losses, per-token LM losses, gradients (TP shards gathered, summed over the CP
+    group as Megatron's gradient all-reduce over the data x context group does), indexer
+    metrics, layout builds, this rank's CP rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from nemo_msa.megatron import MSAIndexerLossAutoScaler, MSAIndexerMetrics
+    from nemo_msa.megatron.phase import set_training_iteration
+
+    results = {}
+    for name in variants:
+        batches = packed_batches(2, seed=5)  # new tensors: no layout memoized on them yet
+        for cp in (world_size // tp, 1):
+            tp_size = tp if cp > 1 else 1
+            ps.initialize_model_parallel(tp_size, 1, context_parallel_size=cp)
+            model_parallel_cuda_manual_seed(1234)
+            config = tiny_config(context_parallel_size=cp, msa_recall_sample_rows=4096,
+                                 tensor_model_parallel_size=tp_size,
+                                 sequence_parallel=sequence_parallel and tp_size > 1,
+                                 **CP_VARIANTS[name])
+            set_training_iteration(1)
+            (chunk,) = build_model_chunks(config)
+            deterministic_init([chunk])
+            chunk.zero_grad(set_to_none=True)
+            MSAIndexerLossAutoScaler.reset()
+            MSAIndexerMetrics.reset()
+            cp_rank = ps.get_context_parallel_rank()
+            steps = [_cp_step(chunk, batch, cp, cp_rank, local_ids=index == 1)
+                     for index, batch in enumerate(batches)]
+            grads = full_gradients([chunk])
+            if cp > 1:
+                for grad in grads.values():
+                    torch.distributed.all_reduce(grad, group=ps.get_context_parallel_group())
+                losses = torch.tensor([s["loss"] for s in steps], dtype=torch.float64)
+                torch.distributed.all_reduce(losses, group=ps.get_context_parallel_group())
+            else:
+                losses = torch.tensor([s["loss"] for s in steps], dtype=torch.float64)
+            results[(name, cp)] = {
+                "losses": losses.tolist(),
+                "per_token": [s["per_token"] for s in steps],
+                "builds": [s["builds"] for s in steps],
+                "grads": grads,
+                "metrics": MSAIndexerMetrics.pop(num_layers=config.num_layers),
+                "cp_rank": cp_rank,
+            }
+            set_training_iteration(None)
+            ps.destroy_model_parallel()
+    return results
+
+
+THD_LENGTHS = (37, 50, 30)  # padded to multiples of 4 (2 x CP) in the THD pack
+
+
+def _thd_step(chunk, tokens_row: torch.Tensor, cp_size: int, cp_rank: int, cp_group) -> dict:
+    """One forward/backward of a one-row pack of THD_LENGTHS as THD input (Megatron's
+    PackedSeqParams, sequences padded to multiples of 2 x CP, split per sequence); returns the
+    per-token LM loss of every real token in document order and the summed loss."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from nemo_msa.context_parallel import thd_load_balanced_indices
+
+    lengths = torch.tensor(THD_LENGTHS)
+    padded = (lengths + 3) // 4 * 4
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+    cu_padded = torch.cat([torch.zeros(1, dtype=torch.int64), padded.cumsum(0)]).to(torch.int32)
+    total = int(cu_padded[-1])
+    tokens = torch.zeros(total, dtype=torch.int64)
+    labels = torch.zeros(total, dtype=torch.int64)
+    real = torch.zeros(total, dtype=torch.bool)
+    for i, n in enumerate(THD_LENGTHS):
+        start, src = int(cu_padded[i]), int(cu[i])
+        tokens[start:start + n] = tokens_row[src:src + n]
+        labels[start:start + n] = torch.roll(tokens_row, -1)[src:src + n]
+        real[start:start + n] = True
+    index = thd_load_balanced_indices(cu_padded, cp_size, cp_rank)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded, max_seqlen_q=int(padded.max()),
+        max_seqlen_kv=int(padded.max()),
+    )
+    out = chunk(tokens[index][None], index[None], None, labels=labels[index][None],
+                packed_seq_params=params)[0]
+    mask = real[index].float()
+    loss = (out.float() * mask).sum() / float(sum(THD_LENGTHS))
+    loss.backward()
+    full = torch.zeros(total)
+    full[index] = out.detach().float()
+    if cp_size > 1:
+        torch.distributed.all_reduce(full, group=cp_group)
+    return {"per_token": full[real], "loss": float(loss.detach())}
+
+
+def thd_worker(rank: int, world_size: int) -> dict:
+    """BSHD at CP=1 (one row, the documents back to back, padding at the end) against THD input
+    at CP=1 and CP=world_size: per-token LM losses of the real tokens and gradients."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from nemo_msa.megatron import MSAIndexerLossAutoScaler, MSAIndexerMetrics
+
+    generator = torch.Generator().manual_seed(3)
+    tokens_row = torch.randint(0, VOCAB, (SEQ,), generator=generator)
+    results = {"gather": _gather_check(rank, world_size)}
+    for kind, cp in (("bshd", 1), ("thd", 1), ("thd", world_size)):
+        ps.initialize_model_parallel(1, 1, context_parallel_size=cp)
+        model_parallel_cuda_manual_seed(1234)
+        (chunk,) = build_model_chunks(tiny_config(context_parallel_size=cp))
+        deterministic_init([chunk])
+        chunk.zero_grad(set_to_none=True)
+        MSAIndexerLossAutoScaler.reset()
+        MSAIndexerMetrics.reset()
+        group = ps.get_context_parallel_group()
+        if kind == "bshd":
+            ids = torch.zeros(1, SEQ, dtype=torch.int64)
+            start = 0
+            for i, n in enumerate(THD_LENGTHS):
+                ids[0, start:start + n] = i + 1
+                start += n
+            labels = torch.roll(tokens_row, -1)[None]
+            out = chunk(tokens_row[None], torch.arange(SEQ)[None], ids, labels=labels)[0]
+            loss = (out.float() * (ids[0] > 0)).sum() / float(sum(THD_LENGTHS))
+            loss.backward()
+            step = {"per_token": out.detach().float()[: sum(THD_LENGTHS)],
+                    "loss": float(loss.detach())}
+        else:
+            step = _thd_step(chunk, tokens_row, cp, ps.get_context_parallel_rank(), group)
+        grads = full_gradients([chunk])
+        if cp > 1:
+            for grad in grads.values():
+                torch.distributed.all_reduce(grad, group=group)
+        step["grads"] = grads
+        results[(kind, cp)] = step
+        ps.destroy_model_parallel()
+    return results
+
+
+def _gather_check(rank: int, world_size: int) -> dict:
+    """gather_from_context_parallel on the world group: the forward's global tensor, and the
+    gradient each rank's local rows receive when rank r back-propagates (r + 1) * weight."""
+    from nemo_msa.context_parallel import (
+        gather_from_context_parallel,
+        gather_order,
+        load_balanced_indices,
+    )
+
+    seq = 4 * world_size
+    x = torch.randn(2, seq, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    weight = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=x.dtype)
+    local_index = load_balanced_indices(seq, world_size, rank)
+    order = gather_order([load_balanced_indices(seq, world_size, r) for r in range(world_size)])
+    local = x[:, local_index].clone().requires_grad_()
+    gathered = gather_from_context_parallel(local, 1, torch.distributed.group.WORLD, order)
+    (gathered * weight * (rank + 1)).sum().backward()
+    total = sum(range(1, world_size + 1))
+    return {
+        "forward_error": float((gathered.detach() - x).abs().max()),
+        "grad_error": float((local.grad - total * weight[:, local_index]).abs().max()),
+    }

@@ -161,7 +161,6 @@ def _build_attention(config, sparse=True):
         ("fp4", "nvfp4", NotImplementedError, "FP4"),
         ("apply_rope_fusion", True, NotImplementedError, "apply_rope_fusion=True"),
         ("fused_single_qkv_rope", True, NotImplementedError, "fused_single_qkv_rope=True"),
-        ("context_parallel_size", 2, NotImplementedError, "context_parallel"),
         ("msa_score_type", "mean", ValueError, "msa_score_type='mean'"),
         ("msa_block_size", 48, ValueError, "msa_block_size=48"),
         ("msa_num_index_heads", 1, ValueError, "msa_num_index_heads=1"),
@@ -176,6 +175,19 @@ def test_construction_gate(field, value, error, match):
     setattr(config, field, value)  # bypasses __post_init__: the layer must still refuse
     with pytest.raises(error, match=match):
         _build_attention(config)
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_context_parallelism_needs_a_backend_with_the_query_subset_mode():
+    config = tiny_config(msa_backend="triton")
+    config.context_parallel_size = 2  # bypasses __post_init__
+    with pytest.raises(NotImplementedError,
+                       match="msa_backend='triton' has no query-subset mode.*"
+                             "context_parallel_size=2"):
+        _build_attention(config)
+    config = tiny_config(msa_backend="reference")
+    config.context_parallel_size = 2
+    _build_attention(config)
 
 
 @pytest.mark.usefixtures("single_rank")
@@ -212,7 +224,7 @@ def test_gate_applies_to_dense_layers_and_plain_configs():
 def test_runtime_rejections():
     attention = _build_attention(tiny_config())
     hidden = torch.randn(32, 2, 64)
-    with pytest.raises(NotImplementedError, match="THD"):
+    with pytest.raises(NotImplementedError, match="qkv_format=None.*THD"):
         attention(hidden, None, packed_seq_params=object())
     with pytest.raises(NotImplementedError, match="cross-attention"):
         attention(hidden, None, key_value_states=hidden)

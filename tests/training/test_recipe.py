@@ -34,7 +34,7 @@ def test_default_recipe_is_msa_tiny_and_overrides_apply():
 
 
 @pytest.mark.parametrize("name", ["msa_tiny.yaml", "minimax_m3_msa.yaml",
-                                  "msa_pp2_vpp2_tp2.yaml"])
+                                  "minimax_m3_msa_1m_cp8.yaml", "msa_pp2_vpp2_tp2.yaml"])
 def test_shipped_recipes_make_valid_msa_configs(name):
     import torch
 

@@ -1,0 +1,80 @@
+"""Context-parallel training end to end on gloo (torchrun, CPU, reference backend).
+
+The reference is the session's CP=1 run of the small recipe (tests/training/conftest.py: 6
+steps, 2 of dense warm-up, checkpoints at 3 and 6). CP=2 from scratch must follow its loss
+and gradient-norm curve within fp32 tolerance, and its checkpoint must resume at CP=1; TP2 x CP2
+and PP2 x CP2 continue the reference from its iteration-3 checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _runs import SMALL, copy_checkpoint, losses, train
+from test_pretrain import _free_port
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEDULE = ["train.train_iters=6", "model.msa_dense_warmup_steps=2"]
+
+
+def _torchrun(nproc: int, overrides: list[str], out: Path, layout: str) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(_free_port()), str(REPO / "scripts" / "pretrain.py"), *SMALL,
+           *SCHEDULE, "logger.plot=false", f"checkpoint.save={out}", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"layout TPxPPxVPPxDP : {layout}" in proc.stdout
+    assert "context parallel    : 2" in proc.stdout
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _reference_rows(ref_root: Path) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (ref_root / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r for r in rows}
+
+
+def _assert_follows(rows: list[dict], want: dict[int, dict], iterations: list[int]) -> None:
+    got = {r["iteration"]: r for r in rows}
+    assert sorted(got) == iterations
+    for it in iterations:
+        for key in ("loss", "grad_norm", "indexer_loss", "recall"):
+            assert got[it][key] == pytest.approx(want[it][key], rel=1e-5), (it, key)
+    # Every CP rank sums its share of the loss tokens: the global count, as at CP = 1.
+    assert all(got[it]["tokens_in_loss"] == want[it]["tokens_in_loss"] for it in iterations)
+
+
+@pytest.mark.slow
+def test_cp2_follows_cp1_and_its_checkpoint_resumes_at_cp1(reference, tmp_path):
+    ref_root, ref = reference
+    want = _reference_rows(ref_root)
+    out = tmp_path / "cp2"
+    rows = _torchrun(2, ["model.context_parallel_size=2", "checkpoint.save_interval=3"], out,
+                     "1x1x1x1")
+    _assert_follows(rows, want, [1, 2, 3, 4, 5, 6])
+    assert [r["phase"] for r in rows] == ["dense-warmup"] * 2 + ["sparse"] * 4
+    # The CP=2 checkpoint of iteration 3 resumes in one process (CP=1) on the reference curve.
+    copy_checkpoint(out, 3, tmp_path / "cp1")
+    resumed = train([*SCHEDULE, f"checkpoint.save={tmp_path / 'cp1'}"])
+    got, ref_losses = losses(resumed["history"]), losses(ref["history"])
+    for it in (4, 5, 6):
+        assert got[it] == pytest.approx(ref_losses[it], rel=1e-5), it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("overrides", "layout"),
+                         [(["model.tensor_model_parallel_size=2"], "2x1x1x1"),
+                          (["model.pipeline_model_parallel_size=2"], "1x2x1x1")],
+                         ids=["tp2xcp2", "pp2xcp2"])
+def test_four_process_layouts_with_cp2_follow_cp1(reference, tmp_path, overrides, layout):
+    ref_root, _ = reference
+    start = tmp_path / "start"
+    copy_checkpoint(ref_root, 3, start)
+    rows = _torchrun(4, [*overrides, "model.context_parallel_size=2", "train.exit_interval=2",
+                         f"checkpoint.load={start}"], tmp_path / "out", layout)
+    _assert_follows(rows, _reference_rows(ref_root), [4, 5])
