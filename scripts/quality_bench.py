@@ -33,13 +33,15 @@ import gc
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "scripts"))
+
+from layer_bench.report import commit_id  # noqa: E402  (the layer bench's: NEMO_MSA_COMMIT first)
 
 ARMS = ("msa", "dense", "control")
 #: Tokens per training step at every length (global batch = this / sequence length).
@@ -223,14 +225,6 @@ def _device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> dict:
     """Run the arms, write the report, return it."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -270,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     num_layers = int(load_recipe(recipe, base).model.get("num_layers", 1))
     out = Path(args.out)
     report = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "device": _device_name(),
-              "commit": _commit(), "command": "python scripts/quality_bench.py "
+              "commit": commit_id(), "command": "python scripts/quality_bench.py "
               + " ".join(argv if argv is not None else sys.argv[1:]),
               "corpus": args.corpus, "tokens_per_step": args.tokens_per_step, "lengths": {}}
     todo = [(s, a) for s in lengths for a in arms]

@@ -361,17 +361,17 @@ def query_runs(msa: MSAMicrobatch, queries: torch.Tensor) -> tuple[QueryRun, ...
     cached = msa._cache.get(name)
     if cached is not None and cached[0] is queries:
         return cached[1]
-    rows = queries.tolist()
-    documents = msa.token_documents[queries].tolist()
-    starts = msa.cu_seqlens.tolist()
-    runs: list[QueryRun] = []
-    for index, (row, document) in enumerate(zip(rows, documents, strict=True)):
-        last = runs[-1] if runs else None
-        if last is not None and last.key_stop == row and starts[document] == last.key_start:
-            runs[-1] = QueryRun(last.query_start, last.count + 1, last.key_start, row + 1)
-        else:
-            runs.append(QueryRun(index, 1, starts[document], row + 1))
-    plan = tuple(runs)
+    documents = msa.token_documents[queries].long()
+    # A run starts where the global rows jump or the document changes.
+    first = torch.ones(queries.shape[0], dtype=torch.bool, device=queries.device)
+    first[1:] = (queries[1:] != queries[:-1] + 1) | (documents[1:] != documents[:-1])
+    run_starts = torch.nonzero(first).squeeze(1)
+    bounds = torch.cat([run_starts, run_starts.new_full((1,), queries.shape[0])])
+    table = torch.stack([
+        bounds[:-1], bounds[1:] - bounds[:-1],
+        msa.cu_seqlens.long()[documents[run_starts]], queries[bounds[1:] - 1] + 1,
+    ], dim=1).tolist()  # the one host synchronization
+    plan = tuple(QueryRun(*(int(x) for x in row)) for row in table)
     msa._cache[name] = (queries, plan)
     return plan
 

@@ -235,3 +235,21 @@ def test_bf16_op_with_queries_matches_rows_of_the_unsplit_op():
     assert _rel(out.double(), full[qs].double()) < 1e-2
     out.float().sum().backward()
     assert lk.grad.shape == k.shape and bool(torch.isfinite(lk.grad.float()).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cuDNN SDPA)")
+def test_dense_query_subset_on_cuda_matches_the_unsplit_kernel():
+    """bf16 on CUDA: local queries against every token's keys (lower-right causal SDPA per run)
+    equal the rows of the per-document cuDNN path, forward and key/value gradients summed."""
+    ids = document_map_from_lengths([[700, 3, 300], [1024]], 1024, device="cuda")
+    msa = MSAMicrobatch.from_document_map(ids, block_size=128)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t = msa.num_tokens
+    q, k, v = (torch.randn(t, h, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+               for h in (16, 4, 4))
+    full = dense_document_attention(q, k, v, msa, 0.088)
+    for layout in _ranks(msa, 4):
+        qs = layout.queries
+        out = dense_document_attention(q[qs], k, v, msa, 0.088, queries=qs)
+        assert _rel(out.double(), full[qs].double()) < 2e-2

@@ -235,6 +235,35 @@ def test_runtime_rejections():
         attention(hidden, megatron_causal)
 
 
+@pytest.mark.usefixtures("single_rank")
+def test_thd_input_refusals_name_the_argument():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    attention = _build_attention(tiny_config())
+    cu = torch.tensor([0, 20, 32], dtype=torch.int32)
+
+    def params(**changes):
+        fields = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=20,
+                      max_seqlen_kv=20)
+        fields.update(changes)
+        return PackedSeqParams(**fields)
+
+    hidden = torch.randn(32, 1, 64)
+    out, _ = attention(hidden, None, packed_seq_params=params())
+    assert out.shape == hidden.shape and torch.isfinite(out).all()
+    with pytest.raises(NotImplementedError, match="qkv_format='sbhd'"):
+        attention(hidden, None, packed_seq_params=params(qkv_format="sbhd"))
+    with pytest.raises(ValueError, match="attention_mask and packed_seq_params were both given"):
+        attention(hidden, torch.ones(1, 32, dtype=torch.long), packed_seq_params=params())
+    with pytest.raises(NotImplementedError, match="cu_seqlens_kv differs from cu_seqlens_q"):
+        attention(hidden, None, packed_seq_params=params(
+            cu_seqlens_kv=torch.tensor([0, 16, 32], dtype=torch.int32)))
+    with pytest.raises(ValueError, match="describe 32 tokens .* the activations hold 30"):
+        attention(torch.randn(30, 1, 64), None, packed_seq_params=params())
+    with pytest.raises(ValueError, match="THD activations must be \\[tokens, 1, hidden\\]"):
+        attention(torch.randn(32, 2, 64), None, packed_seq_params=params())
+
+
 # ---------------------------------------------------------------------- checkpoint names
 def test_minimax_m3_name_mapping_round_trip():
     names = [
