@@ -424,3 +424,61 @@ def csr_entry_rows(list_ptr, tok_pos_ptr, e, hi, r_tok, r_head, G: tl.constexpr)
     tok = tl.load(list_ptr + ent, mask=rmask, other=0).to(tl.int64)
     pos = tl.load(tok_pos_ptr + tok, mask=rmask, other=-1)
     return ent, rmask, tok, pos
+
+
+# ----------------------------------------------------------------------------- query subsets
+# A query-subset launch (context parallelism, ADR 0021) runs the tiles of a list (the full
+# launch's tile ids that hold a local query) and reads and writes the query side at local rows
+# (``query_row``: global compact row -> local row, -1 for a token that is not a local query).
+# With SUBSET False each helper is the identity of the full launch, so its code is unchanged.
+
+
+@triton.jit
+def subset_tile(slot, tiles_ptr, SUBSET: tl.constexpr):
+    """The global tile id of entry ``slot`` of a launch's tile list (``slot`` itself when the
+    launch runs every tile)."""
+    tile = slot
+    if SUBSET:
+        tile = tl.load(tiles_ptr + slot)
+    return tile
+
+
+@triton.jit
+def subset_rows(tok, mask, qrow_ptr, SUBSET: tl.constexpr):
+    """Query-side rows of the global compact rows ``tok`` (int [M]): ``(rows int64, mask)``,
+    the local rows and ``mask`` narrowed to the local queries (``tok`` and ``mask`` unchanged
+    when every token is a query)."""
+    rows = tok.to(tl.int64)
+    if SUBSET:
+        local = tl.load(qrow_ptr + rows, mask=mask, other=-1)
+        mask = mask & (local >= 0)
+        rows = tl.maximum(local, 0).to(tl.int64)
+    return rows, mask
+
+
+@triton.jit
+def subset_union_tile_skipped(slot, g, count_ptr, num_tiles, max_count, block_doc_ptr, tiles_ptr,
+                              QT: tl.constexpr, BS: tl.constexpr, SUBSET: tl.constexpr):
+    """:func:`union_tile_skipped` for entry ``slot`` of the tile list: ``(tile, doc, count,
+    skipped)``, the global tile id first; the union size is read at the entry."""
+    tile = subset_tile(slot, tiles_ptr, SUBSET)
+    doc = tl.load(block_doc_ptr + tile // (BS // QT))
+    count = tl.load(count_ptr + g * num_tiles + slot)
+    return tile, doc, count, (doc < 0) | (count > max_count)
+
+
+@triton.jit
+def subset_tile_tokens_left(slot, g, count_ptr, num_tiles, max_count, block_doc_ptr,
+                            block_local_ptr, cu_ptr, tiles_ptr, QT: tl.constexpr,
+                            BS: tl.constexpr, SUBSET: tl.constexpr):
+    """:func:`tile_tokens_left` for entry ``slot`` of the tile list: ``(n, start, p0)``; the
+    ``n`` document positions from ``p0`` may include tokens that are not local queries (the
+    caller skips them through ``query_row``)."""
+    live = slot < num_tiles
+    slot = tl.minimum(slot, num_tiles - 1)
+    tile = subset_tile(slot, tiles_ptr, SUBSET)
+    doc, start, length, p0 = union_tile_span(tile, block_doc_ptr, block_local_ptr, cu_ptr, QT,
+                                             BS)
+    count = tl.load(count_ptr + g * num_tiles + slot)
+    n = tl.minimum(length - p0, QT)
+    return tl.where((doc < 0) | (count <= max_count) | (~live), 0, n), start, p0
