@@ -388,3 +388,13 @@ def query_subset(msa, block_size: int, queries: torch.Tensor | None) -> QuerySub
         memo.clear()
     memo[id(queries)] = (weakref.ref(queries), queries._version, subset)
     return subset
+
+
+def subset_pointers(subset, qt: int, view) -> dict:
+    """The ``tiles_ptr`` / ``qrow_ptr`` kernel arguments of a query subset: its list of
+    ``qt``-token tiles (``qt`` 0: no union tiles) and its ``query_row`` map; never-read
+    placeholders without a subset."""
+    if subset is None:
+        return {"tiles_ptr": view.cu_seqlens, "qrow_ptr": view.cu_seqlens}
+    tiles = subset.tile_list(qt) if qt > 0 else subset.query_row
+    return {"tiles_ptr": tiles, "qrow_ptr": subset.query_row}

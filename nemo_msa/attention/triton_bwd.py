@@ -48,7 +48,6 @@ from nemo_msa.attention.triton_tiles import (
     union_full_blocks,
     union_tile_rows,
 )
-from nemo_msa.attention.triton_fwd import subset_pointers
 from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
 from nemo_msa.kernel_layout import (
     INTERPRET,
@@ -59,6 +58,7 @@ from nemo_msa.kernel_layout import (
     check_kernel_devices,
     kernel_layout,
     query_subset,
+    subset_pointers,
 )
 
 

@@ -59,6 +59,7 @@ from nemo_msa.kernel_layout import (
     check_block_size,
     kernel_layout,
     query_subset,
+    subset_pointers,
 )
 
 
@@ -376,16 +377,6 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     unions = (TileUnions(plan.qt, plan.union, plan.count, q2k_identity(q2k)) if plan.enabled
               else None)
     return _forward_result(out, lse, unions, emit, return_unions)
-
-
-def subset_pointers(subset, qt: int, view) -> dict:
-    """The ``tiles_ptr`` / ``qrow_ptr`` kernel arguments of a query subset: its list of
-    ``qt``-token tiles (``qt`` 0: no union tiles) and its ``query_row`` map; never-read
-    placeholders without a subset."""
-    if subset is None:
-        return {"tiles_ptr": view.cu_seqlens, "qrow_ptr": view.cu_seqlens}
-    tiles = subset.tile_list(qt) if qt > 0 else subset.query_row
-    return {"tiles_ptr": tiles, "qrow_ptr": subset.query_row}
 
 
 def _mass_strides(mass: torch.Tensor, emit: bool) -> dict:
