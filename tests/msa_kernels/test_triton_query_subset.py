@@ -7,8 +7,9 @@ rows, and dk / dv equal to the full run's with the other queries' dout zeroed; t
 indexer loss adds up over the ranks to the one-rank loss. Float64 oracles check the subset
 rows too. Layouts hold documents that straddle the chunk boundaries, one shorter than a chunk,
 and padding. Under the interpreter the full and subset runs execute the same float operations,
-so the comparisons are bitwise; compiled, the hybrid split and the dk/dv row groups may differ
-between the two runs, and a tolerance stands in where they can.
+so the comparisons are bitwise except dk / dv, whose per-block query lists are grouped in
+tiles differently (fp32 sums in another order); compiled, the hybrid split may differ too, and
+a tolerance stands in where it can.
 """
 
 from __future__ import annotations
@@ -146,7 +147,9 @@ def test_subset_attention_equals_full_rows(set_launch, schedule):
         _, dk0, dv0 = triton_attention_backward(masked, dq_, dk_, dv_, out, lse, dq2k, msa,
                                                 scale)
         assert g2[1].shape == k.shape and g2[2].shape == v.shape
-        assert _same(g2[1], dk0, INTERPRET) and _same(g2[2], dv0, INTERPRET), (cp, r)
+        # The KV-outer kernel groups a key block's query list in tiles; the subset's lists
+        # lack the other queries, so the fp32 sums group differently (not bitwise).
+        assert _same(g2[1], dk0, False) and _same(g2[2], dv0, False), (cp, r)
         # float64 oracles of the subset rows and of the local queries' dk / dv.
         ro, rl, rdq = attention_rows_f64(q, k, v, dout, q2k, msa_h, rows, scale, BS)
         assert rel_err(o2.cpu(), ro) < TOL and rel_err(g2[0].cpu(), rdq) < TOL
