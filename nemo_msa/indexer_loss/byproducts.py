@@ -57,7 +57,7 @@ def _gather_scatter_grads(dscore, keys, index_q, index_k):
     Args:
         dscore: fp32 [H, T, K] gradient of each slot's (scaled) block score.
         keys: int32 [H, T, K] compact row of each slot's argmax key, -1 at unused slots.
-        index_q: [T, H, d]; index_k: [T, d].
+        index_q: [T, H, d]; index_k: [T, d] ([Tq, H, d] and [T, d] for a query subset).
 
     Returns:
         ``(d index_q [T, H, d], d index_k [T, d])`` in the inputs' dtypes. The scatter is
@@ -68,7 +68,8 @@ def _gather_scatter_grads(dscore, keys, index_q, index_k):
     dim = index_q.shape[-1]
     work = accumulation_dtype(dscore)
     dq = torch.empty(tokens, heads, dim, dtype=work, device=index_q.device)
-    dk = torch.zeros(tokens, dim, dtype=work, device=index_q.device)
+    # index_k's rows, not index_q's: with a query subset (CP) the keys are the global rows.
+    dk = torch.zeros(index_k.shape[0], dim, dtype=work, device=index_q.device)
     key_rows = index_k.to(work)
     chunk = max(1, _BYPRODUCT_GATHER_ELEMENTS // max(1, heads * top_k * dim))
     for start in range(0, tokens, chunk):
