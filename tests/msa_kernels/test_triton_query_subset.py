@@ -120,7 +120,9 @@ def test_subset_selection_equals_full_rows(set_launch, bm):
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_subset_attention_equals_full_rows(set_launch, schedule):
     set_launch(SCHEDULES[schedule])
-    exact = schedule != "mixed" or INTERPRET
+    # Compiled, only the per-token programs are certain to repeat the full run's operations
+    # for a row (a union tile's list holds the local queries' blocks only).
+    exact = schedule == "per_token" or INTERPRET
     hq, hkv, d = 4, 2, 16
     msa_h = make_layout(ROWS, SEQ, BS)
     msa = layout_on_kernel_device(msa_h)
@@ -301,7 +303,7 @@ def test_empty_subset_and_backend_passes_queries():
 def test_subset_matches_full_rows_on_gpu_default_launch(cp):
     """Production-like shapes (d = 128, block 128, G = 16) with the default launch: selection
     bitwise, attention, block mass and dq rows, dk / dv, per rank of a load-balanced split."""
-    rows_docs = [[3000, 900, 130, 70], [4096]]
+    rows_docs = [[3000, 900, 100, 60], [4096]]  # padding at the end of row 0
     seq, bs, hq, hkv, d, top_k = 4096, 128, 16, 1, 128, 8
     ids = document_map_from_lengths(rows_docs, seq, "cuda")
     msa = MSAMicrobatch.from_document_map(ids, block_size=bs)
