@@ -215,13 +215,35 @@ def _dense_kl_dq_kernel(
 
 
 @triton.jit
+def _dk_step(iq_ptr, dscore_ptr, argkey_ptr, trow, ok, krow, local, g, stride_iqt, stride_iqh,
+             stride_pg, stride_pt, BT: tl.constexpr, DI: tl.constexpr, FP32_DOT: tl.constexpr):
+    """One step of d index_k for a key block (rows ``krow``): the one-hot [block, BT] x
+    index_q product over the query rows ``trow`` (``ok`` the real ones), fp32 [block, DI]."""
+    de = tl.arange(0, DI)
+    off = g * stride_pg + trow * stride_pt + local
+    key = tl.load(argkey_ptr + off, mask=ok, other=-1).to(tl.int64)
+    ds = tl.load(dscore_ptr + off, mask=ok, other=0.0)
+    iq = tl.load(iq_ptr + trow[:, None] * stride_iqt + g * stride_iqh + de[None, :],
+                 mask=ok[:, None], other=0.0)
+    onehot = tl.where(krow[:, None] == key[None, :], ds[None, :], 0.0)  # [BS, BT]
+    if FP32_DOT:
+        step = tl.dot(onehot, iq.to(tl.float32))
+    else:
+        hi = onehot.to(iq.dtype)
+        lo = (onehot - hi.to(tl.float32)).to(iq.dtype)
+        step = tl.dot(hi, iq) + tl.dot(lo, iq)
+    return step
+
+
+@triton.jit
 def _dense_kl_dk_kernel(
     iq_ptr, block_doc_ptr, block_local_ptr, cu_ptr, dscore_ptr, argkey_ptr, dk_ptr,
     stride_iqt, stride_iqh, stride_pg, stride_pt, stride_dkg, stride_dkt, qrow_ptr,
     BS: tl.constexpr, BT: tl.constexpr, DI: tl.constexpr, FP32_DOT: tl.constexpr,
     SUBSET: tl.constexpr,
 ):
-    # With SUBSET only the document's local queries (``query_row``) add to the block's keys.
+    # With SUBSET only the document's local queries (``query_row``) add to the block's keys,
+    # and the steps holding none of them are skipped.
     blk = tl.program_id(0)
     g = tl.program_id(1)
     doc = tl.load(block_doc_ptr + blk)
@@ -233,24 +255,19 @@ def _dense_kl_dk_kernel(
     cols = tl.arange(0, BS)
     kpos = local * BS + cols
     krow = (start + kpos).to(tl.int64)
-    de = tl.arange(0, DI)
     acc = tl.zeros([BS, DI], tl.float32)
     for q0 in range(local * BS, length, BT):
         tpos = q0 + tl.arange(0, BT)
         ok = tpos < length
         trow, ok = subset_rows(start + tpos, ok, qrow_ptr, SUBSET)
-        off = g * stride_pg + trow * stride_pt + local
-        key = tl.load(argkey_ptr + off, mask=ok, other=-1).to(tl.int64)
-        ds = tl.load(dscore_ptr + off, mask=ok, other=0.0)
-        iq = tl.load(iq_ptr + trow[:, None] * stride_iqt + g * stride_iqh + de[None, :],
-                     mask=ok[:, None], other=0.0)
-        onehot = tl.where(krow[:, None] == key[None, :], ds[None, :], 0.0)  # [BS, BT]
-        if FP32_DOT:
-            acc += tl.dot(onehot, iq.to(tl.float32))
+        if SUBSET:
+            if tl.max(ok.to(tl.int32), axis=0) > 0:
+                acc += _dk_step(iq_ptr, dscore_ptr, argkey_ptr, trow, ok, krow, local, g,
+                                stride_iqt, stride_iqh, stride_pg, stride_pt, BT, DI, FP32_DOT)
         else:
-            hi = onehot.to(iq.dtype)
-            lo = (onehot - hi.to(tl.float32)).to(iq.dtype)
-            acc += tl.dot(hi, iq) + tl.dot(lo, iq)
+            acc += _dk_step(iq_ptr, dscore_ptr, argkey_ptr, trow, ok, krow, local, g,
+                            stride_iqt, stride_iqh, stride_pg, stride_pt, BT, DI, FP32_DOT)
+    de = tl.arange(0, DI)
     tl.store(dk_ptr + g * stride_dkg + krow[:, None] * stride_dkt + de[None, :], acc,
              mask=(kpos < length)[:, None])
 
