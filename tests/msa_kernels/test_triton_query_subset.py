@@ -334,3 +334,37 @@ def test_subset_matches_full_rows_on_gpu_default_launch(cp):
         masked = torch.where(local[:, None, None], dout, 0)
         _, dk0, dv0 = triton_attention_backward(masked, q, k, v, out, lse, sel, msa)
         assert rel_err(g2[1], dk0) < 5e-3 and rel_err(g2[2], dv0) < 5e-3
+
+
+def test_byproduct_loss_takes_subset_rows_with_global_keys():
+    """The sparse loss from by-products with a subset's rows: the argmax keys are global rows,
+    so d index_k has index_k's T rows; per rank (denominator Tq * H) rescaled to T * H, the
+    ranks' gradients add up to the full run's."""
+    from nemo_msa.indexer_loss import sparse_indexer_loss_from_byproducts
+
+    msa = make_layout(ROWS, SEQ, BS)
+    t, heads, d, top_k = msa.num_tokens, 2, 8, 3
+    gen = torch.Generator().manual_seed(7)
+    iq = torch.randn(t, heads, d, generator=gen, dtype=torch.float64)
+    ik = torch.randn(t, d, generator=gen, dtype=torch.float64)
+    scores = torch.randn(heads, t, top_k, generator=gen, dtype=torch.float64)
+    keys = torch.randint(0, t, (heads, t, top_k), generator=gen, dtype=torch.int32)
+    mass = torch.softmax(torch.randn(heads, t, top_k, generator=gen, dtype=torch.float64), -1)
+
+    def grads(rows):
+        a = iq[rows].clone().requires_grad_(True)
+        b = ik.clone().requires_grad_(True)
+        loss, _ = sparse_indexer_loss_from_byproducts(
+            a, b, scores[:, rows], keys[:, rows], mass[:, rows], num_index_heads_total=heads,
+            loss_coeff=1.0)
+        loss.backward()
+        return a.grad, b.grad
+
+    gq, gk = grads(torch.arange(t))
+    rows = [local_queries(msa, 2, r) for r in range(2)]
+    parts = [grads(r) for r in rows]
+    assert all(p[1].shape == ik.shape for p in parts)
+    total = sum(p[1] * (r.numel() / t) for p, r in zip(parts, rows, strict=True))
+    assert torch.allclose(total, gk, rtol=1e-10, atol=1e-12)
+    for (dq, _), r in zip(parts, rows, strict=True):
+        assert torch.allclose(dq * (r.numel() / t), gq[r], rtol=1e-10, atol=1e-12)
