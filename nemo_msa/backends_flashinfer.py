@@ -51,15 +51,16 @@ def _unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def _forward(q, k, v, q2k, msa, softmax_scale, return_block_mass=False):
+def _forward(q, k, v, q2k, msa, softmax_scale, return_block_mass=False, queries=None):
     """``(out, lse, residuals)``: flashinfer's forward (residuals None), or for shapes it does
     not take the Triton forward (residuals: its union lists). The per-slot block mass of the
-    sparse indexer loss (``return_block_mass``) is a by-product of the Triton forward only, so
-    the training step with that loss runs the Triton forward (the same function)."""
-    reason = flashinfer_adapter.unsupported_shape_reason(q, k, q2k, msa)
-    if return_block_mass:
+    sparse indexer loss (``return_block_mass``) and the query subset of context parallelism
+    (``queries``) are the Triton forward's only, so those steps run the Triton forward (the same
+    function)."""
+    if return_block_mass or queries is not None:
         return triton_attention_forward(q, k, v, q2k, msa, softmax_scale, return_unions=True,
-                                        return_block_mass=True)
+                                        return_block_mass=return_block_mass, queries=queries)
+    reason = flashinfer_adapter.unsupported_shape_reason(q, k, q2k, msa)
     if reason is None:
         out, lse = flashinfer_adapter.flashinfer_attention_forward(q, k, v, q2k, msa,
                                                                    softmax_scale)

@@ -30,22 +30,27 @@ def _unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+# ``queries`` (int64 [Tq] global compact rows, or None for every token): the query subset of
+# context parallelism (ADR 0021); query-side tensors then have Tq rows, key-side ones T.
+
+
 def _select(index_q, index_k, msa, *, top_k, init_blocks, local_blocks, score="max",
-            return_scores=False):
+            return_scores=False, queries=None):
     return triton_select_blocks(index_q, index_k, msa, top_k=top_k, init_blocks=init_blocks,
                                 local_blocks=local_blocks, score=score,
-                                return_scores=return_scores)
+                                return_scores=return_scores, queries=queries)
 
 
-def _forward(q, k, v, q2k, msa, softmax_scale, return_block_mass=False):
+def _forward(q, k, v, q2k, msa, softmax_scale, return_block_mass=False, queries=None):
     # The union lists are the residual: dq reuses them instead of building its own.
     return triton_attention_forward(q, k, v, q2k, msa, softmax_scale, return_unions=True,
-                                    return_block_mass=return_block_mass)
+                                    return_block_mass=return_block_mass, queries=queries)
 
 
-def _backward(dout, q, k, v, out, lse, q2k, msa, softmax_scale, *, residuals=None):
+def _backward(dout, q, k, v, out, lse, q2k, msa, softmax_scale, *, residuals=None,
+              queries=None):
     return triton_attention_backward(dout, q, k, v, out, lse, q2k, msa, softmax_scale,
-                                     unions=residuals)
+                                     unions=residuals, queries=queries)
 
 
 BACKEND = MSABackend(

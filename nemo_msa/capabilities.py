@@ -154,6 +154,7 @@ TRITON = MSACapabilities(
     fused_dense_loss=True,
     # The fused loss's program holds 16 query tokens x the padded group in 256 rows.
     fused_dense_loss_max_group=16,
+    query_subset=True,
 )
 
 FLASHINFER_PREFILL = MSACapabilities(

@@ -33,6 +33,8 @@ from nemo_msa.triton.kernel_layout import (
     check_block_size,
     check_kernel_devices,
     kernel_layout,
+    query_subset,
+    subset_pointers,
 )
 from nemo_msa.triton.launch import BackwardLaunch, current_launch
 from nemo_msa.triton.tiles import (
@@ -51,11 +53,12 @@ from nemo_msa.triton.tiles import (
     load_whole_kv_tile,
     next_pow2,
     rows_selecting,
-    tile_tokens_left,
+    subset_rows,
+    subset_tile_tokens_left,
+    subset_union_tile_skipped,
     token_rows,
     union_full_blocks,
     union_tile_rows,
-    union_tile_skipped,
 )
 
 
@@ -67,26 +70,38 @@ def _dq_kernel(
     stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
     stride_sg, stride_st, stride_lh,
     scale, scale_log2, count_ptr, block_doc_ptr, block_local_ptr, cu_ptr,
-    num_tiles, max_count,
+    num_tiles, max_count, tiles_ptr, qrow_ptr,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
-    HYBRID: tl.constexpr, QT: tl.constexpr, TPP: tl.constexpr,
+    HYBRID: tl.constexpr, QT: tl.constexpr, TPP: tl.constexpr, SUBSET: tl.constexpr,
 ):
     """Per-token dq: the grids of the per-token forward (one program per token, or with
-    HYBRID one per ``TPP`` union tiles doing the tokens the union kernel left)."""
+    HYBRID one per ``TPP`` union tiles doing the tokens the union kernel left); SUBSET as in
+    the forward (local queries, tiles from a list)."""
     g = tl.program_id(1)
     if HYBRID:
         for j in range(TPP):
-            n, start, p0 = tile_tokens_left(tl.program_id(0) * TPP + j, g, count_ptr,
-                                            num_tiles, max_count, block_doc_ptr,
-                                            block_local_ptr, cu_ptr, QT, BS)
+            n, start, p0 = subset_tile_tokens_left(tl.program_id(0) * TPP + j, g, count_ptr,
+                                                   num_tiles, max_count, block_doc_ptr,
+                                                   block_local_ptr, cu_ptr, tiles_ptr, QT, BS,
+                                                   SUBSET)
             for i in range(n):
-                _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr,
-                          q2k_ptr, start + p0 + i, g, start, p0 + i,
-                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                          stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt,
-                          stride_dqh, stride_sg, stride_st, stride_lh, scale, scale_log2,
-                          TOPK, G, GP, BS, BN, D, FP32_DOT)
+                if SUBSET:
+                    lt = tl.load(qrow_ptr + start + p0 + i)
+                    if lt >= 0:
+                        _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr,
+                                  dq_ptr, q2k_ptr, lt, g, start, p0 + i, stride_qt, stride_qh,
+                                  stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+                                  stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
+                                  stride_sg, stride_st, stride_lh, scale, scale_log2,
+                                  TOPK, G, GP, BS, BN, D, FP32_DOT)
+                else:
+                    _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr,
+                              q2k_ptr, start + p0 + i, g, start, p0 + i,
+                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                              stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt,
+                              stride_dqh, stride_sg, stride_st, stride_lh, scale, scale_log2,
+                              TOPK, G, GP, BS, BN, D, FP32_DOT)
     else:
         t = tl.program_id(0)
         _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
@@ -139,10 +154,10 @@ def _dq_union_kernel(
     max_count, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
     stride_sg, stride_st, stride_lh, stride_ug, stride_ut,
-    scale, scale_log2,
+    scale, scale_log2, tiles_ptr, qrow_ptr,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    FP32_DOT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
+    FP32_DOT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr, SUBSET: tl.constexpr,
 ):
     """dq of QT tokens of one document block x G heads in one pass over the union of their
     selected blocks (the forward's union tile); a row only sees blocks its token selected.
@@ -150,16 +165,19 @@ def _dq_union_kernel(
     (read by TMA when TMA is set).
     Unlike the forward, a whole block's key tiles are unrolled in one step and the own block
     is read by pointer loads: with its Q and dO tiles two dq programs do not fit an SM, and
-    the forward's flat loop and own-block TMA made dq slower at one program per SM."""
+    the forward's flat loop and own-block TMA made dq slower at one program per SM.
+    SUBSET as in the forward's union kernel."""
     BM: tl.constexpr = QT * GP
-    tile = tl.program_id(0)
+    slot = tl.program_id(0)
     g = tl.program_id(1)
-    doc, count, skipped = union_tile_skipped(tile, g, count_ptr, num_tiles, max_count,
-                                             block_doc_ptr, QT, BS)
+    tile, doc, count, skipped = subset_union_tile_skipped(slot, g, count_ptr, num_tiles,
+                                                          max_count, block_doc_ptr, tiles_ptr,
+                                                          QT, BS, SUBSET)
     if skipped:
         return
     start, length, pos, rmask, tok, heads, own = union_tile_rows(tile, g, doc, cu_ptr,
                                                                  block_local_ptr, G, GP, QT, BS)
+    tok, rmask = subset_rows(tok, rmask, qrow_ptr, SUBSET)
     dd = tl.arange(0, D)
     q, do, delta, lse2 = load_dq_rows(q_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, tok, heads,
                                       rmask, stride_qt, stride_qh, stride_dot, stride_doh,
@@ -167,7 +185,7 @@ def _dq_union_kernel(
     selection = load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK, KP)
     dq = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
-    urow = union_ptr + g * stride_ug + tile * stride_ut
+    urow = union_ptr + g * stride_ug + slot * stride_ut
     full = union_full_blocks(urow, count, own, UW)
     for u in range(full):
         b = tl.load(urow + u)
@@ -265,21 +283,23 @@ def _dkdv_kernel(
 
 
 def _launch_dq(cfg: BackwardLaunch, view: KernelLayout, rows: dict, q2k_, scale, t, hkv, top_k,
-               grp, gp, d, unions):
+               grp, gp, d, unions, subset=None):
     """dq and delta: the union kernel for tiles with a small union, per token for the rest
     (with the forward's union lists when ``unions`` holds them for dq's tile size).
-    ``rows``: the q, k, v, dO, O, lse, delta and dq tensors by kernel argument name."""
+    ``rows``: the q, k, v, dO, O, lse, delta and dq tensors by kernel argument name;
+    ``subset``: the query subset (``QuerySubset``) or None."""
     bs = view.block_size
     k_, v_ = rows["k_ptr"], rows["v_ptr"]
     args = dict(rows, q2k_ptr=q2k_, **_row_strides(rows), stride_sg=q2k_.stride(0),
                 stride_st=q2k_.stride(1), scale=scale, scale_log2=scale * LOG2E,
                 block_doc_ptr=view.block_doc, block_local_ptr=view.block_local,
                 cu_ptr=view.cu_seqlens, TOPK=top_k, G=grp, GP=gp, BS=bs, D=d,
-                FP32_DOT=INTERPRET)
+                FP32_DOT=INTERPRET, SUBSET=subset is not None)
     plan = hybrid_plan(q2k_, view, cfg.dq_union_qt, cfg.dq_union_max, gp, rows["delta_ptr"],
                        build_tiles=cfg.dq_union_build_tiles,
-                       build_warps=cfg.dq_union_build_warps, unions=unions)
-    args.update(count_ptr=plan.count, num_tiles=plan.num_tiles, max_count=plan.max_count)
+                       build_warps=cfg.dq_union_build_warps, unions=unions, subset=subset)
+    args.update(count_ptr=plan.count, num_tiles=plan.num_tiles, max_count=plan.max_count,
+                **subset_pointers(subset, plan.qt, view))
     if plan.enabled:
         ubn = min(bs, cfg.dq_union_bn) if d == 128 else bs
         descs = kv_descriptors(k_, v_, ubn, INTERPRET) if cfg.dq_union_tma else None
@@ -293,8 +313,8 @@ def _launch_dq(cfg: BackwardLaunch, view: KernelLayout, rows: dict, q2k_, scale,
         )
     tpp = cfg.dq_tile_grid_tiles if plan.enabled else 1
     _dq_kernel[(triton.cdiv(plan.num_tiles, tpp) if plan.enabled else t, hkv)](
-        **args, tok_start_ptr=view.token_start, tok_pos_ptr=view.token_pos,
-        BN=min(bs, cfg.dq_bn) if d == 128 else bs,
+        **args, tok_start_ptr=(subset or view).token_start,
+        tok_pos_ptr=(subset or view).token_pos, BN=min(bs, cfg.dq_bn) if d == 128 else bs,
         HYBRID=plan.enabled, QT=max(plan.qt, 1), TPP=tpp,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )
@@ -321,7 +341,8 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
                               v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                               q2k: torch.Tensor, msa, softmax_scale: float | None = None, *,
                               block_size: int | None = None, unions: TileUnions | None = None,
-                              launch: BackwardLaunch | None = None):
+                              launch: BackwardLaunch | None = None,
+                              queries: torch.Tensor | None = None):
     """Gradients of the sparse MSA attention; deterministic (no atomics).
 
     Args:
@@ -339,6 +360,10 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
             instead of building its own when its tile size is theirs. None: dq builds them.
         launch: launch parameters; None takes
             :func:`~nemo_msa.triton.launch.current_launch` ``("bwd")``.
+        queries: int64 [Tq] global compact rows of the local queries, or None (see
+            :func:`~nemo_msa.attention.triton_fwd.triton_attention_forward`): dout, q, out, lse
+            and q2k then have Tq rows; dk / dv have k's T rows and hold the local queries'
+            contributions only (the CP reduce-scatter adds the ranks').
 
     Returns:
         ``(dq, dk, dv)`` with q's, k's and v's shapes and dtypes.
@@ -350,7 +375,8 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     bs = int(block_size if block_size is not None else msa.block_size)
     check_block_size(bs)
     view = kernel_layout(msa, bs)
-    t, hq, hkv, d, grp, top_k = check_attention_inputs(q, k, v, q2k, view)
+    subset = query_subset(msa, bs, queries)
+    t, hq, hkv, d, grp, top_k = check_attention_inputs(q, k, v, q2k, view, subset)
     for name, x in (("dout", dout), ("out", out)):
         if x.shape != q.shape:
             raise ValueError(f"{name} shape {tuple(x.shape)} must equal q's {tuple(q.shape)}")
@@ -364,8 +390,8 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
                          f"unions with the q2k it was given, unchanged")
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dk = torch.empty_like(k) if subset is None else torch.zeros_like(k)
+    dv = torch.empty_like(v) if subset is None else torch.zeros_like(v)
     if t == 0:
         return dq, dk, dv
     q_, k_, v_, do_, o_ = (x if x.stride(-1) == 1 else x.contiguous()
@@ -377,15 +403,15 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, o_ptr=o_, lse_ptr=lse_,
                 delta_ptr=delta, dq_ptr=dq)
     # The dq launch also writes delta (rowsum(dO * O)), which the dk/dv kernel reads.
-    _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions)
-    csr = block_query_csr(q2k_, view)
+    _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions, subset)
+    csr = block_query_csr(q2k_, view, subset)
     bn_kv = min(bs, cfg.kv_bn)
     rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, lse_ptr=lse_, delta_ptr=delta,
                 dk_ptr=dk, dv_ptr=dv)
     _dkdv_kernel[(hkv * view.num_blocks_bound * (bs // bn_kv),)](
         **rows, **_row_strides(rows), offsets_ptr=csr.offsets, list_ptr=csr.tokens,
         order_ptr=csr.order, block_doc_ptr=view.block_doc, block_local_ptr=view.block_local,
-        cu_ptr=view.cu_seqlens, tok_pos_ptr=view.token_pos,
+        cu_ptr=view.cu_seqlens, tok_pos_ptr=(subset or view).token_pos,
         num_blocks_bound=view.num_blocks_bound, scale=scale, scale_log2=scale * LOG2E,
         G=grp, GP=gp, QT=max(1, cfg.kv_rows // gp), BS=bs, BN=bn_kv, D=d, FP32_DOT=INTERPRET,
         num_warps=cfg.kv_warps if d == 128 else 4, num_stages=cfg.kv_stages,

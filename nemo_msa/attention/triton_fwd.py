@@ -32,6 +32,8 @@ from nemo_msa.triton.kernel_layout import (
     check_attention_inputs,
     check_block_size,
     kernel_layout,
+    query_subset,
+    subset_pointers,
 )
 from nemo_msa.triton.launch import ForwardLaunch, current_launch
 from nemo_msa.triton.tiles import (
@@ -50,12 +52,13 @@ from nemo_msa.triton.tiles import (
     online_softmax_step,
     register_cap,
     rows_selecting,
-    tile_tokens_left,
+    subset_rows,
+    subset_tile_tokens_left,
+    subset_union_tile_skipped,
     union_flat_step,
     union_full_blocks,
     union_masked_end,
     union_tile_rows,
-    union_tile_skipped,
 )
 
 
@@ -65,28 +68,42 @@ def _fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_sg, stride_st, stride_lh,
     scale_log2, count_ptr, block_doc_ptr, block_local_ptr, cu_ptr, num_tiles,
-    max_count, mass_ptr, stride_mg, stride_mt,
+    max_count, mass_ptr, stride_mg, stride_mt, tiles_ptr, qrow_ptr,
     TOPK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, D: tl.constexpr, FP32_DOT: tl.constexpr,
     HYBRID: tl.constexpr, QT: tl.constexpr, TPP: tl.constexpr,
-    KP: tl.constexpr, EMIT: tl.constexpr,
+    KP: tl.constexpr, EMIT: tl.constexpr, SUBSET: tl.constexpr,
 ):
     """Per-token forward: one program per (token, KV head); with HYBRID one program per
     (``TPP`` union tiles, KV head) doing the tiles' tokens one by one where the union kernel
     left them (a grid per tile, not per token: with coherent selections nearly every program
-    finds its tiles taken and exits)."""
+    finds its tiles taken and exits).
+
+    With SUBSET (a query subset, ADR 0021) the per-token grid runs the local queries (the
+    token tables are theirs) and a hybrid program's tiles come from the list ``tiles``; the
+    tiles' tokens that are not local queries (``query_row`` -1) are skipped."""
     g = tl.program_id(1)
     if HYBRID:
         for j in range(TPP):
-            n, start, p0 = tile_tokens_left(tl.program_id(0) * TPP + j, g, count_ptr,
-                                            num_tiles, max_count, block_doc_ptr,
-                                            block_local_ptr, cu_ptr, QT, BS)
+            n, start, p0 = subset_tile_tokens_left(tl.program_id(0) * TPP + j, g, count_ptr,
+                                                   num_tiles, max_count, block_doc_ptr,
+                                                   block_local_ptr, cu_ptr, tiles_ptr, QT, BS,
+                                                   SUBSET)
             for i in range(n):
-                _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, start + p0 + i, g,
-                           start, p0 + i, stride_qt, stride_qh, stride_kt, stride_kh,
-                           stride_vt, stride_vh, stride_ot, stride_oh, stride_sg, stride_st,
-                           stride_lh, scale_log2, mass_ptr, stride_mg, stride_mt, TOPK, G, GP,
-                           BS, BN, D, FP32_DOT, KP, EMIT)
+                if SUBSET:
+                    lt = tl.load(qrow_ptr + start + p0 + i)
+                    if lt >= 0:
+                        _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, lt, g,
+                                   start, p0 + i, stride_qt, stride_qh, stride_kt, stride_kh,
+                                   stride_vt, stride_vh, stride_ot, stride_oh, stride_sg,
+                                   stride_st, stride_lh, scale_log2, mass_ptr, stride_mg,
+                                   stride_mt, TOPK, G, GP, BS, BN, D, FP32_DOT, KP, EMIT)
+                else:
+                    _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, start + p0 + i,
+                               g, start, p0 + i, stride_qt, stride_qh, stride_kt, stride_kh,
+                               stride_vt, stride_vh, stride_ot, stride_oh, stride_sg,
+                               stride_st, stride_lh, scale_log2, mass_ptr, stride_mg,
+                               stride_mt, TOPK, G, GP, BS, BN, D, FP32_DOT, KP, EMIT)
     else:
         t = tl.program_id(0)
         _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g,
@@ -151,11 +168,11 @@ def _fwd_union_kernel(
     cu_ptr, block_doc_ptr, block_local_ptr, num_tiles, max_count,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_sg, stride_st, stride_lh, stride_ug, stride_ut,
-    scale_log2, mass_ptr, stride_mg, stride_mt,
+    scale_log2, mass_ptr, stride_mg, stride_mt, tiles_ptr, qrow_ptr,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    OWN_TMA: tl.constexpr, EMIT: tl.constexpr,
+    OWN_TMA: tl.constexpr, EMIT: tl.constexpr, SUBSET: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected.
@@ -166,16 +183,21 @@ def _fwd_union_kernel(
 
     With EMIT each row also keeps its softmax mass per selected slot, and the group's mean per
     (token, slot) is written to ``mass``.
+
+    With SUBSET the program runs entry ``program_id(0)`` of the tile list ``tiles`` and its
+    rows are the tile's local queries (read and written at their local rows, ``query_row``).
     """
     BM: tl.constexpr = QT * GP
-    tile = tl.program_id(0)
+    slot = tl.program_id(0)
     g = tl.program_id(1)
-    doc, count, skipped = union_tile_skipped(tile, g, count_ptr, num_tiles, max_count,
-                                             block_doc_ptr, QT, BS)
+    tile, doc, count, skipped = subset_union_tile_skipped(slot, g, count_ptr, num_tiles,
+                                                          max_count, block_doc_ptr, tiles_ptr,
+                                                          QT, BS, SUBSET)
     if skipped:
         return
     start, length, pos, rmask, tok, heads, own = union_tile_rows(tile, g, doc, cu_ptr,
                                                                  block_local_ptr, G, GP, QT, BS)
+    tok, rmask = subset_rows(tok, rmask, qrow_ptr, SUBSET)
     dd = tl.arange(0, D)
     q = load_rows(q_ptr, tok, heads, rmask, stride_qt, stride_qh, D)
     if FP32_DOT:
@@ -186,7 +208,7 @@ def _fwd_union_kernel(
     acc = tl.zeros((BM, D), tl.float32)
     mass = tl.zeros((BM, KP), tl.float32)
     kn = tl.arange(0, BN)
-    urow = union_ptr + g * stride_ug + tile * stride_ut
+    urow = union_ptr + g * stride_ug + slot * stride_ut
     full = union_full_blocks(urow, count, own, UW)
     # The whole-block loop takes one key tile per step (one K/V buffer per pipeline stage, so
     # that two programs fit an SM's shared memory).
@@ -229,8 +251,9 @@ def _fwd_union_kernel(
         i = tl.arange(0, QT)
         p0 = own * BS + (tile % (BS // QT)) * QT
         kk = tl.arange(0, KP)
-        tl.store(mass_ptr + g * stride_mg + (start + p0 + i)[:, None].to(tl.int64) * stride_mt
-                 + kk[None, :], tok_mass, mask=((p0 + i) < length)[:, None] & (kk < TOPK)[None, :])
+        mrow, mok = subset_rows(start + p0 + i, (p0 + i) < length, qrow_ptr, SUBSET)
+        tl.store(mass_ptr + g * stride_mg + mrow[:, None] * stride_mt + kk[None, :], tok_mass,
+                 mask=mok[:, None] & (kk < TOPK)[None, :])
 
 
 @triton.jit
@@ -251,7 +274,8 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              q2k: torch.Tensor, msa, softmax_scale: float | None = None, *,
                              block_size: int | None = None, return_unions: bool = False,
                              return_block_mass: bool = False,
-                             launch: ForwardLaunch | None = None):
+                             launch: ForwardLaunch | None = None,
+                             queries: torch.Tensor | None = None):
     """Sparse MSA attention forward over the selected key blocks.
 
     Args:
@@ -272,6 +296,10 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             accumulated in the same pass over K/V (the indexer loss's target, no recompute).
         launch: launch parameters; None takes
             :func:`~nemo_msa.triton.launch.current_launch` ``("fwd")``.
+        queries: int64 [Tq] global compact rows of the local queries (context parallelism:
+            ascending, unique), or None for every token. With it q, q2k, out, lse and the
+            block mass have Tq rows (in that order) and k / v the layout's T rows; each row
+            equals the full launch's row of its token (ADR 0021).
 
     Returns:
         ``(out, lse)``: out [T, Hq, d] in q's dtype; lse fp32 [Hq, T], the natural log-sum-exp
@@ -286,7 +314,8 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     bs = int(block_size if block_size is not None else msa.block_size)
     check_block_size(bs)
     view = kernel_layout(msa, bs)
-    t, hq, hkv, d, grp, top_k = check_attention_inputs(q, k, v, q2k, view)
+    subset = query_subset(msa, bs, queries)
+    t, hq, hkv, d, grp, top_k = check_attention_inputs(q, k, v, q2k, view, subset)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     out = torch.empty_like(q)
     lse = torch.empty((hq, t), dtype=torch.float32, device=q.device)
@@ -299,18 +328,20 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q2k_ = q2k.contiguous()
     gp = max(16, next_pow2(grp))
     plan = hybrid_plan(q2k_, view, cfg.union_qt, cfg.union_max, gp, lse,
-                       build_tiles=cfg.union_build_tiles, build_warps=cfg.union_build_warps)
+                       build_tiles=cfg.union_build_tiles, build_warps=cfg.union_build_warps,
+                       subset=subset)
     tensors = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, q2k_ptr=q2k_, out_ptr=out, lse_ptr=lse,
                    count_ptr=plan.count, block_doc_ptr=view.block_doc,
                    block_local_ptr=view.block_local, cu_ptr=view.cu_seqlens,
-                   num_tiles=plan.num_tiles, max_count=plan.max_count, mass_ptr=mass)
+                   num_tiles=plan.num_tiles, max_count=plan.max_count, mass_ptr=mass,
+                   **subset_pointers(subset, plan.qt, view))
     strides = dict(stride_qt=q_.stride(0), stride_qh=q_.stride(1), stride_kt=k_.stride(0),
                    stride_kh=k_.stride(1), stride_vt=v_.stride(0), stride_vh=v_.stride(1),
                    stride_ot=out.stride(0), stride_oh=out.stride(1), stride_sg=q2k_.stride(0),
                    stride_st=q2k_.stride(1), stride_lh=lse.stride(0),
                    **_mass_strides(mass, return_block_mass))
     shape = dict(TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, BS=bs, D=d,
-                 FP32_DOT=INTERPRET, EMIT=return_block_mass)
+                 FP32_DOT=INTERPRET, EMIT=return_block_mass, SUBSET=subset is not None)
     if plan.enabled:
         ubn = min(bs, cfg.union_bn) if d == 128 else bs
         descs = kv_descriptors(k_, v_, ubn, INTERPRET) if cfg.union_tma else None
@@ -326,8 +357,8 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         )
     tpp = cfg.tile_grid_tiles if plan.enabled else 1
     _fwd_kernel[(triton.cdiv(plan.num_tiles, tpp) if plan.enabled else t, hkv)](
-        **tensors, **strides, tok_start_ptr=view.token_start, tok_pos_ptr=view.token_pos,
-        scale_log2=scale * LOG2E, **shape,
+        **tensors, **strides, tok_start_ptr=(subset or view).token_start,
+        tok_pos_ptr=(subset or view).token_pos, scale_log2=scale * LOG2E, **shape,
         BN=min(bs, cfg.bn) if d == 128 else bs, HYBRID=plan.enabled, QT=max(plan.qt, 1),
         TPP=tpp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.triton.kernel_layout import KernelLayout
-from nemo_msa.triton.tiles import next_pow2, union_tile_span
+from nemo_msa.triton.kernel_layout import KernelLayout, QuerySubset
+from nemo_msa.triton.tiles import next_pow2, subset_rows, union_tile_span
 
 #: The most rows (tokens x padded heads) of one union program: 256-row tiles (16 tokens of 16
 #: heads) need more shared memory than an SM has at d = 128 (262 KB > 227 KB, forward and dq).
@@ -33,26 +33,34 @@ def _previous_of_segment(n1, prev1, last1, n2, prev2, last2):
 
 @triton.jit
 def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, block_local_ptr,
-                       stride_sg, stride_st, stride_ug, stride_ut, num_tiles,
+                       stride_sg, stride_st, stride_ug, stride_ut, num_tiles, tiles_ptr, qrow_ptr,
                        TOPK: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                       WIDTH: tl.constexpr, W: tl.constexpr, TP: tl.constexpr):
+                       WIDTH: tl.constexpr, W: tl.constexpr, TP: tl.constexpr,
+                       SUBSET: tl.constexpr):
     """``TP`` union tiles of one KV head: the sorted distinct blocks their tokens selected, in
     registers (no sort temporaries in memory), one [TP, W] row per tile.
 
     The entries are sorted; an entry is kept where it differs from its predecessor
     (:func:`_previous_of_segment`), and an inclusive count of the kept ones gives each its place
-    in the list, so no second sort is needed."""
+    in the list, so no second sort is needed.
+
+    With SUBSET the tiles are the entries of the list ``tiles`` (global tile ids) and only
+    their local queries' selections count (read at their local rows, ``query_row``)."""
     BIG: tl.constexpr = 2147483647
     tiles = tl.program_id(0) * TP + tl.arange(0, TP)
     g = tl.program_id(1)
     live = tiles < num_tiles
-    doc, start, length, p0 = union_tile_span(tl.minimum(tiles, num_tiles - 1), block_doc_ptr,
-                                             block_local_ptr, cu_ptr, QT, BS)
+    gtile = tl.minimum(tiles, num_tiles - 1)
+    if SUBSET:
+        gtile = tl.load(tiles_ptr + gtile)
+    doc, start, length, p0 = union_tile_span(gtile, block_doc_ptr, block_local_ptr, cu_ptr, QT,
+                                             BS)
     i = tl.arange(0, W)
     pos = p0[:, None] + (i // TOPK)[None, :]
     valid = ((live & (doc >= 0))[:, None] & (i < WIDTH)[None, :]) & (pos < length[:, None])
-    ids = tl.load(q2k_ptr + g * stride_sg + (start[:, None] + pos).to(tl.int64) * stride_st
-                  + (i % TOPK)[None, :], mask=valid, other=-1)
+    rows, valid = subset_rows(start[:, None] + pos, valid, qrow_ptr, SUBSET)
+    ids = tl.load(q2k_ptr + g * stride_sg + rows * stride_st + (i % TOPK)[None, :], mask=valid,
+                  other=-1)
     key = tl.where(ids >= 0, ids, BIG)
     dst = union_ptr + g * stride_ug + tiles[:, None] * stride_ut
     key = tl.sort(key)
@@ -69,7 +77,8 @@ def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, blo
 
 
 def tile_unions(q2k: torch.Tensor, view: KernelLayout, qt: int, *, tiles_per_program: int = 1,
-                warps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                warps: int = 1,
+                subset: QuerySubset | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (KV head, query tile of ``qt`` tokens of one document block): the sorted union of the
     tokens' selected blocks.
 
@@ -79,15 +88,18 @@ def tile_unions(q2k: torch.Tensor, view: KernelLayout, qt: int, *, tiles_per_pro
         qt: tokens per tile; divides ``view.block_size``.
         tiles_per_program: union tiles per program of the build kernel (a power of two).
         warps: warps per program of the build kernel.
+        subset: a query subset (q2k then has its Tq rows): the tiles are its tile list's, and
+            only its local queries' selections count.
 
     Returns:
         ``(union int32 [Hkv, tiles, qt * top_k] (entries past ``count`` are 0), count int32
-        [Hkv, tiles])`` with ``tiles = num_blocks_bound * block_size // qt``; device ops only.
+        [Hkv, tiles])`` with ``tiles = num_blocks_bound * block_size // qt`` (with a subset,
+        the length of its list of ``qt``-token tiles); device ops only.
     """
     q2k = q2k.contiguous()
     hkv, _, top_k = q2k.shape
     bs = view.block_size
-    tiles = view.num_blocks_bound * (bs // qt)
+    tiles = view.num_blocks_bound * (bs // qt) if subset is None else subset.tile_list(qt).numel()
     width = qt * top_k
     union = torch.empty((hkv, tiles, width), dtype=torch.int32, device=q2k.device)
     count = torch.empty((hkv, tiles), dtype=torch.int32, device=q2k.device)
@@ -96,8 +108,10 @@ def tile_unions(q2k: torch.Tensor, view: KernelLayout, qt: int, *, tiles_per_pro
         block_doc_ptr=view.block_doc, block_local_ptr=view.block_local,
         stride_sg=q2k.stride(0), stride_st=q2k.stride(1), stride_ug=union.stride(0),
         stride_ut=union.stride(1), num_tiles=tiles,
+        tiles_ptr=view.cu_seqlens if subset is None else subset.tile_list(qt),
+        qrow_ptr=view.cu_seqlens if subset is None else subset.query_row,
         TOPK=top_k, QT=qt, BS=bs, WIDTH=width, W=next_pow2(width), TP=tiles_per_program,
-        num_warps=warps)
+        SUBSET=subset is not None, num_warps=warps)
     return union, count
 
 
@@ -157,12 +171,14 @@ def union_tile_tokens(union_qt: int, block_size: int, gp: int) -> int:
 
 def hybrid_plan(q2k: torch.Tensor, view: KernelLayout, union_qt: int, union_max: int, gp: int,
                 placeholder: torch.Tensor, *, build_tiles: int = 1, build_warps: int = 1,
-                unions: TileUnions | None = None) -> HybridPlan:
+                unions: TileUnions | None = None,
+                subset: QuerySubset | None = None) -> HybridPlan:
     """Builds the split for ``union_qt``-token tiles (capped so a tile has at most
     ``MAX_UNION_ROWS`` rows of ``gp`` padded heads), or a disabled plan whose tensors are
     ``placeholder`` when it is 0. ``unions`` built for the same tile size (the forward's, checked
     against q2k by the caller) are used instead of building the lists again; otherwise they are
-    built with ``build_tiles`` tiles per program of ``build_warps`` warps."""
+    built with ``build_tiles`` tiles per program of ``build_warps`` warps. With a query
+    ``subset`` the tiles are its list's (``num_tiles`` its length)."""
     if union_qt <= 0:
         return HybridPlan(0, None, placeholder, 0, 0)
     bs = view.block_size
@@ -171,5 +187,5 @@ def hybrid_plan(q2k: torch.Tensor, view: KernelLayout, union_qt: int, union_max:
         union, count = unions.union, unions.count
     else:
         union, count = tile_unions(q2k, view, qt, tiles_per_program=build_tiles,
-                                   warps=build_warps)
+                                   warps=build_warps, subset=subset)
     return HybridPlan(qt, union, count, union.shape[1], int(union_max))

@@ -33,8 +33,14 @@ import triton
 import triton.language as tl
 
 from nemo_msa.capabilities import TRITON
-from nemo_msa.triton.kernel_layout import INTERPRET, check_kernel_devices, kernel_layout
-from nemo_msa.triton.tiles import LOG2E, union_tile_span
+from nemo_msa.triton.kernel_layout import (
+    INTERPRET,
+    check_kernel_devices,
+    kernel_layout,
+    query_subset,
+    subset_pointers,
+)
+from nemo_msa.triton.tiles import LOG2E, subset_rows, subset_tile, union_tile_span
 
 __all__ = ["dense_indexer_loss_triton"]
 
@@ -71,11 +77,13 @@ def _dense_kl_fwd_kernel(
     target_ptr, argkey_ptr, kl_ptr, lse_ptr, tsum_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_iqt, stride_iqh, stride_ikt,
     stride_pg, stride_pt, stride_sg,
-    qk_scale, index_scale,
+    qk_scale, index_scale, tiles_ptr, qrow_ptr,
     HG: tl.constexpr, HGP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-    D: tl.constexpr, DI: tl.constexpr, FP32_DOT: tl.constexpr,
+    D: tl.constexpr, DI: tl.constexpr, FP32_DOT: tl.constexpr, SUBSET: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # With SUBSET (ADR 0021) the tile comes from the list of tiles holding a local query and
+    # the query side (query, index_q and every output) is read and written at local rows.
+    tile = subset_tile(tl.program_id(0), tiles_ptr, SUBSET)
     g = tl.program_id(1)
     doc, start, length, p0 = union_tile_span(tile, block_doc_ptr, block_local_ptr, cu_ptr, QT, BS)
     if doc < 0 or p0 >= length:
@@ -85,8 +93,9 @@ def _dense_kl_fwd_kernel(
     head = rows % HGP
     pos = p0 + rows // HGP  # document position of each row's token
     row_ok = (head < HG) & (pos < length)
+    qrow, row_ok = subset_rows(start + pos, row_ok, qrow_ptr, SUBSET)
     dd = tl.arange(0, D)
-    q = tl.load(q_ptr + (start + pos)[:, None].to(tl.int64) * stride_qt
+    q = tl.load(q_ptr + qrow[:, None] * stride_qt
                 + (g * HG + head)[:, None] * stride_qh + dd[None, :],
                 mask=row_ok[:, None], other=0.0)
     if FP32_DOT:
@@ -94,7 +103,7 @@ def _dense_kl_fwd_kernel(
     tq = tl.arange(0, QT)
     tpos = p0 + tq
     tok_ok = tpos < length
-    trow = (start + tpos).to(tl.int64)
+    trow, tok_ok = subset_rows(start + tpos, tok_ok, qrow_ptr, SUBSET)
     de = tl.arange(0, DI)
     iq = tl.load(iq_ptr + trow[:, None] * stride_iqt + g * stride_iqh + de[None, :],
                  mask=tok_ok[:, None], other=0.0)
@@ -202,11 +211,35 @@ def _dense_kl_dq_kernel(
 
 
 @triton.jit
+def _dk_step(iq_ptr, dscore_ptr, argkey_ptr, trow, ok, krow, local, g, stride_iqt, stride_iqh,
+             stride_pg, stride_pt, BT: tl.constexpr, DI: tl.constexpr, FP32_DOT: tl.constexpr):
+    """One step of d index_k for a key block (rows ``krow``): the one-hot [block, BT] x
+    index_q product over the query rows ``trow`` (``ok`` the real ones), fp32 [block, DI]."""
+    de = tl.arange(0, DI)
+    off = g * stride_pg + trow * stride_pt + local
+    key = tl.load(argkey_ptr + off, mask=ok, other=-1).to(tl.int64)
+    ds = tl.load(dscore_ptr + off, mask=ok, other=0.0)
+    iq = tl.load(iq_ptr + trow[:, None] * stride_iqt + g * stride_iqh + de[None, :],
+                 mask=ok[:, None], other=0.0)
+    onehot = tl.where(krow[:, None] == key[None, :], ds[None, :], 0.0)  # [BS, BT]
+    if FP32_DOT:
+        step = tl.dot(onehot, iq.to(tl.float32))
+    else:
+        hi = onehot.to(iq.dtype)
+        lo = (onehot - hi.to(tl.float32)).to(iq.dtype)
+        step = tl.dot(hi, iq) + tl.dot(lo, iq)
+    return step
+
+
+@triton.jit
 def _dense_kl_dk_kernel(
     iq_ptr, block_doc_ptr, block_local_ptr, cu_ptr, dscore_ptr, argkey_ptr, dk_ptr,
-    stride_iqt, stride_iqh, stride_pg, stride_pt, stride_dkg, stride_dkt,
+    stride_iqt, stride_iqh, stride_pg, stride_pt, stride_dkg, stride_dkt, qrow_ptr,
     BS: tl.constexpr, BT: tl.constexpr, DI: tl.constexpr, FP32_DOT: tl.constexpr,
+    SUBSET: tl.constexpr,
 ):
+    # With SUBSET only the document's local queries (``query_row``) add to the block's keys,
+    # and the steps holding none of them are skipped.
     blk = tl.program_id(0)
     g = tl.program_id(1)
     doc = tl.load(block_doc_ptr + blk)
@@ -218,24 +251,19 @@ def _dense_kl_dk_kernel(
     cols = tl.arange(0, BS)
     kpos = local * BS + cols
     krow = (start + kpos).to(tl.int64)
-    de = tl.arange(0, DI)
     acc = tl.zeros([BS, DI], tl.float32)
     for q0 in range(local * BS, length, BT):
         tpos = q0 + tl.arange(0, BT)
         ok = tpos < length
-        trow = (start + tpos).to(tl.int64)
-        off = g * stride_pg + trow * stride_pt + local
-        key = tl.load(argkey_ptr + off, mask=ok, other=-1).to(tl.int64)
-        ds = tl.load(dscore_ptr + off, mask=ok, other=0.0)
-        iq = tl.load(iq_ptr + trow[:, None] * stride_iqt + g * stride_iqh + de[None, :],
-                     mask=ok[:, None], other=0.0)
-        onehot = tl.where(krow[:, None] == key[None, :], ds[None, :], 0.0)  # [BS, BT]
-        if FP32_DOT:
-            acc += tl.dot(onehot, iq.to(tl.float32))
+        trow, ok = subset_rows(start + tpos, ok, qrow_ptr, SUBSET)
+        if SUBSET:
+            if tl.max(ok.to(tl.int32), axis=0) > 0:
+                acc += _dk_step(iq_ptr, dscore_ptr, argkey_ptr, trow, ok, krow, local, g,
+                                stride_iqt, stride_iqh, stride_pg, stride_pt, BT, DI, FP32_DOT)
         else:
-            hi = onehot.to(iq.dtype)
-            lo = (onehot - hi.to(tl.float32)).to(iq.dtype)
-            acc += tl.dot(hi, iq) + tl.dot(lo, iq)
+            acc += _dk_step(iq_ptr, dscore_ptr, argkey_ptr, trow, ok, krow, local, g,
+                            stride_iqt, stride_iqh, stride_pg, stride_pt, BT, DI, FP32_DOT)
+    de = tl.arange(0, DI)
     tl.store(dk_ptr + g * stride_dkg + krow[:, None] * stride_dkt + de[None, :], acc,
              mask=(kpos < length)[:, None])
 
@@ -246,9 +274,10 @@ class _DenseKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, index_q, index_k, kl_rows, target, argkey, lse, tsum, blocks, index_scale,
-                denominator):
+                denominator, subset):
         ctx.save_for_backward(index_q, index_k, target, argkey, lse, tsum)
         ctx.blocks = blocks
+        ctx.subset = subset
         ctx.index_scale = index_scale
         ctx.denominator = denominator
         ctx.consumed = False
@@ -268,25 +297,28 @@ class _DenseKL(torch.autograd.Function):
         iq = index_q.detach().contiguous()
         tokens, heads, dim = iq.shape
         block = blocks.block_size
+        rows = blocks if ctx.subset is None else ctx.subset
         dq = torch.empty(tokens, heads, dim, dtype=torch.float32, device=iq.device)
         grad = grad.detach().to(torch.float32).reshape(1).contiguous()
         _dense_kl_dq_kernel[(triton.cdiv(tokens, _BT_DQ), heads)](
-            iq, index_k, blocks.token_pos, target, argkey, lse, tsum, grad, dq,
+            iq, index_k, rows.token_pos, target, argkey, lse, tsum, grad, dq,
             tokens, iq.stride(0), iq.stride(1), index_k.stride(0),
             target.stride(0), target.stride(1), lse.stride(0),
             ctx.index_scale, 1.0 / ctx.denominator,
             BS=block, BT=_BT_DQ, DI=dim,
         )
-        dk_heads = torch.empty(heads, tokens, dim, dtype=torch.float32, device=iq.device)
+        dk_heads = torch.empty(heads, blocks.num_tokens, dim, dtype=torch.float32,
+                               device=iq.device)
         _dense_kl_dk_kernel[(blocks.num_blocks_bound, heads)](
             iq, blocks.block_doc, blocks.block_local, blocks.cu_seqlens, target, argkey,
             dk_heads, iq.stride(0), iq.stride(1), target.stride(0), target.stride(1),
             dk_heads.stride(0), dk_heads.stride(1),
-            BS=block, BT=_BT_DK, DI=dim, FP32_DOT=INTERPRET,
+            subset_pointers(ctx.subset, 0, blocks)["qrow_ptr"],
+            BS=block, BT=_BT_DK, DI=dim, FP32_DOT=INTERPRET, SUBSET=ctx.subset is not None,
         )
         dk = dk_heads.sum(0)
         return (dq.to(index_q.dtype), dk.to(index_k.dtype), None, None, None, None, None, None,
-                None, None)
+                None, None, None)
 
 
 def dense_indexer_loss_triton(
@@ -300,6 +332,7 @@ def dense_indexer_loss_triton(
     num_index_heads_total: int,
     loss_coeff: float,
     q2k: torch.Tensor | None = None,
+    queries: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The dense indexer loss, score ``"max"``, in two fused passes and no [T, T] tensor.
 
@@ -315,6 +348,12 @@ def dense_indexer_loss_triton(
         num_index_heads_total: index heads of the whole layer (all TP ranks).
         loss_coeff: msa_indexer_loss_coeff.
         q2k: optional int32 [G, T, top_k] selected blocks: adds the exact selection recall.
+        queries: int64 [Tq] global compact rows of the local queries (context parallelism,
+            ADR 0021), or None for every token. With it index_q, query and q2k have Tq rows,
+            index_k and key the layout's T rows; the KL sums the local queries' rows, still
+            divided by the GLOBAL ``T * H`` (so the CP ranks' losses add up to the one-rank
+            loss), ``recall_count`` counts the local rows, and d index_k (T rows) holds the
+            local queries' contributions.
 
     Returns:
         ``(loss, stats)`` as ``compute_indexer_loss``: loss = ``coeff * sum_local KL / (T * H)``
@@ -329,8 +368,16 @@ def dense_indexer_loss_triton(
     if reason is not None:
         raise ValueError(f"dense_indexer_loss_triton cannot run {reason}")
     blocks = kernel_layout(msa, msa.block_size)
+    subset = query_subset(msa, msa.block_size, queries)
     check_kernel_devices(blocks, index_q=index_q, index_k=index_k, query=query, key=key)
     tokens, heads, index_dim = index_q.shape
+    expected = blocks.num_tokens if subset is None else subset.num_queries
+    for name, x, rows, what in (("index_q", index_q, expected, "query"),
+                                ("query", query, expected, "query"),
+                                ("index_k", index_k, blocks.num_tokens, "layout token"),
+                                ("key", key, blocks.num_tokens, "layout token")):
+        if x.shape[0] != rows:
+            raise ValueError(f"{name} has {x.shape[0]} rows: expected {rows}, one per {what}")
     q_heads, head_dim = query.shape[1], query.shape[2]
     group = q_heads // heads
     block = msa.block_size
@@ -345,28 +392,31 @@ def dense_indexer_loss_triton(
     kl_rows = torch.empty(heads, tokens, dtype=torch.float32, device=device)
     lse = torch.empty_like(kl_rows)
     tsum = torch.empty_like(kl_rows)
-    grid = (blocks.num_blocks_bound * (block // _QT), heads)
+    pointers = subset_pointers(subset, _QT, blocks)
+    grid = (blocks.num_blocks_bound * (block // _QT) if subset is None
+            else pointers["tiles_ptr"].numel(), heads)
     _dense_kl_fwd_kernel[grid](
         query, key, iq, ik, blocks.block_doc, blocks.block_local, blocks.cu_seqlens,
         target, argkey, kl_rows, lse, tsum,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), iq.stride(0),
         iq.stride(1), ik.stride(0), target.stride(0), target.stride(1), kl_rows.stride(0),
-        softmax_scale * LOG2E, 1.0 / math.sqrt(index_dim),
-        HG=group, HGP=triton.next_power_of_2(group), QT=_QT, BS=block, D=head_dim,
-        DI=index_dim, FP32_DOT=INTERPRET, num_warps=8 if group * _QT >= 256 else 4, num_stages=2,
+        softmax_scale * LOG2E, 1.0 / math.sqrt(index_dim), pointers["tiles_ptr"],
+        pointers["qrow_ptr"], HG=group, HGP=triton.next_power_of_2(group), QT=_QT, BS=block,
+        D=head_dim, DI=index_dim, FP32_DOT=INTERPRET, num_warps=8 if group * _QT >= 256 else 4,
+        num_stages=2, SUBSET=subset is not None,
     )
     stats: dict[str, torch.Tensor] = {}
     if q2k is not None:
         # Exact recall from the stored target: the selected slots' mass (slots past the token's
         # own block hold no target and are out of contract anyway).
-        own = (blocks.token_pos.long() // block)[None, :, None]
+        own = ((blocks if subset is None else subset).token_pos.long() // block)[None, :, None]
         slots = q2k.long()
         live = (slots >= 0) & (slots <= own)
         mass = target.gather(2, slots.clamp(0, width - 1))
         stats["recall_mass"] = torch.where(live, mass, 0.0).sum()
         stats["recall_count"] = torch.full((), float(tokens * heads), device=device)
-    denominator = float(tokens * num_index_heads_total)
+    denominator = float(blocks.num_tokens * num_index_heads_total)
     kl = _DenseKL.apply(index_q, index_k, kl_rows, target, argkey, lse, tsum, blocks,
-                        1.0 / math.sqrt(index_dim), denominator)
+                        1.0 / math.sqrt(index_dim), denominator, subset)
     stats["kl"] = kl.detach()
     return kl * loss_coeff, stats

@@ -364,7 +364,7 @@ class MSASelfAttention(SelfAttention):
             if not sparse_loss and plan.fused_dense_loss:
                 loss, stats = dense_indexer_loss_triton(
                     index_q, index_k, query, key, msa,
-                    q2k=selected if log_recall else None, **common,
+                    q2k=selected if log_recall else None, queries=queries, **common,
                 )
             else:
                 loss, stats = compute_indexer_loss(

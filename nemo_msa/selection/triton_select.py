@@ -32,9 +32,16 @@ from nemo_msa.triton.kernel_layout import (
     INTERPRET,
     check_kernel_devices,
     kernel_layout,
+    query_subset,
 )
 from nemo_msa.triton.launch import SelectLaunch, current_launch
-from nemo_msa.triton.tiles import doc_block, next_pow2, row_descriptor
+from nemo_msa.triton.tiles import (
+    doc_block,
+    next_pow2,
+    row_descriptor,
+    subset_rows,
+    subset_tile,
+)
 
 _FORCED_CODE = tl.constexpr(0xFFFFFFF0)
 _NAN_CODE = tl.constexpr(1)
@@ -107,18 +114,25 @@ def _select_kernel(
     q_ptr, k_ptr, k_desc, out_ptr, score_ptr, arg_ptr,
     cu_ptr, block_doc_ptr, block_local_ptr,
     stride_qt, stride_qh, stride_kt, stride_oh, stride_ot,
-    num_blocks_bound, top_k, init_blocks, local_blocks,
+    num_blocks_bound, top_k, init_blocks, local_blocks, tiles_ptr, qrow_ptr, num_tiles,
     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     KP: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr, EMIT: tl.constexpr,
+    SUBSET: tl.constexpr,
 ):
     """With EMIT each row also keeps, per slot, the selected block's real score (the max of
     q.k over its visible keys, forced blocks included) and the compact row of the key that
-    attains it, written to ``score`` / ``arg`` in the slots' (ascending block id) order."""
+    attains it, written to ``score`` / ``arg`` in the slots' (ascending block id) order.
+    With SUBSET (ADR 0021) the programs run the ``num_tiles`` entries of the tile list
+    ``tiles`` and the rows are the tiles' local queries, read and written at their local rows
+    (``query_row``)."""
     SPLIT: tl.constexpr = BS // BM
     pid = tl.program_id(0)
     h = tl.program_id(1)
     # Reverse order: the last blocks of a document have the most candidates; start them first.
-    tile = num_blocks_bound * SPLIT - 1 - pid
+    if SUBSET:
+        tile = subset_tile(num_tiles - 1 - pid, tiles_ptr, SUBSET)
+    else:
+        tile = num_blocks_bound * SPLIT - 1 - pid
     blk = tile // SPLIT
     sub = tile % SPLIT
     doc, o, start, length = doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr)
@@ -128,8 +142,9 @@ def _select_kernel(
     rows = tl.arange(0, BM)
     pos = o * BS + sub * BM + rows
     row_ok = pos < length
+    qrow, row_ok = subset_rows(start + pos, row_ok, qrow_ptr, SUBSET)
     dk = tl.arange(0, D)
-    q = tl.load(q_ptr + (start + pos)[:, None].to(tl.int64) * stride_qt + h * stride_qh
+    q = tl.load(q_ptr + qrow[:, None] * stride_qt + h * stride_qh
                 + dk[None, :], mask=row_ok[:, None], other=0.0)
     if FP32_DOT:
         q = q.to(tl.float32)
@@ -202,7 +217,7 @@ def _select_kernel(
     big = 0x7FFFFFFF
     valid = (cur >= 0) & (cur != unused)
     low = tl.full((BM, KP), _LOW_MASK, tl.int64)
-    row_off = h * stride_oh + (start + pos)[:, None].to(tl.int64) * stride_ot + cols[None, :]
+    row_off = h * stride_oh + qrow[:, None] * stride_ot + cols[None, :]
     store_mask = row_ok[:, None] & (cols[None, :] < top_k)
     if EMIT:
         # Sort (block id, slot) pairs so that each slot's score and key follow its id.
@@ -225,7 +240,8 @@ def _select_kernel(
 def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, top_k: int,
                          init_blocks: int, local_blocks: int, score: str = "max",
                          block_size: int | None = None, return_scores: bool = False,
-                         launch: SelectLaunch | None = None):
+                         launch: SelectLaunch | None = None,
+                         queries: torch.Tensor | None = None):
     """Selects ``top_k`` key blocks per (index head, query token) with one fused kernel.
 
     Args:
@@ -245,6 +261,10 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
             slots), found in the same pass (the indexer loss's by-products).
         launch: launch parameters; None takes
             :func:`~nemo_msa.triton.launch.current_launch` ``("sel")``.
+        queries: int64 [Tq] global compact rows of the local queries (context parallelism:
+            ascending, unique), or None for every token. With it index_q and every output
+            have Tq rows, index_k the layout's T rows (the keys are global compact rows); each
+            row equals the full launch's row of its token (ADR 0021).
 
     Returns:
         int32 [H, T, top_k]: document-local block ids ascending, -1 at the tail; with
@@ -258,8 +278,9 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     if index_q.dim() != 3:
         raise ValueError(f"index_q must be [T, H, d], got shape {tuple(index_q.shape)}")
     t, h, d = index_q.shape
-    if index_k.shape != (t, d):
-        raise ValueError(f"index_k must be [T={t}, d={d}] like index_q, got "
+    tk = msa.num_tokens if queries is not None else t
+    if index_k.shape != (tk, d):
+        raise ValueError(f"index_k must be [T={tk}, d={d}] like index_q, got "
                          f"{tuple(index_k.shape)}")
     if index_k.dtype != index_q.dtype:
         raise ValueError(f"index_q/index_k must share a dtype, got {index_q.dtype} and "
@@ -272,7 +293,10 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
         raise ValueError(f"init_blocks={init_blocks}, local_blocks={local_blocks}: expected "
                          f"non-negative with a sum <= top_k={top_k}")
     view = kernel_layout(msa, bs)
-    if t != view.num_tokens:
+    subset = query_subset(msa, bs, queries)
+    if subset is not None and t != subset.num_queries:
+        raise ValueError(f"index_q has {t} rows but queries holds {subset.num_queries} tokens")
+    if subset is None and t != view.num_tokens:
         raise ValueError(f"index_q has T={t} tokens but msa.num_tokens={view.num_tokens}")
     check_kernel_devices(view, index_q=index_q, index_k=index_k)
     out = torch.empty((h, t, top_k), dtype=torch.int32, device=index_q.device)
@@ -287,14 +311,18 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     bm = min(bs, cfg.bm)
     bn = min(bs, cfg.bn) if d == 128 else bs
     k_desc = row_descriptor(k, bn, d, INTERPRET) if cfg.tma else None
-    _select_kernel[(view.num_blocks_bound * (bs // bm), h)](
+    tiles = subset.tile_list(bm) if subset is not None else view.cu_seqlens
+    num_tiles = tiles.numel() if subset is not None else view.num_blocks_bound * (bs // bm)
+    _select_kernel[(num_tiles, h)](
         q_ptr=q, k_ptr=k, k_desc=k if k_desc is None else k_desc, out_ptr=out,
         score_ptr=scores, arg_ptr=keys, cu_ptr=view.cu_seqlens, block_doc_ptr=view.block_doc,
         block_local_ptr=view.block_local, stride_qt=q.stride(0), stride_qh=q.stride(1),
         stride_kt=k.stride(0), stride_oh=out.stride(0), stride_ot=out.stride(1),
         num_blocks_bound=view.num_blocks_bound, top_k=top_k, init_blocks=init_blocks,
-        local_blocks=local_blocks, BS=bs, BM=bm, BN=bn, D=d, KP=max(next_pow2(top_k), 2),
-        FP32_DOT=INTERPRET, TMA=k_desc is not None, EMIT=return_scores,
+        local_blocks=local_blocks, tiles_ptr=tiles,
+        qrow_ptr=view.cu_seqlens if subset is None else subset.query_row, num_tiles=num_tiles,
+        BS=bs, BM=bm, BN=bn, D=d, KP=max(next_pow2(top_k), 2),
+        FP32_DOT=INTERPRET, TMA=k_desc is not None, EMIT=return_scores, SUBSET=subset is not None,
         num_warps=cfg.num_warps if bm * bn >= 64 * 64 else 4, num_stages=cfg.num_stages,
     )
     return result

@@ -18,6 +18,7 @@ Nothing here reads a tensor's value on the host.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -166,8 +167,12 @@ def build_kernel_layout(msa, block_size: int) -> KernelLayout:
     )
 
 
-def check_attention_inputs(q, k, v, q2k, view: KernelLayout):
-    """Validates the shared inputs of the forward and backward; returns (T, Hq, Hkv, d, G, K)."""
+def check_attention_inputs(q, k, v, q2k, view: KernelLayout, subset: QuerySubset | None = None):
+    """Validates the shared inputs of the forward and backward; returns (Tq, Hq, Hkv, d, G, K).
+
+    Without ``subset`` every token is a query (Tq = T); with it q and q2k hold the
+    ``subset.num_queries`` local queries and k / v the layout's T keys.
+    """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"{name} must be bf16 or fp16, got {x.dtype}")
@@ -176,9 +181,10 @@ def check_attention_inputs(q, k, v, q2k, view: KernelLayout):
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     t, hq, d = q.shape
-    if k.shape != v.shape or k.shape[0] != t or k.shape[2] != d:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T={t}, Hkv, d={d}]"
-                         f" like q {tuple(q.shape)}")
+    tk = view.num_tokens if subset is not None else t
+    if k.shape != v.shape or k.shape[0] != tk or k.shape[2] != d:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T={tk}, Hkv, "
+                         f"d={d}] like q {tuple(q.shape)}")
     hkv = k.shape[1]
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"query heads Hq={hq} must be a multiple of KV heads Hkv={hkv}")
@@ -188,7 +194,9 @@ def check_attention_inputs(q, k, v, q2k, view: KernelLayout):
     reason = TRITON.why_not(head_dim=d, top_k=q2k.shape[2])
     if reason is not None:
         raise ValueError(f"q {tuple(q.shape)}, q2k {tuple(q2k.shape)}: {reason}")
-    if t != view.num_tokens:
+    if subset is not None and t != subset.num_queries:
+        raise ValueError(f"q has {t} rows but queries holds {subset.num_queries} tokens")
+    if subset is None and t != view.num_tokens:
         raise ValueError(f"q has T={t} tokens but msa.num_tokens={view.num_tokens}")
     check_kernel_devices(view, q=q, k=k, v=v, q2k=q2k)
     return t, hq, hkv, d, hq // hkv, q2k.shape[2]
@@ -218,7 +226,8 @@ class BlockQueryCSR:
     order: torch.Tensor
 
 
-def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout) -> BlockQueryCSR:
+def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout,
+                    subset: QuerySubset | None = None) -> BlockQueryCSR:
     """Inverts ``q2k`` into the block -> queries CSR used by the KV-outer dk/dv kernel.
 
     A stable sort on (head, global block) keeps each list in ascending token order, so the
@@ -227,8 +236,10 @@ def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout) -> BlockQueryCSR:
     key, and a block past the document end would otherwise alias the next document.
 
     Args:
-        q2k: int32 [Hkv, T, top_k] document-local block ids, -1 for none.
+        q2k: int32 [Hkv, T, top_k] document-local block ids, -1 for none ([Hkv, Tq, top_k]
+            with ``subset``: the lists then hold local query rows).
         blocks: the kernel view of the same layout.
+        subset: the query subset (:func:`query_subset`), or None for every token.
 
     Returns:
         The :class:`BlockQueryCSR`.
@@ -242,8 +253,9 @@ def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout) -> BlockQueryCSR:
     wide = hkv * bound + 1 >= 2**31 or hkv * t * top_k >= 2**31
     idx = torch.int64 if wide else torch.int32
     b = q2k.to(idx)
-    own = (blocks.token_pos // bs).to(idx).view(1, t, 1)
-    first = blocks.token_first_block.to(idx).view(1, t, 1)
+    rows = blocks if subset is None else subset
+    own = (rows.token_pos // bs).to(idx).view(1, t, 1)
+    first = rows.token_first_block.to(idx).view(1, t, 1)
     head = torch.arange(hkv, device=device, dtype=idx).view(hkv, 1, 1)
     valid = (b >= 0) & (b <= own)
     key = torch.where(valid, head * bound + first + b, hkv * bound)
@@ -257,3 +269,135 @@ def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout) -> BlockQueryCSR:
     seg_order = torch.sort(sizes, descending=True, stable=True).indices.to(torch.int32)
     return BlockQueryCSR(offsets=offsets.contiguous(), tokens=tokens.contiguous(),
                          order=seg_order.contiguous())
+
+
+@dataclass(frozen=True, eq=False)
+class QuerySubset:
+    """The query side of a query-subset launch (context parallelism): ``Tq`` local queries at
+    known global compact rows, against the layout's T keys (ADR 0021).
+
+    Attributes:
+        num_queries: Tq (host int).
+        queries: int64 [Tq]; global compact row of each local query, ascending and unique.
+        query_row: int32 [T]; local row of each global token, -1 for a token not in the subset.
+        token_start: int32 [Tq]; compact row of the first token of each query's document.
+        token_pos: int32 [Tq]; document-local position of each query.
+        token_first_block: int64 [Tq]; global id of block 0 of each query's document.
+        tiles: per tile size ``qt`` (a power of two up to the block size), int32 [n]: the
+            ascending global ids of the ``qt``-token tiles (``block * (bs // qt) + sub``, the
+            tiles of the full launch) that hold at least one local query. Load-balanced
+            chunks are contiguous runs of the compact order, so these are the full launch's
+            tiles that meet a run.
+    """
+
+    num_queries: int
+    queries: torch.Tensor
+    query_row: torch.Tensor
+    token_start: torch.Tensor
+    token_pos: torch.Tensor
+    token_first_block: torch.Tensor
+    tiles: dict
+
+    def tile_list(self, qt: int) -> torch.Tensor:
+        """int32 [n]: the global ids of the ``qt``-token tiles holding a local query."""
+        try:
+            return self.tiles[int(qt)]
+        except KeyError:
+            raise ValueError(f"tile size qt={qt}: expected one of {sorted(self.tiles)}") \
+                from None
+
+
+def build_query_subset(view: KernelLayout, queries: torch.Tensor) -> QuerySubset:
+    """Builds the :class:`QuerySubset` of ``queries`` for the kernel view ``view``.
+
+    One device-to-host synchronization reads the tile counts of every tile size and the
+    validity of ``queries`` together (memoized per layout and queries tensor by
+    :func:`query_subset`, so once per microbatch).
+
+    Args:
+        view: the layout's kernel view.
+        queries: int64 [Tq] global compact rows of the local queries, ascending and unique.
+
+    Raises:
+        ValueError: naming ``queries``: not int64 1-D on the layout's device, out of
+            ``[0, T)``, not strictly ascending.
+    """
+    t = view.num_tokens
+    if not isinstance(queries, torch.Tensor) or queries.dtype != torch.int64 \
+            or queries.dim() != 1:
+        got = (f"{queries.dtype} {tuple(queries.shape)}" if isinstance(queries, torch.Tensor)
+               else type(queries).__name__)
+        raise ValueError(f"queries must be an int64 [Tq] tensor of global compact rows, got {got}")
+    if queries.device != view.cu_seqlens.device:
+        raise ValueError(f"queries is on {queries.device} but the layout on "
+                         f"{view.cu_seqlens.device}")
+    tq = queries.numel()
+    bs = view.block_size
+    sizes = [1 << i for i in range(bs.bit_length()) if (1 << i) <= bs]
+    q = queries.clamp(0, max(t - 1, 0))
+    pos = view.token_pos[q].to(torch.int64) if t else q
+    blk = view.token_first_block[q] + pos // bs if t else q
+    tile_ids = [blk * (bs // qt) + (pos % bs) // qt for qt in sizes]
+    if tq:
+        steps = torch.stack([(ids[1:] != ids[:-1]).sum() + 1 for ids in tile_ids])
+        bad = torch.stack([(queries < 0).any() | (queries >= t).any(),
+                           (queries[1:] <= queries[:-1]).any()]).to(torch.int64)
+        host = torch.cat([steps, bad]).tolist()
+    else:
+        host = [0] * len(sizes) + [0, 0]
+    if host[-2]:
+        raise ValueError(f"queries holds rows outside [0, T={t}): expected global compact rows "
+                         f"of the layout")
+    if host[-1]:
+        raise ValueError("queries must be strictly ascending (unique global compact rows in the "
+                         "layout's order)")
+    tiles = {}
+    for qt, ids, n in zip(sizes, tile_ids, host, strict=False):
+        # Tile ids are non-decreasing along the queries: a tile's slot is the count of changes
+        # before it; every query of a tile writes the same id to the same slot.
+        slot = torch.cumsum((ids[1:] != ids[:-1]).to(torch.int64), 0) if tq else ids
+        slot = torch.cat([slot.new_zeros(min(tq, 1)), slot])
+        out = torch.zeros(n, dtype=torch.int32, device=queries.device)
+        tiles[qt] = out.scatter_(0, slot, ids.to(torch.int32)) if tq else out
+    row = torch.full((t,), -1, dtype=torch.int32, device=queries.device)
+    row[queries] = torch.arange(tq, dtype=torch.int32, device=queries.device)
+    return QuerySubset(
+        num_queries=tq, queries=queries, query_row=row,
+        token_start=view.token_start[q].contiguous() if t else q.to(torch.int32),
+        token_pos=pos.to(torch.int32).contiguous(),
+        token_first_block=(view.token_first_block[q] if t else q).contiguous(),
+        tiles=tiles)
+
+
+def query_subset(msa, block_size: int, queries: torch.Tensor | None) -> QuerySubset | None:
+    """The :class:`QuerySubset` of ``queries`` (None for None: every token is a query).
+
+    With an ``MSAMicrobatch`` it is built once per (block size, queries tensor) and kept on
+    the layout while the tensor lives and is not written in place; other layouts build it on
+    each call.
+    """
+    if queries is None:
+        return None
+    view = kernel_layout(msa, block_size)
+    cached = getattr(msa, "cached", None)
+    if not callable(cached) or isinstance(msa, KernelLayout):
+        return build_query_subset(view, queries)
+    memo = cached(f"triton_query_subsets_{block_size}", dict)
+    entry = memo.get(id(queries))
+    if entry is not None and entry[0]() is queries and entry[1] == queries._version:
+        return entry[2]
+    subset = build_query_subset(view, queries)
+    if len(memo) >= 8:
+        memo.clear()
+    memo[id(queries)] = (weakref.ref(queries), queries._version, subset)
+    return subset
+
+
+def subset_pointers(subset, qt: int, view) -> dict:
+    """The ``tiles_ptr`` / ``qrow_ptr`` kernel arguments of a query subset: its list of
+    ``qt``-token tiles (``qt`` 0: no union tiles) and its ``query_row`` map; never-read
+    placeholders without a subset."""
+    if subset is None:
+        return {"tiles_ptr": view.cu_seqlens, "qrow_ptr": view.cu_seqlens}
+    tiles = subset.tile_list(qt) if qt > 0 else subset.query_row
+    return {"tiles_ptr": tiles, "qrow_ptr": subset.query_row}

@@ -352,37 +352,6 @@ def load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK: tl.c
 
 
 @triton.jit
-def union_tile_skipped(tile, g, count_ptr, num_tiles, max_count, block_doc_ptr,
-                       QT: tl.constexpr, BS: tl.constexpr):
-    """The hybrid split seen from a union program: ``(doc, count, skipped)``, the tile's
-    document and union size, and whether the tile is skipped: it lies past the last document
-    block, or its union is larger than ``max_count`` (the per-token kernel then does its
-    tokens, see :func:`tile_tokens_left`)."""
-    doc = tl.load(block_doc_ptr + tile // (BS // QT))
-    count = tl.load(count_ptr + g * num_tiles + tile)
-    return doc, count, (doc < 0) | (count > max_count)
-
-
-@triton.jit
-def tile_tokens_left(tile, g, count_ptr, num_tiles, max_count, block_doc_ptr, block_local_ptr,
-                     cu_ptr, QT: tl.constexpr, BS: tl.constexpr):
-    """The split seen from a per-token program of the hybrid grid (one program per union
-    tile): ``(n, start, p0)``, the tile's tokens left to it (document positions ``p0 .. p0 +
-    n - 1`` of the document starting at compact row ``start``). ``n`` is 0 when the union
-    kernel ran the tile (union of at most ``max_count`` blocks), or the tile lies past the last
-    document block or at ``num_tiles`` or beyond (a grid of several tiles per program); one
-    program per tile or more, rather than per token, keeps the launch small when the union kernel
-    takes nearly every tile."""
-    live = tile < num_tiles
-    tile = tl.minimum(tile, num_tiles - 1)
-    doc, start, length, p0 = union_tile_span(tile, block_doc_ptr, block_local_ptr, cu_ptr, QT,
-                                             BS)
-    count = tl.load(count_ptr + g * num_tiles + tile)
-    n = tl.minimum(length - p0, QT)
-    return tl.where((doc < 0) | (count <= max_count) | (~live), 0, n), start, p0
-
-
-@triton.jit
 def load_do_and_delta(do_ptr, o_ptr, delta_ptr, tok, heads, mask, stride_dot, stride_doh,
                       stride_ot, stride_oh, stride_lh, D: tl.constexpr):
     """dO rows [M, D] and ``delta = rowsum(dO * O)`` fp32 [M], also stored at
@@ -424,3 +393,69 @@ def csr_entry_rows(list_ptr, tok_pos_ptr, e, hi, r_tok, r_head, G: tl.constexpr)
     tok = tl.load(list_ptr + ent, mask=rmask, other=0).to(tl.int64)
     pos = tl.load(tok_pos_ptr + tok, mask=rmask, other=-1)
     return ent, rmask, tok, pos
+
+
+# ----------------------------------------------------------------------------- query subsets
+# A query-subset launch (context parallelism, ADR 0021) runs the tiles of a list (the full
+# launch's tile ids that hold a local query) and reads and writes the query side at local rows
+# (``query_row``: global compact row -> local row, -1 for a token that is not a local query).
+# With SUBSET False each helper is the identity of the full launch, so its code is unchanged.
+
+
+@triton.jit
+def subset_tile(slot, tiles_ptr, SUBSET: tl.constexpr):
+    """The global tile id of entry ``slot`` of a launch's tile list (``slot`` itself when the
+    launch runs every tile)."""
+    tile = slot
+    if SUBSET:
+        tile = tl.load(tiles_ptr + slot)
+    return tile
+
+
+@triton.jit
+def subset_rows(tok, mask, qrow_ptr, SUBSET: tl.constexpr):
+    """Query-side rows of the global compact rows ``tok`` (int [M]): ``(rows int64, mask)``,
+    the local rows and ``mask`` narrowed to the local queries (``tok`` and ``mask`` unchanged
+    when every token is a query)."""
+    rows = tok.to(tl.int64)
+    if SUBSET:
+        local = tl.load(qrow_ptr + rows, mask=mask, other=-1)
+        mask = mask & (local >= 0)
+        rows = tl.maximum(local, 0).to(tl.int64)
+    return rows, mask
+
+
+@triton.jit
+def subset_union_tile_skipped(slot, g, count_ptr, num_tiles, max_count, block_doc_ptr, tiles_ptr,
+                              QT: tl.constexpr, BS: tl.constexpr, SUBSET: tl.constexpr):
+    """The hybrid split seen from a union program running entry ``slot`` of the tile list:
+    ``(tile, doc, count, skipped)``, the global tile id, its document, the union size (read at
+    the entry) and whether the tile is skipped: it lies past the last document block, or its
+    union is larger than ``max_count`` (the per-token kernel then does its tokens, see
+    :func:`subset_tile_tokens_left`)."""
+    tile = subset_tile(slot, tiles_ptr, SUBSET)
+    doc = tl.load(block_doc_ptr + tile // (BS // QT))
+    count = tl.load(count_ptr + g * num_tiles + slot)
+    return tile, doc, count, (doc < 0) | (count > max_count)
+
+
+@triton.jit
+def subset_tile_tokens_left(slot, g, count_ptr, num_tiles, max_count, block_doc_ptr,
+                            block_local_ptr, cu_ptr, tiles_ptr, QT: tl.constexpr,
+                            BS: tl.constexpr, SUBSET: tl.constexpr):
+    """The split seen from a per-token program of the hybrid grid (one program per union tile,
+    or several): ``(n, start, p0)``, the tokens of entry ``slot`` of the tile list left to it
+    (document positions ``p0 .. p0 + n - 1`` of the document starting at compact row
+    ``start``). ``n`` is 0 when the union kernel ran the tile (union of at most ``max_count``
+    blocks), or the tile lies past the last document block, or ``slot`` is ``num_tiles`` or
+    beyond; one program per tile or more, rather than per token, keeps the launch small when
+    the union kernel takes nearly every tile. With SUBSET the ``n`` positions may include
+    tokens that are not local queries (the caller skips them through ``query_row``)."""
+    live = slot < num_tiles
+    slot = tl.minimum(slot, num_tiles - 1)
+    tile = subset_tile(slot, tiles_ptr, SUBSET)
+    doc, start, length, p0 = union_tile_span(tile, block_doc_ptr, block_local_ptr, cu_ptr, QT,
+                                             BS)
+    count = tl.load(count_ptr + g * num_tiles + slot)
+    n = tl.minimum(length - p0, QT)
+    return tl.where((doc < 0) | (count <= max_count) | (~live), 0, n), start, p0

@@ -181,7 +181,7 @@ def test_the_backward_gets_the_converted_lse(monkeypatch, flashinfer_here):
     seen = {}
     reference = get_backend("reference")
 
-    def triton_backward(dout, q, k, v, out, lse, q2k, msa, scale, *, unions):
+    def triton_backward(dout, q, k, v, out, lse, q2k, msa, scale, *, unions, queries=None):
         seen.update(lse=lse, q2k=q2k, unions=unions, scale=scale)
         return reference.attention_backward(dout, q, k, v, out, lse, q2k, msa, scale)
 
@@ -237,7 +237,7 @@ def test_shapes_flashinfer_does_not_take_run_the_triton_forward(monkeypatch, fla
         assert return_unions
         return (*reference.attention_forward(q, k, v, q2k, msa, scale), "unions")
 
-    def triton_backward(dout, q, k, v, out, lse, q2k, msa, scale, *, unions):
+    def triton_backward(dout, q, k, v, out, lse, q2k, msa, scale, *, unions, queries=None):
         seen.append(unions)
         return reference.attention_backward(dout, q, k, v, out, lse, q2k, msa, scale)
 

@@ -246,8 +246,8 @@ def test_union_build_programs_write_only_their_tiles():
         q2k_ptr=dq2k, union_ptr=union, count_ptr=count, cu_ptr=view.cu_seqlens,
         block_doc_ptr=view.block_doc, block_local_ptr=view.block_local,
         stride_sg=dq2k.stride(0), stride_st=dq2k.stride(1), stride_ug=union.stride(0),
-        stride_ut=union.stride(1), num_tiles=tiles, TOPK=16, QT=8, BS=16, WIDTH=128, W=128,
-        TP=8)
+        stride_ut=union.stride(1), num_tiles=tiles, tiles_ptr=view.cu_seqlens,
+        qrow_ptr=view.cu_seqlens, TOPK=16, QT=8, BS=16, WIDTH=128, W=128, TP=8, SUBSET=False)
     union, count = union.cpu(), count.cpu()
     assert torch.equal(union[:, :tiles], want) and torch.equal(count[:tiles], want_count[0])
     assert (union[:, tiles:] == -7).all() and (count[tiles:] == -7).all()
