@@ -64,6 +64,7 @@ from layer_bench.timing import free_memory, run_row  # noqa: E402
 from nemo_msa import MSAMicrobatch  # noqa: E402
 from nemo_msa.attention.triton_bwd import triton_attention_backward  # noqa: E402
 from nemo_msa.attention.triton_fwd import triton_attention_forward  # noqa: E402
+from nemo_msa.context_parallel import load_balanced_indices  # noqa: E402
 from nemo_msa.indexer_loss import sparse_indexer_loss_from_byproducts  # noqa: E402
 from nemo_msa.selection.triton_select import triton_select_blocks  # noqa: E402
 from nemo_msa.testing.packs import document_map_from_lengths  # noqa: E402
@@ -76,18 +77,10 @@ TINY = dict(hidden=128, ffn=256, heads=4, groups=2, head_dim=32, index_heads=2, 
 DEFAULT_CP = "262144:2,524288:4,1048576:8"
 
 
-def load_balanced_columns(seq_len: int, cp_size: int, cp_rank: int, device) -> torch.Tensor:
-    """int64 [seq_len // cp_size]: the global columns of the rank's local positions
-    (Megatron's load-balanced split: 2N chunks, chunk r then chunk 2N-1-r)."""
-    chunk = seq_len // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
-    return torch.cat([first, first + (2 * cp_size - 1 - 2 * cp_rank) * chunk])
-
-
 def candidate_blocks(doc_lengths: list[int], seq_len: int, cp: int, rank: int, block: int) -> int:
     """The rank's selection work: sum over its local queries of (own block + 1)."""
     pos = torch.cat([torch.arange(n) for n in doc_lengths])
-    cols = load_balanced_columns(seq_len, cp, rank, "cpu")
+    cols = load_balanced_indices(seq_len, cp, rank)
     return int((pos[cols] // block + 1).sum())
 
 
@@ -164,7 +157,7 @@ def rank_step(s: dict, p: dict, seq_len: int, doc_lengths: list[int], cp: int, r
     def prepare():
         ids = document_map_from_lengths([doc_lengths], seq_len, device)
         # One row with no padding: compact rows are the columns.
-        queries = None if cp == 1 else load_balanced_columns(seq_len, cp, rank, device)
+        queries = None if cp == 1 else load_balanced_indices(seq_len, cp, rank, device)
         x = torch.randn(tq, s["hidden"], device=device, dtype=dtype, requires_grad=True)
         rest = None
         if cp > 1:  # the other ranks' rows of the gathered tensors
@@ -195,7 +188,8 @@ def rank_step(s: dict, p: dict, seq_len: int, doc_lengths: list[int], cp: int, r
         out, mass = _SparseAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), q2k,
                                            msa, queries)
         idx_loss, _ = sparse_indexer_loss_from_byproducts(
-            iq, ik, scores, keys, mass, num_index_heads_total=s["index_heads"], loss_coeff=1.0)
+            iq, ik, scores, keys, mass, num_index_heads_total=s["index_heads"], loss_coeff=1.0,
+            queries=queries)
         x2 = x + out.reshape(tq, hq * d) @ p["o"]
         a, b = (_rms_norm(x2, p["ln2"]) @ p["fc1"]).chunk(2, dim=-1)
         y = x2 + (torch.nn.functional.silu(a) * b) @ p["fc2"]

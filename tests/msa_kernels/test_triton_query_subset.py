@@ -24,6 +24,7 @@ from nemo_msa import MSAMicrobatch
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
 from nemo_msa.backends_triton import BACKEND
+from nemo_msa.context_parallel import load_balanced_indices
 from nemo_msa.indexer_loss import compute_indexer_loss, dense_indexer_loss_triton
 from nemo_msa.selection.triton_select import triton_select_blocks
 from nemo_msa.testing.oracle import (
@@ -50,19 +51,9 @@ SCHEDULES = {
 }
 
 
-def load_balanced_columns(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """int64 [seq_len // cp_size]: the global columns of rank ``cp_rank``'s local positions
-    (Megatron's load-balanced split, as ``load_balanced_indices`` of CP_API.md: 2N chunks,
-    chunk r then chunk 2N-1-r)."""
-    chunk = seq_len // (2 * cp_size)
-    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
-                      torch.arange((2 * cp_size - 1 - cp_rank) * chunk,
-                                   (2 * cp_size - cp_rank) * chunk)])
-
-
 def local_queries(msa, cp_size: int, cp_rank: int) -> torch.Tensor:
     """int64 [Tq]: the global compact rows of the rank's real tokens, ascending."""
-    cols = load_balanced_columns(msa.seq_len, cp_size, cp_rank)
+    cols = load_balanced_indices(msa.seq_len, cp_size, cp_rank)
     flat = (torch.arange(msa.batch_size)[:, None] * msa.seq_len + cols[None]).reshape(-1)
     return torch.isin(msa.token_rows.cpu(), flat).nonzero().squeeze(1)
 
