@@ -329,8 +329,8 @@ def test_subset_matches_full_rows_on_gpu_default_launch(cp):
 
 def test_byproduct_loss_takes_subset_rows_with_global_keys():
     """The sparse loss from by-products with a subset's rows: the argmax keys are global rows,
-    so d index_k has index_k's T rows; per rank (denominator Tq * H) rescaled to T * H, the
-    ranks' gradients add up to the full run's."""
+    so d index_k has index_k's T rows; every rank divides by the global T * H, so the ranks'
+    gradients add up to the full run's."""
     from nemo_msa.indexer_loss import sparse_indexer_loss_from_byproducts
 
     msa = make_layout(ROWS, SEQ, BS)
@@ -342,20 +342,20 @@ def test_byproduct_loss_takes_subset_rows_with_global_keys():
     keys = torch.randint(0, t, (heads, t, top_k), generator=gen, dtype=torch.int32)
     mass = torch.softmax(torch.randn(heads, t, top_k, generator=gen, dtype=torch.float64), -1)
 
-    def grads(rows):
+    def grads(rows, queries):
         a = iq[rows].clone().requires_grad_(True)
         b = ik.clone().requires_grad_(True)
         loss, _ = sparse_indexer_loss_from_byproducts(
             a, b, scores[:, rows], keys[:, rows], mass[:, rows], num_index_heads_total=heads,
-            loss_coeff=1.0)
+            loss_coeff=1.0, queries=queries)
         loss.backward()
         return a.grad, b.grad
 
-    gq, gk = grads(torch.arange(t))
+    gq, gk = grads(torch.arange(t), None)
     rows = [local_queries(msa, 2, r) for r in range(2)]
-    parts = [grads(r) for r in rows]
+    parts = [grads(r, r) for r in rows]
     assert all(p[1].shape == ik.shape for p in parts)
-    total = sum(p[1] * (r.numel() / t) for p, r in zip(parts, rows, strict=True))
+    total = sum(p[1] for p in parts)
     assert torch.allclose(total, gk, rtol=1e-10, atol=1e-12)
     for (dq, _), r in zip(parts, rows, strict=True):
-        assert torch.allclose(dq * (r.numel() / t), gq[r], rtol=1e-10, atol=1e-12)
+        assert torch.allclose(dq, gq[r], rtol=1e-10, atol=1e-12)
