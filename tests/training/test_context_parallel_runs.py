@@ -3,7 +3,8 @@
 The reference is the session's CP=1 run of the small recipe (tests/training/conftest.py: 6
 steps, 2 of dense warm-up, checkpoints at 3 and 6). CP=2 from scratch must follow its loss
 and gradient-norm curve within fp32 tolerance, and its checkpoint must resume at CP=1; TP2 x CP2
-and PP2 x CP2 continue the reference from its iteration-3 checkpoint.
+PP2 x CP2 and PP2 x VPP2 x CP2 (every virtual stage sharing one CP layout per microbatch)
+continue the reference from its iteration-3 checkpoint.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def test_cp2_follows_cp1_and_its_checkpoint_resumes_at_cp1(reference, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(("overrides", "layout"),
                          [(["model.tensor_model_parallel_size=2"], "2x1x1x1"),
-                          (["model.pipeline_model_parallel_size=2"], "1x2x1x1")],
-                         ids=["tp2xcp2", "pp2xcp2"])
+                          (["model.pipeline_model_parallel_size=2"], "1x2x1x1"),
+                          (["model.pipeline_model_parallel_size=2",
+                            "model.virtual_pipeline_model_parallel_size=2"], "1x2x2x1")],
+                         ids=["tp2xcp2", "pp2xcp2", "pp2xvpp2xcp2"])
 def test_four_process_layouts_with_cp2_follow_cp1(reference, tmp_path, overrides, layout):
     ref_root, _ = reference
     start = tmp_path / "start"
