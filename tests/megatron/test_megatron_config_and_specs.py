@@ -178,12 +178,20 @@ def test_construction_gate(field, value, error, match):
 
 
 @pytest.mark.usefixtures("single_rank")
-def test_context_parallelism_needs_a_backend_with_the_query_subset_mode():
-    config = tiny_config(msa_backend="triton")
+def test_context_parallelism_needs_a_backend_with_the_query_subset_mode(monkeypatch):
+    """Under CP the layer's plan asks the backend's record for the query subset when the layer
+    is built: a backend without it (a GPU-less double of the Triton backend with the mode off)
+    is refused naming context_parallel_size; the reference builds."""
+    from nemo_msa import backends
+
+    triton = backends.get_backend("triton")
+    monkeypatch.setitem(backends._REGISTRY, "triton", dataclasses.replace(
+        triton, unavailable_reason=lambda device: None,
+        capabilities=dataclasses.replace(triton.capabilities, query_subset=False)))
+    config = tiny_config(msa_backend="triton", bf16=True)
     config.context_parallel_size = 2  # bypasses __post_init__
-    with pytest.raises(NotImplementedError,
-                       match="msa_backend='triton' has no query-subset mode.*"
-                             "context_parallel_size=2"):
+    with pytest.raises(ValueError, match="context_parallel_size=2: the Triton kernels take no "
+                                         "query subset"):
         _build_attention(config)
     config = tiny_config(msa_backend="reference")
     config.context_parallel_size = 2
