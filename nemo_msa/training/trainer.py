@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from nemo_msa.megatron.config import normalize_layer_pattern
 from nemo_msa.training.build import TrainingObjects, build_microbatch_source, build_training
 from nemo_msa.training.checkpoint import TrainState, load_checkpoint
 from nemo_msa.training.checkpoint_integrity import find_resume_iteration
@@ -60,6 +61,20 @@ def _resume(recipe: Recipe, objs: TrainingObjects) -> tuple[TrainState, int | No
     return state, state.iteration
 
 
+def _attention(objs: TrainingObjects) -> str:
+    """What the layers attend with: ``MSA``, or with a layer pattern how many layers are MSA
+    (a pattern without ``S`` is the dense baseline)."""
+    if not objs.hooks.msa:
+        return "dense (local GPT spec)"
+    config = objs.config
+    pattern = getattr(config, "msa_layer_pattern", None)
+    if pattern is None:
+        return "MSA"
+    flags = normalize_layer_pattern(pattern, config.num_layers)
+    return (f"MSA in {sum(flags)} of {len(flags)} layers (pattern "
+            f"{''.join('S' if f else 'D' for f in flags)})")
+
+
 def _summary(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, dp: int, state: TrainState,
              resumed_from: int | None, result: LoopResult, out_dir: Path) -> dict[str, Any]:
     """The end-of-run summary (what :func:`pretrain` prints), without the history."""
@@ -70,7 +85,7 @@ def _summary(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, dp: int, st
     vpp = recipe.model.get("virtual_pipeline_model_parallel_size")
     summary: dict[str, Any] = {
         "recipe": recipe.source,
-        "attention": "MSA" if objs.hooks.msa else "dense (local GPT spec)",
+        "attention": _attention(objs),
         "parameters": f"{objs.num_params / 1e6:.2f}M",
         "world size": ctx.world_size,
         "layout TPxPPxVPPxDP": f"{config.tensor_model_parallel_size}x"
