@@ -58,11 +58,11 @@ def validate_selection_inputs(
             f"index_k must be [tokens, dim] with index_q's dtype {index_q.dtype}; got "
             f"{index_k.dtype} {tuple(index_k.shape)}"
         )
-    query_rows = msa.num_tokens if queries is None else queries.shape[0]
-    if index_q.shape[0] != query_rows or index_k.shape[0] != msa.num_tokens:
+    num_queries = msa.num_tokens if queries is None else queries.shape[0]
+    if index_q.shape[0] != num_queries or index_k.shape[0] != msa.num_tokens:
         raise ValueError(
             f"index_q {tuple(index_q.shape)} and index_k {tuple(index_k.shape)} must have "
-            f"{query_rows} and tokens={msa.num_tokens} rows (the query subset's and the "
+            f"{num_queries} and tokens={msa.num_tokens} rows (the query subset's and the "
             "layout's num_tokens)"
         )
     validate_queries(queries, msa, index_q.shape[0])
