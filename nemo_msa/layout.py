@@ -449,8 +449,9 @@ class MSAMicrobatch:
     def position_ids(self) -> torch.Tensor:
         """int64 [b, s]: per-document positions (restart at 0 for every document), 0 at padding.
 
-        These are the RoPE positions of packed documents.
+        These are the RoPE positions of packed documents. A new tensor on every call (one
+        scatter, no host synchronization): the layout is shared by every layer of the
+        microbatch, so a cached tensor handed out could be written in place by one caller and
+        read changed by the next (torch has no read-only tensors).
         """
-        return self.cached(
-            "position_ids", lambda: self.unpack(self.document_positions.long())
-        )
+        return self.unpack(self.document_positions.long())

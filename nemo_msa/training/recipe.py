@@ -155,6 +155,9 @@ def validate_recipe(raw: dict[str, Any], source: str = "<dict>") -> Recipe:
 
 _PLAIN = (bool, int, float, str, list, dict, type(None))
 
+#: ``model.position_embedding_type`` values the MSA and dense layers run with.
+POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+
 #: Ranges of numeric keys: (lowest, lowest included, highest, highest included); null passes.
 _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "train.seed": (0, True, None, False),
@@ -167,10 +170,10 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "scheduler.lr_wsd_decay_iters": (0, True, None, False),
     "scheduler.start_weight_decay": (0, True, None, False),
     "scheduler.end_weight_decay": (0, True, None, False),
-    "dataset.num_workers": (0, True, None, False),
     "checkpoint.keep_last": (0, False, None, False),
     "dist.timeout_minutes": (0, False, None, False),
-    "model.vocab_size": (0, False, None, False),
+    # One token id cannot be learned apart from another: at least two.
+    "model.vocab_size": (2, True, None, False),
     "model.make_vocab_size_divisible_by": (0, False, None, False),
     "model.rotary_percent": (0, False, 1, True),
     "model.rotary_base": (0, False, None, False),
@@ -249,6 +252,10 @@ def _check_values(r: Recipe) -> None:
             f"a positive multiple of train.micro_batch_size ({t.micro_batch_size})")
     require(r.gpt.seq_length > 0, "model.seq_length", r.gpt.seq_length, "a positive integer")
     _check_context_parallel(r)
+    # GPTModel takes others (mrope, yarn) that apply row positions, not per-document ones.
+    require(r.gpt.position_embedding_type in POSITION_EMBEDDINGS, "model.position_embedding_type",
+            r.gpt.position_embedding_type,
+            "'rope' (per-document positions), 'learned_absolute' or 'none' (no position encoding)")
     impl = r.model.setdefault("transformer_impl", "local")
     require(impl in ("local", "transformer_engine"), "model.transformer_impl", impl,
             "'local' (torch modules) or 'transformer_engine'")

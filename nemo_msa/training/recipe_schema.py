@@ -95,7 +95,6 @@ class DatasetConfig:
     reset_position_ids: bool = True
     eod_mask_loss: bool = False
     path_to_cache: str | None = None
-    num_workers: int = 0
     mmap_bin_files: bool = True
 
 

@@ -87,6 +87,9 @@ def test_pack_unpack_and_workspace_round_trip(case):
     starts = real & torch.cat([torch.ones_like(ids[:, :1], dtype=torch.bool),
                                ids[:, 1:] != ids[:, :-1]], dim=1)
     assert torch.all(pos[starts] == 0)
+    # A caller writing into what it got changes nothing for the next caller (issue #29).
+    pos += 100
+    assert torch.all(msa.position_ids()[starts] == 0)
 
 
 def test_pack_and_unpack_reject_wrong_shapes():

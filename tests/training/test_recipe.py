@@ -152,6 +152,11 @@ def test_cli_reports_bad_key_and_exits_2():
     ("optimizer.adam_beta2=1.0", r"'optimizer.adam_beta2' = 1.0: expected 0 <= value < 1"),
     ("model.rotary_percent=1.5", r"'model.rotary_percent' = 1.5: expected 0 < value <= 1"),
     ("checkpoint.keep_last=0", r"'checkpoint.keep_last' = 0: expected 0 < value"),
+    ("model.vocab_size=1", r"'model.vocab_size' = 1: expected 2 <= value"),
+    ("model.position_embedding_type=foo", r"'model.position_embedding_type' = 'foo': expected "
+                                          r"'rope' \(per-document positions\), "
+                                          r"'learned_absolute' or 'none'"),
+    ("dataset.num_workers=2", r"recipe key 'dataset.num_workers' is unknown"),
     ("dataset.eod_id=256", r"'dataset.eod_id' = 256: expected a token id inside the "
                            r"vocabulary, 0 <= id < model.vocab_size \(256\)"),
     ("dataset.eod_id=-1", r"'dataset.eod_id' = -1: expected a token id inside the vocabulary"),
