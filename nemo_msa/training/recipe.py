@@ -92,13 +92,19 @@ def load_recipe(path: str | os.PathLike | None = None,
     path = Path(path) if path is not None else DEFAULT_RECIPE
     if not path.is_file():
         raise RecipeError(f"recipe file {str(path)!r} does not exist (expected a YAML file)")
+    expected = f"a YAML mapping of sections ({', '.join(SECTIONS)})"
     try:
         base = OmegaConf.load(path)
     except yaml.YAMLError as err:
         raise RecipeError(f"recipe file {str(path)!r} is not valid YAML: "
                           f"{_yaml_problem(err)}") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"recipe file {str(path)!r} is not UTF-8 text; expected "
+                          f"{expected}") from None
     if not isinstance(base, dict) and not OmegaConf.is_dict(base):
         raise RecipeError(f"recipe {str(path)!r} must be a mapping of sections, got a list")
+    if not base:
+        raise RecipeError(f"recipe file {str(path)!r} is empty; expected {expected}")
     merged = OmegaConf.merge(base, parse_overrides(list(overrides or [])))
     raw = OmegaConf.to_container(merged, resolve=True)
     return validate_recipe(raw, source=str(path))
@@ -155,6 +161,9 @@ def validate_recipe(raw: dict[str, Any], source: str = "<dict>") -> Recipe:
 
 _PLAIN = (bool, int, float, str, list, dict, type(None))
 
+#: Megatron's annealing shapes of the WSD schedule (``lr_wsd_decay_style``).
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+
 #: ``model.position_embedding_type`` values the MSA and dense layers run with.
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 
@@ -177,6 +186,7 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "model.make_vocab_size_divisible_by": (0, False, None, False),
     "model.rotary_percent": (0, False, 1, True),
     "model.rotary_base": (0, False, None, False),
+    "model.init_method_std": (0, False, None, False),
     "model.num_layers": (0, False, None, False),
     "model.hidden_size": (0, False, None, False),
     "model.num_attention_heads": (0, False, None, False),
@@ -283,6 +293,17 @@ def _check_values(r: Recipe) -> None:
                                            "WSD"),
             "scheduler.lr_decay_style", r.scheduler.lr_decay_style,
             "one of constant, linear, cosine, inverse-square-root, WSD")
+    if r.scheduler.lr_decay_style == "WSD":
+        # Megatron's scheduler asserts both; say which key is missing instead.
+        require(bool(r.scheduler.lr_wsd_decay_iters), "scheduler.lr_wsd_decay_iters",
+                r.scheduler.lr_wsd_decay_iters,
+                "a positive number of annealing steps with scheduler.lr_decay_style=WSD")
+        require(r.scheduler.lr_wsd_decay_style in WSD_DECAY_STYLES,
+                "scheduler.lr_wsd_decay_style", r.scheduler.lr_wsd_decay_style,
+                f"one of {', '.join(WSD_DECAY_STYLES)}")
+    optimizer = r.optimizer.get("optimizer", "adam")
+    require(optimizer in ("adam", "sgd"), "optimizer.optimizer", optimizer,
+            "'adam' or 'sgd' (Megatron-Core's own optimizers)")
 
 
 def _check_context_parallel(r: Recipe) -> None:

@@ -157,6 +157,10 @@ def test_cli_reports_bad_key_and_exits_2():
                                           r"'rope' \(per-document positions\), "
                                           r"'learned_absolute' or 'none'"),
     ("dataset.num_workers=2", r"recipe key 'dataset.num_workers' is unknown"),
+    ("scheduler.lr_decay_style=WSD", r"'scheduler.lr_wsd_decay_iters' = None: expected a "
+                                     r"positive number of annealing steps"),
+    ("optimizer.optimizer=foo", r"'optimizer.optimizer' = 'foo': expected 'adam' or 'sgd'"),
+    ("model.init_method_std=-1", r"'model.init_method_std' = -1.0: expected 0 < value"),
     ("dataset.eod_id=256", r"'dataset.eod_id' = 256: expected a token id inside the "
                            r"vocabulary, 0 <= id < model.vocab_size \(256\)"),
     ("dataset.eod_id=-1", r"'dataset.eod_id' = -1: expected a token id inside the vocabulary"),
@@ -192,6 +196,23 @@ def test_malformed_yaml_is_one_error_line(tmp_path):
     bad.write_text("train:\n  train_iters: 3\n  train_iters: 4\n")
     with pytest.raises(RecipeError, match=r"is not valid YAML: while constructing a mapping: "
                                           r"found duplicate key train_iters at line 3, column 3"):
+        load_recipe(bad)
+
+
+def test_empty_non_mapping_and_binary_recipe_files_are_one_error_line(tmp_path):
+    """Issue #29: an empty file, a section that is not a mapping and a binary file each stop
+    the run with one line naming the file or key (a ZeroDivisionError and a
+    UnicodeDecodeError before)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("")
+    with pytest.raises(RecipeError, match=r"recipe file '.*bad.yaml' is empty; expected a YAML "
+                                          r"mapping of sections \(model, train, "):
+        load_recipe(bad)
+    bad.write_text("model: 5\n")
+    with pytest.raises(RecipeError, match=r"recipe section 'model' must be a mapping"):
+        load_recipe(bad)
+    bad.write_bytes(bytes(range(128, 256)) * 4)
+    with pytest.raises(RecipeError, match=r"recipe file '.*bad.yaml' is not UTF-8 text"):
         load_recipe(bad)
 
 
