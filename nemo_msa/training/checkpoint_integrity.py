@@ -96,6 +96,12 @@ def finished_iterations(root: str | os.PathLike) -> list[int]:
     return sorted(found)
 
 
+def finished_iterations_everywhere(root: str | os.PathLike) -> list[int]:
+    """:func:`finished_iterations` as rank 0 lists them, on every rank (collective), so that
+    every rank takes the same branch on a file system whose listings lag."""
+    return _from_rank0(finished_iterations(root) if _rank_and_world()[0] == 0 else None)
+
+
 def _rank_and_world() -> tuple[int, int]:
     if torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()

@@ -107,6 +107,9 @@ class CheckpointConfig:
     load: str | None = None
     #: Resume from ``load`` (or ``save`` when load is null) if a finished checkpoint exists.
     resume: bool = True
+    #: Allow a run to write into a ``save`` directory holding finished checkpoints it did not
+    #: resume from (they would be overwritten); refused otherwise.
+    overwrite: bool = False
     #: Keep at most this many finished checkpoints (null keeps all).
     keep_last: int | None = None
     #: Check the checkpoint's files against the size + SHA-256 manifest written at save before

@@ -16,7 +16,10 @@ from typing import Any
 from nemo_msa.megatron.config import normalize_layer_pattern
 from nemo_msa.training.build import TrainingObjects, build_microbatch_source, build_training
 from nemo_msa.training.checkpoint import TrainState, load_checkpoint
-from nemo_msa.training.checkpoint_integrity import find_resume_iteration
+from nemo_msa.training.checkpoint_integrity import (
+    find_resume_iteration,
+    finished_iterations_everywhere,
+)
 from nemo_msa.training.loop import LoopResult, run_steps
 from nemo_msa.training.recipe import Recipe, RecipeError
 from nemo_msa.training.setup import (
@@ -42,7 +45,9 @@ def _resume(recipe: Recipe, objs: TrainingObjects) -> tuple[TrainState, int | No
         The training state to continue from and the iteration resumed at (None: fresh start).
 
     Raises:
-        RecipeError: ``checkpoint.load`` names a directory without a finished checkpoint.
+        RecipeError: ``checkpoint.load`` names a directory without a finished checkpoint, or
+            ``checkpoint.save`` holds finished checkpoints this run did not resume from (they
+            would be overwritten) and ``checkpoint.overwrite`` is false.
         CheckpointError: the checkpoint to resume from is damaged (no fallback taken) or
             Megatron cannot load it.
     """
@@ -54,6 +59,18 @@ def _resume(recipe: Recipe, objs: TrainingObjects) -> tuple[TrainState, int | No
     if ck.load and resume_at is None:
         raise RecipeError(f"recipe key 'checkpoint.load' = {ck.load!r}: no finished checkpoint "
                           "there (expected latest_checkpointed_iteration.txt and iter_NNNNNNN/)")
+    resumed_from_save = resume_at is not None and ck.save is not None and (
+        Path(load_root).resolve() == Path(ck.save).resolve())
+    if ck.save is not None and not resumed_from_save and not ck.overwrite:
+        existing = finished_iterations_everywhere(ck.save)
+        if existing:
+            why = ("checkpoint.resume=false" if not ck.resume and not ck.load
+                   else f"the run starts from {load_root}")
+            raise RecipeError(
+                f"recipe key 'checkpoint.save' = {ck.save!r} holds finished checkpoints "
+                f"(iterations {', '.join(map(str, existing))}) that this run did not resume "
+                f"from ({why}) and would overwrite; resume from them, save elsewhere, or set "
+                "checkpoint.overwrite=true")
     if resume_at is None:
         return TrainState(), None
     state = load_checkpoint(load_root, objs.chunks, objs.optimizer, objs.scheduler,

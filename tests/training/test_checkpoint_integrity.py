@@ -221,3 +221,27 @@ def test_cli_with_a_lost_pointer_stops_and_overwrites_nothing(reference, tmp_pat
                      proc.stderr, re.M), proc.stderr[-3000:]
     after = {p.relative_to(root): file_digest(p) for p in root.rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_a_run_that_would_overwrite_checkpoints_it_did_not_resume_from_is_refused(
+        reference, tmp_path):
+    """Issue #29: ``checkpoint.resume=false`` on a directory of finished checkpoints, or a run
+    loading elsewhere into it, is refused naming checkpoint.save and the iterations (it started
+    at step 1 and overwrote them before); ``checkpoint.overwrite=true`` allows it."""
+    from nemo_msa.training.recipe import RecipeError
+
+    root = _both(reference, tmp_path / "run")
+    before = {p.name: p.stat().st_mtime_ns for p in root.rglob("*")}
+    with pytest.raises(RecipeError, match=r"recipe key 'checkpoint.save' = .*run' holds finished "
+                                          r"checkpoints \(iterations 3, 6\) that this run did "
+                                          r"not resume from \(checkpoint.resume=false\)"):
+        train([*REFERENCE, f"checkpoint.save={root}", "checkpoint.resume=false"])
+    start = tmp_path / "start"
+    copy_checkpoint(reference[0], 3, start)
+    with pytest.raises(RecipeError, match=r"\(the run starts from .*start\) and would "
+                                          r"overwrite; .* checkpoint.overwrite=true"):
+        train([*REFERENCE, f"checkpoint.save={root}", f"checkpoint.load={start}"])
+    assert {p.name: p.stat().st_mtime_ns for p in root.rglob("*")} == before  # untouched
+    fresh = train([*REFERENCE, "train.train_iters=2", f"checkpoint.save={root}",
+                   "checkpoint.resume=false", "checkpoint.overwrite=true"])
+    assert fresh["history"][0]["iteration"] == 1
