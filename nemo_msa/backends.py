@@ -122,7 +122,10 @@ def resolve_backend(
             refusals.append(f"{candidate}: {reason}")
         raise ValueError(f"{origin}: no MSA backend runs this on {device} ("
                          + "; ".join(refusals) + ")")
-    backend = get_backend(name)
+    try:
+        backend = get_backend(name)
+    except ValueError as error:  # an unknown name: say where it came from (issue #29)
+        raise ValueError(f"{origin}: {error}") from None
     reason = backend.unavailable_reason(device)
     if reason is not None:
         raise ValueError(f"{origin}: the {name} backend cannot run on {device}: {reason}")

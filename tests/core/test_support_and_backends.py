@@ -126,7 +126,8 @@ def test_auto_picks_the_reference_on_cpu_and_env_var_overrides(monkeypatch):
         with pytest.raises(ValueError, match="cannot run on cpu"):
             resolve_backend("triton", "cpu")
     monkeypatch.setenv(ENV_VAR, "nonexistent")
-    with pytest.raises(ValueError, match="'nonexistent' is not available"):
+    with pytest.raises(ValueError, match="NEMO_MSA_BACKEND=nonexistent: MSA backend "
+                                         "'nonexistent' is not available"):
         resolve_backend("reference", "cpu")
 
 
