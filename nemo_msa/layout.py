@@ -24,8 +24,6 @@ microbatch (as the loaders do), or write through the tensor itself.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +34,7 @@ from nemo_msa.document_map import (
     summarize_document_map,
 )
 from nemo_msa.limits import SUPPORTED_BLOCK_SIZES, require_integer
+from nemo_msa.tensor_memo import TensorMemo
 from nemo_msa.triton.kernel_layout import build_kernel_layout
 
 
@@ -93,50 +92,7 @@ def _check_forced_blocks(block_size: int, init_blocks: int, local_blocks: int) -
         raise ValueError(f"local_blocks={local_blocks}; expected >= 0")
 
 
-class _LayoutMemo:
-    """Weak-identity memo: source tensor -> layout, valid while the tensor's _version holds.
-
-    Tensors hash by identity but compare elementwise, so a WeakKeyDictionary cannot hold them;
-    this keys a plain dict on ``id(tensor)`` and drops the entry from a weakref finalizer, so the
-    layout lives exactly as long as the batch tensor it describes.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, dict]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, tensor: torch.Tensor, key: tuple) -> MSAMicrobatch | None:
-        with self._lock:
-            entry = self._entries.get(id(tensor))
-        if entry is None or entry[0]() is not tensor:
-            return None
-        layout = entry[1].get(key)
-        if layout is None or layout._source_version != tensor._version:
-            return None
-        return layout
-
-    def put(self, tensor: torch.Tensor, key: tuple, layout: MSAMicrobatch) -> None:
-        tensor_id = id(tensor)
-        with self._lock:
-            entry = self._entries.get(tensor_id)
-            if entry is None or entry[0]() is not tensor:
-                entry = (weakref.ref(tensor), {})
-                self._entries[tensor_id] = entry
-                weakref.finalize(tensor, self._drop, tensor_id, entry[0])
-            entry[1][key] = layout
-
-    def _drop(self, tensor_id: int, ref: weakref.ref) -> None:
-        with self._lock:
-            entry = self._entries.get(tensor_id)
-            if entry is not None and entry[0] is ref:
-                del self._entries[tensor_id]
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
-
-
-_MEMO = _LayoutMemo()
+_MEMO = TensorMemo()
 # Layouts of batches with no document-map source, keyed by shape and device (bounded).
 _NO_SOURCE_CACHE: dict[tuple, MSAMicrobatch] = {}
 _BUILD_COUNT = 0
@@ -184,7 +140,6 @@ class MSAMicrobatch:
     workspace_size: int
     max_seqlen: int
     document_lengths: tuple[int, ...] = ()
-    _source_version: int = field(default=-1, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ construction
@@ -251,7 +206,6 @@ class MSAMicrobatch:
             document_map, bad_mask_row, block_size, (init_blocks, local_blocks), source.name
         )
         if memo_tensor is not None:
-            layout._source_version = memo_tensor._version
             _MEMO.put(memo_tensor, key, layout)
         else:
             if len(_NO_SOURCE_CACHE) > 64:

@@ -31,11 +31,12 @@ from nemo_msa.context_parallel.indices import (
     load_balanced_indices,
     thd_load_balanced_indices,
 )
-from nemo_msa.layout import MSAMicrobatch, _LayoutMemo
+from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.tensor_memo import TensorMemo
 
 __all__ = ["ContextParallelLayout", "thd_document_map"]
 
-_CP_MEMO = _LayoutMemo()
+_CP_MEMO = TensorMemo()
 _NO_SOURCE: dict[tuple, ContextParallelLayout] = {}
 
 
@@ -72,7 +73,6 @@ class ContextParallelLayout:
     cp_size: int
     cp_rank: int
     group: object = None
-    _source_version: int = field(default=-1, repr=False)
     _keep: object = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ construction
@@ -206,7 +206,6 @@ class ContextParallelLayout:
                 _NO_SOURCE.clear()
             _NO_SOURCE[key] = layout
         else:
-            layout._source_version = document_ids._version
             _CP_MEMO.put(document_ids, key, layout)
         return layout
 
@@ -257,7 +256,6 @@ class ContextParallelLayout:
             msa, all_local[cp_rank], gather_order(all_local), cp_size, cp_rank, group
         )
         layout._keep = cu_seqlens
-        layout._source_version = source._version
         _CP_MEMO.put(source, key, layout)
         return layout
 

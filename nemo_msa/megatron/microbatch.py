@@ -35,7 +35,6 @@ map comes from ``cu_seqlens_q`` (and ``cu_seqlens_q_padded``), with or without C
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -48,6 +47,7 @@ from nemo_msa.context_parallel import (
     load_balanced_indices,
 )
 from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.tensor_memo import TensorMemo
 
 __all__ = [
     "SharedMicrobatchIterators",
@@ -131,6 +131,17 @@ class SharedMicrobatchIterators:
         return [self.iterator(chunk) for chunk in range(self._num_chunks)]
 
 
+def _check_mask_device(attention_mask: torch.Tensor | None, device: torch.device) -> None:
+    """The document map must already be on the activations' device: moving it here would create
+    a new tensor per layer and defeat the per-microbatch layout."""
+    if attention_mask is not None and attention_mask.device != torch.device(device):
+        raise ValueError(
+            f"attention_mask (the document map) is on {attention_mask.device} but the "
+            f"activations are on {device}; move the batch to the device once per microbatch "
+            "(nemo_msa.megatron.SharedMicrobatchIterators does)"
+        )
+
+
 def layout_for_layer(
     attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, device: torch.device, config
 ) -> Any:
@@ -152,13 +163,8 @@ def layout_for_layer(
             create a new tensor per layer and defeat the per-microbatch layout), or its shape
             disagrees with the activations.
     """
+    _check_mask_device(attention_mask, device)
     if attention_mask is not None:
-        if attention_mask.device != torch.device(device):
-            raise ValueError(
-                f"attention_mask (the document map) is on {attention_mask.device} but the "
-                f"activations are on {device}; move the batch to the device once per microbatch "
-                "(nemo_msa.megatron.SharedMicrobatchIterators does)"
-            )
         if attention_mask.dim() == 2 and tuple(attention_mask.shape) != (batch_size, seq_len):
             raise ValueError(
                 f"attention_mask (document ids) has shape {tuple(attention_mask.shape)}; "
@@ -305,11 +311,7 @@ def context_parallel_layout_for_layer(
     if cp_size == 1:
         msa = layout_for_layer(attention_mask, batch_size, seq_len, device, config)
         return _single_rank_view(msa)
-    if attention_mask is not None and attention_mask.device != torch.device(device):
-        raise ValueError(
-            f"attention_mask (the document map) is on {attention_mask.device} but the "
-            f"activations are on {device}; move the batch to the device once per microbatch"
-        )
+    _check_mask_device(attention_mask, device)
     if attention_mask is not None and attention_mask.dim() == 4:
         expected = (batch_size, 1, seq_len * cp_size, seq_len * cp_size)
         if tuple(attention_mask.shape) != expected:
@@ -324,8 +326,8 @@ def context_parallel_layout_for_layer(
     )
 
 
-# id(rank's table) -> (weak reference to it, its _version, the full table).
-_FULL_TABLES: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+# The full table of each rank's slice (the slice is Megatron's, cached by RotaryEmbedding).
+_FULL_TABLES = TensorMemo()
 
 
 def full_rotary_table(table: torch.Tensor, cp: ContextParallelLayout) -> torch.Tensor:
@@ -344,16 +346,9 @@ def full_rotary_table(table: torch.Tensor, cp: ContextParallelLayout) -> torch.T
     Returns:
         [S, rot_dim], row p the angles of position p.
     """
-    entry = _FULL_TABLES.get(id(table))
-    if entry is not None and entry[0]() is table and entry[1] == table._version:
-        return entry[2]
-    with torch.no_grad():
-        full = gather_from_context_parallel(table, 0, cp.group, cp.order)
-    key = id(table)
-
-    def forget(ref: weakref.ref, key: int = key) -> None:
-        if _FULL_TABLES.get(key, (None,))[0] is ref:
-            del _FULL_TABLES[key]
-
-    _FULL_TABLES[key] = (weakref.ref(table, forget), table._version, full)
+    full = _FULL_TABLES.get(table)
+    if full is None:
+        with torch.no_grad():
+            full = gather_from_context_parallel(table, 0, cp.group, cp.order)
+        _FULL_TABLES.put(table, None, full)
     return full

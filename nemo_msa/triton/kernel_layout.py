@@ -18,12 +18,12 @@ Nothing here reads a tensor's value on the host.
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from nemo_msa.capabilities import TRITON
+from nemo_msa.tensor_memo import TensorMemo
 
 # The Triton interpreter computes tl.dot on bf16 operands wrongly (PLATFORM.md); kernels take
 # this as a constexpr and cast their dot operands to fp32 when it is set.
@@ -382,14 +382,11 @@ def query_subset(msa, block_size: int, queries: torch.Tensor | None) -> QuerySub
     cached = getattr(msa, "cached", None)
     if not callable(cached) or isinstance(msa, KernelLayout):
         return build_query_subset(view, queries)
-    memo = cached(f"triton_query_subsets_{block_size}", dict)
-    entry = memo.get(id(queries))
-    if entry is not None and entry[0]() is queries and entry[1] == queries._version:
-        return entry[2]
-    subset = build_query_subset(view, queries)
-    if len(memo) >= 8:
-        memo.clear()
-    memo[id(queries)] = (weakref.ref(queries), queries._version, subset)
+    memo = cached(f"triton_query_subsets_{block_size}", TensorMemo)
+    subset = memo.get(queries)
+    if subset is None:
+        subset = build_query_subset(view, queries)
+        memo.put(queries, None, subset)
     return subset
 
 

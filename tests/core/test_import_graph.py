@@ -33,8 +33,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # it, the canonical q2k. The kernels take the layout as their input, so it sits below them.
     # The kernels' typed view of the layout (device index tensors, torch only) sits with it, and
     # the backends' capability records (data read by the kernels' asserts and the plan).
-    ("layout", ("nemo_msa.limits", "nemo_msa.capabilities", "nemo_msa.document_map",
-                "nemo_msa.layout", "nemo_msa.q2k", "nemo_msa.triton.kernel_layout")),
+    ("layout", ("nemo_msa.limits", "nemo_msa.capabilities", "nemo_msa.tensor_memo",
+                "nemo_msa.document_map", "nemo_msa.layout", "nemo_msa.q2k",
+                "nemo_msa.triton.kernel_layout")),
     # Kernels and references: attention (naive, dense, Triton, flashinfer adapter), selection,
     # the indexer loss (reference, by-products, fused dense).
     # The Triton pieces they share (launch settings, tile helpers) live in nemo_msa.triton.
