@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from nemo_msa.layout import MSAMicrobatch, validate_queries
+from nemo_msa.tensor_memo import TensorMemo
 
 __all__ = [
     "GPU_SDPA_BACKENDS",
@@ -357,10 +358,10 @@ def query_runs(msa: MSAMicrobatch, queries: torch.Tensor) -> tuple[QueryRun, ...
     Returns:
         The runs in query order; their counts add up to Tq.
     """
-    name = "nemo_msa.attention.dense.query_runs"
-    cached = msa._cache.get(name)
-    if cached is not None and cached[0] is queries:
-        return cached[1]
+    memo = msa.cached("nemo_msa.attention.dense.query_runs", TensorMemo)
+    plan = memo.get(queries)
+    if plan is not None:
+        return plan
     documents = msa.token_documents[queries].long()
     # A run starts where the global rows jump or the document changes.
     first = torch.ones(queries.shape[0], dtype=torch.bool, device=queries.device)
@@ -372,7 +373,7 @@ def query_runs(msa: MSAMicrobatch, queries: torch.Tensor) -> tuple[QueryRun, ...
         msa.cu_seqlens.long()[documents[run_starts]], queries[bounds[1:] - 1] + 1,
     ], dim=1).tolist()  # the one host synchronization
     plan = tuple(QueryRun(*(int(x) for x in row)) for row in table)
-    msa._cache[name] = (queries, plan)
+    memo.put(queries, None, plan)
     return plan
 
 
