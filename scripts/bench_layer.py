@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel table (torch.profiler) of one more step per row")
     ap.add_argument("--profile-top", type=int, default=12)
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="with --profile: write each profiled step's Chrome trace to DIR")
     ap.add_argument("--tiny", action="store_true", help="tiny model (runs on the CPU in seconds)")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA exists")
     ap.add_argument("--json", default=None, help="write the results to this file")
