@@ -17,7 +17,8 @@
 # prepare_corpus.py, in /tmp) and runs scripts/quality_bench.py (MSA vs dense vs control at
 # QUALITY_LENGTHS, default 8192,32768) within QUALITY_S seconds (default 480), writing
 # $OUT/quality/ (quality.md, quality.json, quality.png, each run's metrics.jsonl); QUALITY_ARGS
-# adds arguments or recipe overrides.
+# adds arguments or recipe overrides; QUALITY_CORPUS_ARGS replaces the corpus options (default:
+# half the documents are a long-range recall task, "--repeat-fraction 0.5 --repeat-kb 6").
 set -uo pipefail
 OUT="${OUT:-runs/device}"
 mkdir -p "$OUT"
@@ -100,7 +101,10 @@ fi
 fi
 
 if [[ " $STAGES " == *" quality "* ]]; then
-python3 scripts/prepare_corpus.py --out /tmp/corpus 2>&1 | tail -3 | tee "$OUT/quality_corpus.log"
+# shellcheck disable=SC2086  # QUALITY_CORPUS_ARGS is a list
+python3 scripts/prepare_corpus.py --out /tmp/corpus \
+  ${QUALITY_CORPUS_ARGS:---repeat-fraction 0.5 --repeat-kb 6} 2>&1 | tail -3 \
+  | tee "$OUT/quality_corpus.log"
 # shellcheck disable=SC2086  # the argument list is split on purpose
 timeout $(( ${QUALITY_S:-480} + 60 )) python3 scripts/quality_bench.py \
   --corpus /tmp/corpus/pycode_text_document --seq-lengths "${QUALITY_LENGTHS:-8192,32768}" \

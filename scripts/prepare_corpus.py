@@ -16,7 +16,15 @@ Examples::
     python scripts/pretrain.py dataset.data_path=[runs/corpus/pycode_text_document] \\
         model.vocab_size=257 dataset.split=98,2,0 train.eval_interval=10
 
-Prints one JSON line: prefix, documents, tokens, bytes on disk, the sources read.
+With ``--repeat-fraction F`` a deterministic share F of the documents (chosen by the hash of
+their name) becomes a long-range recall task: the file's first ``--repeat-kb`` KB, then the same
+bytes again. The second copy is predictable only by attending to the first, at a distance of the
+copy's length: an attention that cannot reach that far (a local window, or a block selection that
+misses the right blocks) cannot predict it, which Python source alone (mostly local structure,
+learned first) does not expose in a short run. The quality bench's corpus uses it (ADR 0023).
+
+Prints one JSON line: prefix, documents, tokens, bytes on disk, the sources read, and with
+repeats the number of repeated documents and the share of tokens that are second copies.
 """
 
 from __future__ import annotations
@@ -87,6 +95,31 @@ def collect_documents(sources: list[Path], pattern: str, max_bytes: int,
     return docs
 
 
+def is_repeated(name: str, fraction: float) -> bool:
+    """Whether document ``name`` is a repeat document: a stable draw from the name's hash."""
+    draw = int.from_bytes(hashlib.sha256(b"repeat:" + name.encode()).digest()[:8], "big")
+    return draw < fraction * 2.0**64
+
+
+def add_repeats(docs: list[tuple[str, bytes]], fraction: float,
+                head_bytes: int) -> tuple[list[tuple[str, bytes]], int]:
+    """Turn a ``fraction`` of the documents into ``head + head`` (head = the first
+    ``head_bytes`` bytes, cut back to a UTF-8 character boundary).
+
+    Returns:
+        The documents in the same order, and how many bytes are second copies.
+    """
+    out, copied = [], 0
+    for name, data in docs:
+        if fraction > 0 and is_repeated(name, fraction):
+            head = data[:head_bytes].decode("utf-8", errors="ignore").encode("utf-8")
+            out.append((name, head + head))
+            copied += len(head)
+        else:
+            out.append((name, data))
+    return out, copied
+
+
 def write_indexed_dataset(prefix: Path, docs: list[tuple[str, bytes]]) -> dict:
     """Write ``prefix.bin`` / ``prefix.idx`` with Megatron's builder (uint16 tokens).
 
@@ -121,7 +154,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop adding files past this many MB of text (default 64)")
     parser.add_argument("--max-file-kb", type=float, default=512.0,
                         help="skip files larger than this (generated tables; default 512)")
+    parser.add_argument("--repeat-fraction", type=float, default=0.0,
+                        help="share of documents made 'first KB twice' (long-range recall)")
+    parser.add_argument("--repeat-kb", type=float, default=6.0,
+                        help="bytes repeated per repeat document, in KB (default 6)")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.repeat_fraction <= 1.0:
+        print(f"error: --repeat-fraction = {args.repeat_fraction}: expected 0 <= F <= 1",
+              file=sys.stderr)
+        return 2
+    if args.repeat_kb <= 0:
+        print(f"error: --repeat-kb = {args.repeat_kb}: expected > 0", file=sys.stderr)
+        return 2
     sources = [p.resolve() for p in args.source] if args.source else default_sources()
     missing = [str(p) for p in sources if not p.is_dir()]
     if missing:
@@ -137,8 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no UTF-8 {args.pattern} files under {[str(s) for s in sources]}",
               file=sys.stderr)
         return 1
+    docs, copied = add_repeats(docs, args.repeat_fraction, int(args.repeat_kb * 1e3))
     info = write_indexed_dataset(Path(args.out) / PREFIX_NAME, docs)
     info.update(vocab_size=VOCAB_SIZE, eod_id=EOD, sources=[str(s) for s in sources])
+    if args.repeat_fraction > 0:
+        info.update(repeat_fraction=args.repeat_fraction, repeat_kb=args.repeat_kb,
+                    repeated_documents=sum(is_repeated(n, args.repeat_fraction) for n, _ in docs),
+                    second_copy_token_share=round(copied / info["tokens"], 4))
     print(json.dumps(info), flush=True)
     return 0
 

@@ -110,3 +110,28 @@ def test_comparison_at_equal_steps_and_equal_time():
     assert not cmp_["control_worse"]
     with pytest.raises(ValueError, match="arm='sparse'"):
         bench.arm_overrides("sparse", 4)
+
+
+def test_repeat_documents_are_the_head_twice_chosen_by_name(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = {f"m{i}.py": f"# module {i}\n" + "".join(f"v{j} = {i * j}\n" for j in range(40 + i))
+             for i in range(24)}
+    for name, text in texts.items():
+        (src / name).write_text(text)
+    prep = _script("prepare_corpus")
+    head = 100
+    assert prep.main(["--source", str(src), "--out", str(tmp_path / "rep"),
+                      "--repeat-fraction", "0.5", "--repeat-kb", str(head / 1e3)]) == 0
+    ds = IndexedDataset(str(tmp_path / "rep" / prep.PREFIX_NAME))
+    docs = {bytes(ds[i][:-1].astype(np.uint8)) for i in range(len(ds))}
+    repeated = [n for n in texts if prep.is_repeated(f"0:{n}", 0.5)]
+    assert 0 < len(repeated) < len(texts)  # a real mix at this fraction
+    for name, text in texts.items():
+        data = text.encode()
+        want = data[:head] * 2 if name in repeated else data
+        assert want in docs, name
+    assert prep.main(["--source", str(src), "--out", str(tmp_path / "x"),
+                      "--repeat-fraction", "1.5"]) == 2
