@@ -20,6 +20,7 @@ import torch
 __all__ = [
     "dense_warmup_active",
     "get_training_iteration",
+    "get_training_step_count",
     "indexer_parameters",
     "non_indexer_parameters",
     "set_main_parameters_trainable",
@@ -27,6 +28,8 @@ __all__ = [
 ]
 
 _ITERATION: int | None = None
+# How many times the iteration was set: a new step even when a failed one is retried.
+_STEP_COUNT = 0
 
 
 def set_training_iteration(iteration: int | None) -> None:
@@ -38,15 +41,22 @@ def set_training_iteration(iteration: int | None) -> None:
     Raises:
         ValueError: a negative iteration.
     """
-    global _ITERATION
+    global _ITERATION, _STEP_COUNT
     if iteration is not None and (isinstance(iteration, bool) or int(iteration) < 0):
         raise ValueError(f"iteration={iteration!r}; expected an int >= 0 or None")
     _ITERATION = None if iteration is None else int(iteration)
+    _STEP_COUNT += 1
 
 
 def get_training_iteration() -> int | None:
     """The iteration set by :func:`set_training_iteration` (None if never set)."""
     return _ITERATION
+
+
+def get_training_step_count() -> int:
+    """How many times :func:`set_training_iteration` was called (0 if never): changes at every
+    step of a loop that calls it, a retried iteration included."""
+    return _STEP_COUNT
 
 
 def dense_warmup_active(config) -> bool:
