@@ -68,17 +68,18 @@ def _model(**overrides):
     return model
 
 
-def _batches():
+def _batches(device: str = "cpu"):
     """Three microbatches; the third reuses the first one's document-map tensor (a shared key,
     matched in first-forward order)."""
-    first, second, third = packed_batches(3, seed=21)
+    first, second, third = (
+        {k: v.to(device) for k, v in b.items()} for b in packed_batches(3, seed=21))
     third["packed_seq_ids"] = first["packed_seq_ids"]
     third["loss_mask"] = first["loss_mask"]
     return [first, second, third]
 
 
 def _forward(model, batch):
-    positions = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+    positions = torch.arange(SEQ, device=batch["tokens"].device).expand(MICRO_BATCH, SEQ)
     out = model(batch["tokens"], positions, batch["packed_seq_ids"], labels=batch["labels"])
     mask = batch["loss_mask"]
     return out, (out * mask).sum() / mask.sum()
