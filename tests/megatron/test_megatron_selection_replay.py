@@ -277,3 +277,24 @@ def test_the_store_matches_aliases_and_refuses_what_it_cannot_replay():
     with pytest.raises(RuntimeError, match="no selection recorded"):
         store.take(torch.ones(2, 8, dtype=torch.int64), 8, 2)
     assert store.num_recorded == 4 and store.num_taken == 2
+
+
+def test_thd_input_replays_through_the_packed_seq_params():
+    """THD input has no attention_mask: the recompute finds its entries through
+    packed_seq_params.cu_seqlens_q, which Megatron's checkpoint closure hands back as is."""
+    from _megatron_harness import VOCAB, _thd_step, count_selections
+
+    tokens = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(3))
+    results = []
+    for recompute in ({}, FULL_UNIFORM):
+        model = _model(**recompute)
+        with count_selections() as counts:
+            step = _thd_step(model, tokens, 1, 0, None)
+        results.append((step, {n: p.grad for n, p in model.named_parameters()}, counts))
+        assert sum(len(store) for store in _stores(model)) == 0
+    (plain, plain_grads, plain_counts), (run, run_grads, run_counts) = results
+    assert torch.equal(run["per_token"], plain["per_token"]) and run["loss"] == plain["loss"]
+    for name, ref in plain_grads.items():
+        assert torch.equal(run_grads[name], ref), name
+    assert run_counts["selections"] == plain_counts["selections"] == MSA_LAYERS
+    assert run_counts["max_in_flight"] == 1 and plain_counts["max_in_flight"] == 0
