@@ -35,6 +35,11 @@ _STEP_COUNT = 0
 def set_training_iteration(iteration: int | None) -> None:
     """Tells every MSA layer of the process the current (0-based) training iteration.
 
+    Call it once per step, before the step's first forward (not per microbatch): each call starts
+    a new step, whose first act is to drop the selection-replay entries an earlier step left
+    (nemo_msa.megatron.selection_replay), so a call between a forward and its backward makes
+    that backward's recompute fail.
+
     Args:
         iteration: the iteration about to run, or None to forget it.
 
