@@ -21,7 +21,7 @@ import torch
 from nemo_msa.attention.dense import dense_document_attention, validate_qkv
 from nemo_msa.backends import MSABackend, resolve_backend
 from nemo_msa.layout import MSAMicrobatch, query_rows, validate_queries
-from nemo_msa.limits import SUPPORTED_SCORE_TYPES, require_integer
+from nemo_msa.limits import SUPPORTED_SCORE_TYPES, require_float_tensor, require_integer
 from nemo_msa.q2k import canonical_q2k, mark_canonical, marked_block_size
 from nemo_msa.support import reject_cuda_graph_capture
 
@@ -46,9 +46,12 @@ def validate_selection_inputs(
     """Checks selection inputs before dispatch (``queries``: an optional query subset).
 
     Raises:
+        TypeError: index_q or index_k is not a tensor.
         ValueError: names the argument, its value and what was expected.
     """
-    if not index_q.dtype.is_floating_point or index_q.dim() != 3:
+    require_float_tensor("index_q", index_q, "[tokens, index_heads, dim]")
+    require_float_tensor("index_k", index_k, "[tokens, dim]")
+    if index_q.dim() != 3:
         raise ValueError(
             f"index_q must be a float tensor [tokens, index_heads, dim]; got {index_q.dtype} "
             f"{tuple(index_q.shape)}"
@@ -180,16 +183,24 @@ def validate_attention_inputs(
     msa: MSAMicrobatch,
     *,
     queries: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
 ) -> None:
-    """Checks shapes before any kernel runs (the dtypes a backend reads are its capability
-    record's, checked where the backend is resolved). ``queries``: an optional query subset:
-    q and q2k then have its Tq token rows, k and v every token's.
+    """Checks arguments and shapes before any kernel runs (the dtypes a backend reads are its
+    capability record's, checked where the backend is resolved). ``queries``: an optional query
+    subset: q and q2k then have its Tq token rows, k and v every token's. The checks of q, k, v
+    and the softmax scale are :func:`nemo_msa.attention.dense.validate_qkv`'s, shared with the
+    dense path.
 
     Raises:
-        ValueError: shapes or dtypes that disagree; the message names the tensors and their
-            shapes.
+        TypeError: a tensor argument that is not a tensor, a softmax scale that is not a number.
+        ValueError: shapes, dtypes or devices that disagree, a non-float q/k/v, a zero-sized
+            head count or head dim, a non-finite or non-positive softmax scale; the message
+            names the argument and its value or shape.
     """
-    validate_qkv(q, k, v, msa, queries)
+    validate_qkv(q, k, v, msa, queries, softmax_scale)
+    if not isinstance(q2k, torch.Tensor):
+        raise TypeError(f"q2k must be an int32 torch.Tensor [kv_heads, tokens, top_k]; got "
+                        f"{type(q2k).__name__}")
     if q2k.dtype != torch.int32 or q2k.dim() != 3:
         raise ValueError(
             f"q2k must be int32 [kv_heads, tokens, top_k]; got {q2k.dtype} {tuple(q2k.shape)}"
@@ -334,12 +345,15 @@ def sparse_attention(
         order).
 
     Raises:
-        ValueError: a dtype or shape the named backend cannot run (naming the field), or
-            disagreeing shapes; with ``validate``, a non-canonical q2k (naming the first bad
-            head, token and slot).
+        TypeError: a tensor argument that is not a tensor, or a softmax_scale that is not a
+            real number (e.g. a string).
+        ValueError: a dtype or shape the named backend cannot run (naming the field),
+            disagreeing shapes, dtypes or devices, an integer or bool q/k/v, a zero-sized head
+            count or head dim, a non-finite or non-positive softmax_scale; with ``validate``, a
+            non-canonical q2k (naming the first bad head, token and slot).
         RuntimeError: called during CUDA-graph capture.
     """
-    validate_attention_inputs(q, k, v, q2k, msa, queries=queries)
+    validate_attention_inputs(q, k, v, q2k, msa, queries=queries, softmax_scale=softmax_scale)
     if validate:
         validate_q2k(q2k, msa, queries)
     made_for = marked_block_size(q2k)

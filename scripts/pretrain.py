@@ -10,8 +10,10 @@ Examples::
 
 Overrides are Hydra-style ``section.key=value`` (sections: model, train, optimizer, scheduler,
 dataset, checkpoint, logger, ddp, dist); values are parsed as YAML. A bad key or value stops the
-run before anything is built, with one ``error:`` line naming it (exit code 2); a checkpoint that
-cannot be resumed from is one ``error:`` line too (exit code 1).
+run before anything is built, with one ``error:`` line naming it (exit code 2). A checkpoint that
+cannot be resumed from, a checkpoint directory another run holds (its lock file), a save that
+fails (disk full: the path and the cause) and a non-finite loss are one ``error:`` line too
+(exit code 1). SIGTERM ends the run like SIGINT (exit code 143), releasing the checkpoint lock.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -43,6 +46,12 @@ def _one_line(err: Exception) -> str:
     return " ".join(part.strip() for part in str(err).splitlines() if part.strip())
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    # Unwinds like Ctrl-C, so the finally blocks run: the checkpoint lock is released and the
+    # process group torn down (a save cut short leaves only a .partial directory, never read).
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, train, and return the process exit code."""
     parser = argparse.ArgumentParser(
@@ -65,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as err:
         print(f"error: {_one_line(err)}", file=sys.stderr, flush=True)
         return 2
-    except CheckpointError as err:
-        # Every rank reaches the same verdict; one line from rank 0 is enough.
+    except (CheckpointError, FloatingPointError) as err:
+        # Every rank reaches the same verdict (the loss is all-reduced); one line from rank 0.
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {_one_line(err)}", file=sys.stderr, flush=True)
         return 1
@@ -76,4 +85,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Only as a script: a caller of main() keeps its own SIGTERM handling.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sys.exit(main())

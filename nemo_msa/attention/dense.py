@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from nemo_msa.layout import MSAMicrobatch, validate_queries
+from nemo_msa.limits import require_float_tensor, require_softmax_scale
 from nemo_msa.tensor_memo import TensorMemo
 
 __all__ = [
@@ -203,7 +204,7 @@ def dense_document_attention_per_document(
     Raises:
         ValueError: shapes that disagree with each other or with the layout.
     """
-    validate_qkv(q, k, v, msa)
+    validate_qkv(q, k, v, msa, softmax_scale=softmax_scale)
     heads_q, heads_kv, dim = q.shape[1], k.shape[1], q.shape[2]
     outputs = []
     with _backend_preference(backends):
@@ -276,7 +277,7 @@ def dense_document_attention_rows(
     Raises:
         ValueError: shapes that disagree with each other or with the layout.
     """
-    validate_qkv(q, k, v, msa)
+    validate_qkv(q, k, v, msa, softmax_scale=softmax_scale)
     group = q.shape[1] // k.shape[1]
     # [T, H, d] -> [b, H, s, d]; query head hq reads KV head hq // group (Megatron's order).
     qb = msa.unpack(q).permute(0, 2, 1, 3)
@@ -320,7 +321,7 @@ def dense_document_attention(
         ValueError: shapes that disagree with each other or with the layout.
     """
     if queries is not None:
-        validate_qkv(q, k, v, msa, queries)
+        validate_qkv(q, k, v, msa, queries, softmax_scale)
         return dense_document_attention_queries(q, k, v, msa, softmax_scale, queries)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return dense_document_attention_per_document(q, k, v, msa, softmax_scale)
@@ -428,15 +429,23 @@ def validate_qkv(
     v: torch.Tensor,
     msa: MSAMicrobatch,
     queries: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
 ) -> None:
     """The checks every attention entry makes of q [T, Hq, d] ([Tq, Hq, d] with a query subset
-    ``queries``), k and v [T, Hkv, d] against each other and the layout (dense here;
-    :func:`nemo_msa.ops.validate_attention_inputs` adds the sparse op's dtype and q2k checks).
+    ``queries``), k and v [T, Hkv, d] against each other and the layout, and of the softmax
+    scale (dense here; :func:`nemo_msa.ops.validate_attention_inputs` adds the sparse op's q2k
+    checks).
 
     Raises:
-        ValueError: a rank other than 3, shapes that disagree, a head count that is not a
-            multiple, tokens other than the layout's, or dtypes that differ; names the tensors.
+        TypeError: q, k or v not a tensor, or a softmax scale that is not a real number.
+        ValueError: a dtype that is not floating point, a zero-sized head count or head dim, a
+            rank other than 3, shapes that disagree, a head count that is not a multiple, tokens
+            other than the layout's, dtypes that differ, devices that differ, or a softmax
+            scale that is not finite and positive; names the tensors.
     """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        require_float_tensor(name, x, "[tokens, heads, dim]")
+    require_softmax_scale(softmax_scale)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, dim]; got shape {tuple(x.shape)}")
@@ -458,3 +467,6 @@ def validate_qkv(
     validate_queries(queries, msa, q.shape[0])
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device == msa.device):
+        raise ValueError(f"q ({q.device}), k ({k.device}), v ({v.device}) and the layout "
+                         f"({msa.device}) must share one device")

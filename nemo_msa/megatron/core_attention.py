@@ -19,6 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nemo_msa.backend_spec import MSABackend
+from nemo_msa.limits import require_softmax_scale
 from nemo_msa.ops import document_attention
 
 __all__ = ["MSACoreAttention"]
@@ -65,6 +66,7 @@ class MSACoreAttention(MegatronModule):
                 f"attention_dropout={config.attention_dropout}: MSA core attention has no "
                 "attention dropout; set attention_dropout=0.0"
             )
+        require_softmax_scale(softmax_scale)  # at construction, not at the first forward
         self.layer_number = layer_number
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5

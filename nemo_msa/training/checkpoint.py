@@ -40,6 +40,12 @@ from nemo_msa.training.checkpoint_integrity import (
     find_resume_iteration,
     write_manifest,
 )
+from nemo_msa.training.save_failures import (
+    WriterLog,
+    agree_on_failure,
+    attempt_save_step,
+    previous_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -161,28 +167,41 @@ def save_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
 
     Returns:
         The finished checkpoint directory.
+
+    Raises:
+        CheckpointError: an OSError on any rank (disk full, quota, permissions, I/O error), on
+            every rank: names the path, the cause ("No space left on device (errno 28 ENOSPC)")
+            and that the previous checkpoint and pointer are unchanged; the ``.partial``
+            directory is removed to give the space back.
     """
     _ensure_memory_probe()
     root = Path(root)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     final = checkpoint_name(root, state.iteration)
     partial = final.with_name(final.name + ".partial")
-    if rank == 0:
+    writer = WriterLog()
+    writer_logger = logging.getLogger(filesystem_async.__name__)
+
+    def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
         # Leftovers of an interrupted save of this iteration are never trusted.
         if partial.exists():
             shutil.rmtree(partial)
         partial.mkdir()
-    _barrier()
-    sd = sharded_state_dict(model_chunks, optimizer, scheduler, state, recipe, is_loading=False)
-    dist_checkpointing.save(sd, str(partial))
-    _barrier()
-    write_manifest(partial, state.iteration)
-    _barrier()
-    if rank == 0:
+
+    def write() -> None:
+        sd = sharded_state_dict(model_chunks, optimizer, scheduler, state, recipe,
+                                is_loading=False)
+        writer_logger.addHandler(writer)
+        try:
+            dist_checkpointing.save(sd, str(partial))
+        finally:
+            writer_logger.removeHandler(writer)
+
+    def publish() -> None:
         if final.exists():
-            # Re-saving an iteration (e.g. after a resume): drop the older copy only now that the
-            # new one is complete; the pointer still names it until os.replace below.
+            # Re-saving an iteration (e.g. after a resume): drop the older copy only now that
+            # the new one is complete; the pointer still names it until os.replace below.
             old = final.with_name(final.name + ".old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
@@ -191,11 +210,27 @@ def save_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
         else:
             os.replace(partial, final)
         _write_pointer(root, state.iteration)
-        if keep_last:
-            finished = sorted(p for p in root.glob("iter_???????") if p.is_dir())
-            for old in finished[:-keep_last]:
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
+
+    steps = [(prepare, partial, True), (write, partial, False),
+             (lambda: write_manifest(partial, state.iteration), partial, False),
+             (publish, root, True)]
+    for action, where, rank0_only in steps:
+        failure = None
+        if rank == 0 or not rank0_only:
+            failure = attempt_save_step(action, where, writer.messages)
+        failure = agree_on_failure(failure)
+        if failure is not None:
+            if rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+                (root / (POINTER + ".tmp")).unlink(missing_ok=True)
+                failure += f"; {previous_checkpoint(root)}"
+            raise CheckpointError(
+                f"saving checkpoint iteration {state.iteration} to {root} failed: {failure}")
+    if rank == 0 and keep_last:
+        finished = sorted(p for p in root.glob("iter_???????") if p.is_dir())
+        for old in finished[:-keep_last]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 

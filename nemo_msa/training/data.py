@@ -28,6 +28,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import DType
 
 from nemo_msa.context_parallel import split_for_context_parallel
+from nemo_msa.training.indexed_files import check_indexed_files
 from nemo_msa.training.recipe_fields import RecipeError
 from nemo_msa.training.recipe_schema import DatasetConfig, GPTModelArgs
 
@@ -211,7 +212,8 @@ def build_train_dataset(dataset: DatasetConfig, gpt: GPTModelArgs, seed: int, nu
 
     Raises:
         RecipeError: a malformed weight list, a dataset prefix whose .bin/.idx files do not
-            exist, or token ids outside the vocabulary.
+            exist or are damaged, truncated or empty (:func:`check_indexed_files`), or token
+            ids outside the vocabulary.
     """
     return build_gpt_datasets(dataset, gpt, seed, num_samples, 0)[0]
 
@@ -235,6 +237,8 @@ def build_gpt_datasets(dataset: DatasetConfig, gpt: GPTModelArgs, seed: int, num
     if blend is not None:
         _check_prefixes(blend[0])
         for prefix in blend[0]:
+            # Megatron's reader trusts the files; a damaged one would fail naming nothing.
+            check_indexed_files(prefix)
             check_token_range(prefix, gpt.vocab_size)
     config = GPTDatasetConfig(
         random_seed=seed,

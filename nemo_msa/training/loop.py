@@ -21,6 +21,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from nemo_msa.megatron.microbatch import SharedMicrobatchIterators
 from nemo_msa.training.build import TrainingObjects
 from nemo_msa.training.checkpoint import TrainState, save_checkpoint
+from nemo_msa.training.checkpoint_integrity import checkpoint_name, verify_checkpoint
 from nemo_msa.training.data import Microbatch, MicrobatchSource
 from nemo_msa.training.evaluate import Evaluator, StepFlops, should_exit
 from nemo_msa.training.msa_hooks import TrainingHooks
@@ -107,6 +108,23 @@ def _reduce_step_losses(losses: list[dict], device) -> dict[str, float]:
     return {"loss": float(buf[0] / buf[1].clamp(min=1)), "tokens_in_loss": float(buf[1])}
 
 
+def _last_checkpoint(root: str | None, iteration: int | None) -> str:
+    """What the last finished checkpoint is worth after a failure, checked now (collective).
+
+    It is verified against its manifest here, whatever ``checkpoint.verify`` said at resume: a
+    checkpoint resumed unverified may be the very cause of the failure.
+    """
+    if iteration is None or root is None:
+        return "no checkpoint was saved or resumed from"
+    path = checkpoint_name(root, iteration)
+    problems = verify_checkpoint(path)
+    if not problems:
+        return (f"the last finished checkpoint ({path}) is intact (verified against its "
+                "manifest)")
+    more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+    return f"the last finished checkpoint ({path}) is damaged: {problems[0]}{more}"
+
+
 def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: MicrobatchSource,
               state: TrainState, resumed_from: int | None, out_dir: Path) -> LoopResult:
     """Train from ``state.iteration`` to the end of the schedule (or ``train.exit_interval``).
@@ -116,7 +134,9 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
     last step is not saved yet.
 
     Raises:
-        FloatingPointError: the loss is not finite (naming the last intact checkpoint).
+        FloatingPointError: the loss is not finite (naming the last finished checkpoint and
+            whether it matches its manifest, checked then).
+        CheckpointError: a save failed (the path and the cause).
     """
     chunks, optimizer, scheduler = objs.chunks, objs.optimizer, objs.scheduler
     hooks = objs.hooks
@@ -139,6 +159,8 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
     timer = StepTimer()
     t_start = time.perf_counter()
     last_saved = resumed_from
+    # Where last_saved lives: the directory resumed from until this run saves.
+    last_root = (ck.load or ck.save) if resumed_from is not None else None
     phase = "n/a"
     for m in chunks:
         m.train()
@@ -191,8 +213,8 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
             metrics["grad_norm"] = float(grad_norm)
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError(
-                f"loss is {metrics['loss']} at iteration {state.iteration}; the last finished "
-                f"checkpoint ({last_saved}) is intact"
+                f"loss is {metrics['loss']} at iteration {state.iteration}; "
+                f"{_last_checkpoint(last_root, last_saved)}"
             )
         stopping = should_exit(t_start, train.exit_duration_in_mins, ctx.device)
         if evaluator.due(state.iteration) or (
@@ -209,7 +231,7 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
         if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
             save_checkpoint(ck.save, chunks, optimizer, scheduler, state, recipe.resolved,
                             ck.keep_last)
-            last_saved = state.iteration
+            last_saved, last_root = state.iteration, ck.save
         if stopping:
             break
     progress.close()

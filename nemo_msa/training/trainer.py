@@ -20,6 +20,7 @@ from nemo_msa.training.checkpoint_integrity import (
     find_resume_iteration,
     finished_iterations_everywhere,
 )
+from nemo_msa.training.checkpoint_lock import acquire_on_rank0, release
 from nemo_msa.training.loop import LoopResult, run_steps
 from nemo_msa.training.recipe import Recipe, RecipeError
 from nemo_msa.training.setup import (
@@ -141,9 +142,21 @@ def pretrain(recipe: Recipe) -> dict[str, Any]:
 
     Raises:
         RecipeError: a bad recipe value found while building (layout, dataset path, CPU limits).
-        CheckpointError: the checkpoint to resume from is damaged or cannot be loaded.
+        CheckpointError: the checkpoint to resume from is damaged or cannot be loaded, or a save
+            failed (disk full, ...).
+        CheckpointLockError: another run holds ``checkpoint.save`` (or left a stale lock).
     """
     ctx = init_distributed(recipe)
+    # Before anything reads checkpoint.save: one writer per directory (ADR 0024).
+    lock = acquire_on_rank0(recipe.checkpoint.save)
+    try:
+        return _locked_pretrain(recipe, ctx)
+    finally:
+        release(lock)
+
+
+def _locked_pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
+    """:func:`pretrain` after the process group is up and the checkpoint directory locked."""
     dp = init_model_parallel(recipe, ctx)
     set_seeds(recipe.train.seed)
     objs = build_training(recipe, ctx)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -245,3 +246,51 @@ def test_a_run_that_would_overwrite_checkpoints_it_did_not_resume_from_is_refuse
     fresh = train([*REFERENCE, "train.train_iters=2", f"checkpoint.save={root}",
                    "checkpoint.resume=false", "checkpoint.overwrite=true"])
     assert fresh["history"][0]["iteration"] == 1
+
+
+def _poison_largest_tensors(path: Path) -> None:
+    """Write fp32 NaN bit patterns (0xFF bytes) over the start of the largest tensor records.
+
+    A ``.distcp`` file is one torch.save archive per tensor, laid end to end; tensor bytes
+    follow each ``archive/data/0`` local header up to the next ``PK`` signature. Damage there
+    loads without complaint (no CRC check) and poisons the weights, as the issue's random bytes
+    did; damage elsewhere breaks the archive and fails the load instead.
+    """
+    blob = bytearray(path.read_bytes())
+    records, pos = [], 0
+    while (pos := blob.find(b"PK\x03\x04", pos)) >= 0:
+        name_len, extra_len = struct.unpack("<HH", blob[pos + 26:pos + 30])
+        start = pos + 30 + name_len + extra_len
+        if bytes(blob[pos + 30:pos + 30 + name_len]).endswith(b"/data/0"):
+            records.append((blob.find(b"PK", start) - start, start))
+        pos += 4
+    largest = max(size for size, _ in records)
+    assert largest >= 4096, records
+    for size, start in records:
+        if size == largest:
+            blob[start:start + 4096] = b"\xff" * 4096
+    path.write_bytes(bytes(blob))
+
+
+def test_unverified_damaged_checkpoint_is_not_called_intact_when_the_loss_turns_nan(
+        reference, tmp_path):
+    """Issue #29 case 6: with checkpoint.verify=false a damaged newest checkpoint loads, the
+    loss turns NaN, and the error called that very checkpoint intact. It is checked against its
+    manifest at that moment now and named as damaged."""
+    root = _both(reference, tmp_path)
+    _poison_largest_tensors(root / "iter_0000006" / SHARD)
+    with pytest.raises(FloatingPointError) as err:
+        train([*REFERENCE, "train.train_iters=8", f"checkpoint.save={root}",
+               "checkpoint.save_interval=3", "checkpoint.verify=false",
+               "scheduler.override_opt_param_scheduler=true"])
+    msg = str(err.value)
+    assert re.search(r"loss is nan at iteration [78]; the last finished checkpoint \(.*iter_0000006"
+                     r"\) is damaged: .*iter_0000006/__0_0.distcp: contents changed after the "
+                     r"save", msg), msg
+    assert "intact" not in msg
+    # A checkpoint that matches its manifest is called intact, having been checked.
+    from nemo_msa.training.loop import _last_checkpoint
+
+    assert re.fullmatch(r"the last finished checkpoint \(.*iter_0000003\) is intact \(verified "
+                        r"against its manifest\)", _last_checkpoint(str(root), 3))
+    assert _last_checkpoint(None, None) == "no checkpoint was saved or resumed from"

@@ -1,5 +1,6 @@
 """A SIGKILL during a save, between the rename and the pointer, or between saves: the same
-command resumes from the newest finished checkpoint and continues the curve bit-exactly.
+command, once the killed run's stale lock file is deleted (it is reported, not broken), resumes
+from the newest finished checkpoint and continues the curve bit-exactly.
 
 The killed run is ``scripts/pretrain.py`` in a child process whose checkpoint or data code is
 wrapped to SIGKILL the process at the chosen point (no test hook in the package); the resumed
@@ -25,6 +26,7 @@ from nemo_msa.training.checkpoint_integrity import (
     latest_iteration,
     verify_checkpoint,
 )
+from nemo_msa.training.checkpoint_lock import LOCK_NAME, CheckpointLockError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,6 +93,13 @@ def test_sigkill_then_the_same_command_resumes_bit_exactly(reference, tmp_path, 
     else:
         assert finished_iterations(root) == [3]
 
+    # The killed run could not remove its lock: the same command reports it as stale (ADR 0024)
+    # and changes nothing; deleting the file, as the message says, lets it resume.
+    with pytest.raises(CheckpointLockError, match=r"has a stale lock: .* delete .*\.nemo_msa"
+                                                  r"\.lock and start again"):
+        train(args[len(SMALL):])
+    assert latest_iteration(root) == 3
+    (root / LOCK_NAME).unlink()
     resumed = train(args[len(SMALL):])
     assert "(resumed at 3)" in resumed["steps"]
     want, got = losses(ref["history"]), losses(resumed["history"])
