@@ -31,7 +31,9 @@ Hugging Face (MiniMax-M3)                             Megatron-Core (this projec
 ``heads / groups`` query heads, then k_g, then v_g (each head ``kv_channels`` rows). A gated
 ``linear_fc1`` holds the gate rows, then the up rows (Megatron's GLU takes ``chunk(2)``: the
 first half goes through the activation). With ``grouped_experts=True`` the experts are named as
-Megatron's grouped GEMM (TE) names them: ``mlp.experts.linear_fc1.weight<e>``.
+Megatron's grouped GEMM (TE) names them: ``mlp.experts.linear_fc1.weight<e>``; with
+``fused_mlp_norm=True`` a dense layer's pre-MLP norm is TE's ``mlp.linear_fc1.layer_norm_weight``
+(the TE spec fuses it; the input norm stays separate in this project's specs, ADR 0008).
 
 Norm weights copy unchanged when the model is ``layernorm_zero_centered_gamma=True`` (M3 stores
 them zero-centred, applied as ``1 + w``); otherwise the Megatron weight is ``1 + w``. Tensors
@@ -90,14 +92,17 @@ class M3Shapes:
         )
 
 
-def _layer_names(shapes: M3Shapes, i: int, grouped: bool):
+def _layer_names(shapes: M3Shapes, i: int, grouped: bool, fused_mlp_norm: bool = False):
     """``(one_to_one, fused)`` name pairs of layer i.
 
     one_to_one: list of (hf_suffix, megatron_suffix, is_norm); fused: list of
     (megatron_suffix, kind, [hf_suffix, ...]) with kind "qkv" or "glu".
     """
+    # TE's dense MLP fuses its norm into linear_fc1 (TELayerNormColumnParallelLinear).
+    pre_mlp = ("mlp.linear_fc1.layer_norm_weight" if fused_mlp_norm and not shapes.moe_layers[i]
+               else "pre_mlp_layernorm.weight")
     one = [("input_layernorm.weight", "input_layernorm.weight", True),
-           ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", True),
+           ("post_attention_layernorm.weight", pre_mlp, True),
            ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", False),
            ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", True),
            ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", True)]
@@ -156,6 +161,7 @@ def hf_to_megatron(
     hf_root: str = "",
     padded_vocab_size: int | None = None,
     grouped_experts: bool = False,
+    fused_mlp_norm: bool = False,
 ) -> dict[str, torch.Tensor]:
     """A MiniMax-M3 checkpoint's text tensors as this model's full Megatron state dict.
 
@@ -167,6 +173,8 @@ def hf_to_megatron(
         padded_vocab_size: rows of Megatron's embedding and output layer when the vocabulary
             is padded (zero rows appended); None = the checkpoint's vocabulary.
         grouped_experts: name experts as Megatron's grouped GEMM does.
+        fused_mlp_norm: the dense layers' pre-MLP norm is TE's fused
+            ``mlp.linear_fc1.layer_norm_weight`` (the TE spec), not ``pre_mlp_layernorm.weight``.
 
     Returns:
         ``{megatron name: tensor}``; load with ``model.load_state_dict(out, strict=False)``
@@ -204,7 +212,7 @@ def hf_to_megatron(
     h, d = shapes.hidden_size, shapes.head_dim
     for i in range(shapes.num_layers):
         hf, mg = f"{m}layers.{i}.", f"decoder.layers.{i}."
-        one, fused = _layer_names(shapes, i, grouped_experts)
+        one, fused = _layer_names(shapes, i, grouped_experts, fused_mlp_norm)
         for hf_name, mg_name, is_norm in one:
             tensor = take(hf + hf_name)
             out[mg + mg_name] = norm(tensor) if is_norm else tensor
@@ -233,6 +241,7 @@ def megatron_to_hf(
     hf_root: str = "",
     vocab_size: int | None = None,
     grouped_experts: bool = False,
+    fused_mlp_norm: bool = False,
 ) -> dict[str, torch.Tensor]:
     """This model's full Megatron state dict under MiniMax-M3's Hugging Face names.
 
@@ -242,6 +251,8 @@ def megatron_to_hf(
         hf_root: the checkpoint's root ("" text-only, "language_model." the VL release).
         vocab_size: the real vocabulary (padding rows are dropped); None keeps every row.
         grouped_experts: experts are named as Megatron's grouped GEMM does.
+        fused_mlp_norm: the dense layers' pre-MLP norm is TE's fused
+            ``mlp.linear_fc1.layer_norm_weight``.
 
     Returns:
         ``{hf name: tensor}``; no ``lm_head.weight`` when the embeddings are tied (no
@@ -272,7 +283,7 @@ def megatron_to_hf(
         out[f"{hf_root}lm_head.weight"] = vocab(take("output_layer.weight"))
     for i in range(shapes.num_layers):
         hf, mg = f"{m}layers.{i}.", f"decoder.layers.{i}."
-        one, fused = _layer_names(shapes, i, grouped_experts)
+        one, fused = _layer_names(shapes, i, grouped_experts, fused_mlp_norm)
         for hf_name, mg_name, is_norm in one:
             tensor = take(mg + mg_name)
             out[hf + hf_name] = norm(tensor) if is_norm else tensor

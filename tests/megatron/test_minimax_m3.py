@@ -158,14 +158,16 @@ def test_te_spec_of_the_m3_recipe():
 def test_converter_round_trip_is_bitwise_and_names_what_is_wrong():
     toy = ToyM3()
     config = _toy_config(toy)
-    for root, grouped in (("", False), ("language_model.", True)):
+    for root, te in (("", False), ("language_model.", True)):
         hf = synthetic_checkpoint(toy, root=root)
-        mg = hf_to_megatron(hf, config, hf_root=root, grouped_experts=grouped)
-        back = megatron_to_hf(mg, config, hf_root=root, grouped_experts=grouped)
+        names = dict(hf_root=root, grouped_experts=te, fused_mlp_norm=te)
+        mg = hf_to_megatron(hf, config, **names)
+        back = megatron_to_hf(mg, config, **names)
         assert set(back) == set(hf)
         for name, tensor in hf.items():
             assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
     assert "decoder.layers.2.mlp.experts.linear_fc1.weight5" in mg
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in mg
     qkv = mg["decoder.layers.0.self_attention.linear_qkv.weight"].view(2, 6, 16, toy.hidden)
     # GQA interleaving: group g = its 4 query heads, then k_g, then v_g
     k_proj = hf["language_model.model.layers.0.self_attn.k_proj.weight"].view(2, 16, toy.hidden)
