@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the real M3 block: one MoE layer (see the module docstring)")
     ap.add_argument("--experts", type=int, default=None,
                     help="routed experts of --m3-block (default 128; --tiny 4)")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="with --profile: write each profiled step's Chrome trace to DIR")
     ap.add_argument("--tiny", action="store_true", help="tiny model (runs on the CPU in seconds)")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA exists")
     ap.add_argument("--json", default=None, help="write the results to this file")

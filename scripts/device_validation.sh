@@ -17,7 +17,9 @@
 # prepare_corpus.py, in /tmp) and runs scripts/quality_bench.py (MSA vs dense vs control at
 # QUALITY_LENGTHS, default 8192,32768) within QUALITY_S seconds (default 480), writing
 # $OUT/quality/ (quality.md, quality.json, quality.png, each run's metrics.jsonl); QUALITY_ARGS
-# adds arguments or recipe overrides.
+# adds arguments or recipe overrides; QUALITY_CORPUS_ARGS replaces the corpus options (default:
+# half the documents are long-range copy documents, "--copy-fraction 0.5 --copy-kb 2",
+# whose second copies the bench scores with --copy-marker 0).
 set -uo pipefail
 OUT="${OUT:-runs/device}"
 mkdir -p "$OUT"
@@ -100,11 +102,14 @@ fi
 fi
 
 if [[ " $STAGES " == *" quality "* ]]; then
-python3 scripts/prepare_corpus.py --out /tmp/corpus 2>&1 | tail -3 | tee "$OUT/quality_corpus.log"
+# shellcheck disable=SC2086  # QUALITY_CORPUS_ARGS is a list
+python3 scripts/prepare_corpus.py --out /tmp/corpus \
+  ${QUALITY_CORPUS_ARGS:---copy-fraction 0.5 --copy-kb 2} 2>&1 | tail -3 \
+  | tee "$OUT/quality_corpus.log"
 # shellcheck disable=SC2086  # the argument list is split on purpose
 timeout $(( ${QUALITY_S:-480} + 60 )) python3 scripts/quality_bench.py \
   --corpus /tmp/corpus/pycode_text_document --seq-lengths "${QUALITY_LENGTHS:-8192,32768}" \
-  --time-budget-s "${QUALITY_S:-480}" --out "$OUT/quality" ${QUALITY_ARGS:-} \
+  --time-budget-s "${QUALITY_S:-480}" --out "$OUT/quality" --copy-marker 0 ${QUALITY_ARGS:-} \
   > "$OUT/quality.log" 2>&1
 echo "rc $?" >> "$OUT/quality.log"
 sed -n '/^# MSA vs dense/,$p' "$OUT/quality.log"

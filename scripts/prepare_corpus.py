@@ -16,7 +16,17 @@ Examples::
     python scripts/pretrain.py dataset.data_path=[runs/corpus/pycode_text_document] \\
         model.vocab_size=257 dataset.split=98,2,0 train.eval_interval=10
 
-Prints one JSON line: prefix, documents, tokens, bytes on disk, the sources read.
+With ``--copy-fraction F`` a deterministic share F of the documents (chosen by the hash of
+their name) becomes a long-range copy document: the marker byte 0, the file's first
+``--copy-kb`` KB, the marker again and the same bytes again. The second copy is predictable
+only by attending to the first, a copy's length back: an attention that cannot reach that far (a
+local window, or a block selection that misses the right blocks) cannot predict it, which Python
+source alone (mostly local structure, learned first) does not expose in a short run. Files that
+hold byte 0 are dropped, so the marker marks only copy documents; the evaluation's
+``train.eval_copy_marker=0`` reports the loss of the second copies (ADR 0023).
+
+Prints one JSON line: prefix, documents, tokens, bytes on disk, the sources read, and with
+copy documents their number and the share of tokens that are second copies.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ import numpy as np
 #: Byte tokens are 0..255; the end-of-document token follows them.
 EOD = 256
 VOCAB_SIZE = 257
+#: Opens each copy of a copy document (the NUL byte: no kept source file holds it).
+COPY_MARKER = 0
 PREFIX_NAME = "pycode_text_document"
 
 
@@ -76,6 +88,8 @@ def collect_documents(sources: list[Path], pattern: str, max_bytes: int,
             data.decode("utf-8")
         except UnicodeDecodeError:
             continue
+        if bytes([COPY_MARKER]) in data:
+            continue
         digest = hashlib.sha256(data).digest()
         if digest in seen_digests:
             continue
@@ -85,6 +99,32 @@ def collect_documents(sources: list[Path], pattern: str, max_bytes: int,
         docs.append((name, data))
         total += len(data)
     return docs
+
+
+def is_copy_document(name: str, fraction: float) -> bool:
+    """Whether document ``name`` is a copy document: a stable draw from the name's hash."""
+    draw = int.from_bytes(hashlib.sha256(b"copy:" + name.encode()).digest()[:8], "big")
+    return draw < fraction * 2.0**64
+
+
+def add_copies(docs: list[tuple[str, bytes]], fraction: float,
+               head_bytes: int) -> tuple[list[tuple[str, bytes]], int]:
+    """Turn a ``fraction`` of the documents into ``marker head marker head`` (head = the first
+    ``head_bytes`` bytes, cut back to a UTF-8 character boundary).
+
+    Returns:
+        The documents in the same order, and how many bytes are second copies.
+    """
+    out, copied = [], 0
+    mark = bytes([COPY_MARKER])
+    for name, data in docs:
+        if fraction > 0 and is_copy_document(name, fraction):
+            head = data[:head_bytes].decode("utf-8", errors="ignore").encode("utf-8")
+            out.append((name, mark + head + mark + head))
+            copied += len(head)
+        else:
+            out.append((name, data))
+    return out, copied
 
 
 def write_indexed_dataset(prefix: Path, docs: list[tuple[str, bytes]]) -> dict:
@@ -121,7 +161,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop adding files past this many MB of text (default 64)")
     parser.add_argument("--max-file-kb", type=float, default=512.0,
                         help="skip files larger than this (generated tables; default 512)")
+    parser.add_argument("--copy-fraction", type=float, default=0.0,
+                        help="share of documents made copy documents (head twice, marked)")
+    parser.add_argument("--copy-kb", type=float, default=2.0,
+                        help="bytes per copy of a copy document, in KB (default 2)")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.copy_fraction <= 1.0:
+        print(f"error: --copy-fraction = {args.copy_fraction}: expected 0 <= F <= 1",
+              file=sys.stderr)
+        return 2
+    if args.copy_kb <= 0:
+        print(f"error: --copy-kb = {args.copy_kb}: expected > 0", file=sys.stderr)
+        return 2
     sources = [p.resolve() for p in args.source] if args.source else default_sources()
     missing = [str(p) for p in sources if not p.is_dir()]
     if missing:
@@ -137,8 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no UTF-8 {args.pattern} files under {[str(s) for s in sources]}",
               file=sys.stderr)
         return 1
+    docs, copied = add_copies(docs, args.copy_fraction, int(args.copy_kb * 1e3))
     info = write_indexed_dataset(Path(args.out) / PREFIX_NAME, docs)
     info.update(vocab_size=VOCAB_SIZE, eod_id=EOD, sources=[str(s) for s in sources])
+    if args.copy_fraction > 0:
+        info.update(copy_fraction=args.copy_fraction, copy_kb=args.copy_kb,
+                    copy_marker=COPY_MARKER,
+                    copy_documents=sum(is_copy_document(n, args.copy_fraction) for n, _ in docs),
+                    second_copy_token_share=round(copied / info["tokens"], 4))
     print(json.dumps(info), flush=True)
     return 0
 

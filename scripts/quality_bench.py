@@ -14,7 +14,10 @@ The report (``quality.md``, ``quality.json``, ``quality.png`` in ``--out``) give
 arm: steps run, validation loss at equal steps (the last evaluation step all arms reached) and at
 equal training wall time (each arm's validation curve interpolated linearly at the shortest arm's
 last evaluation time; evaluation time excluded), the final per-position-bucket validation loss,
-the mean selection recall of the last 10 steps, tokens/s and TFLOP/s per GPU (median over steps
+the validation loss of the copy documents' second copies (``--copy-marker``; a corpus from
+``prepare_corpus.py --copy-fraction``: only attention that reaches a copy's length back can
+predict them, so an arm that cannot must come out worse there), the mean selection recall of
+the last 10 steps, tokens/s and TFLOP/s per GPU (median over steps
 after the first 5) and MFU. ``--time-budget-s`` bounds the whole call: each run gets an equal
 share of what is left (``train.exit_duration_in_mins``), so one device call cannot overrun.
 
@@ -79,10 +82,13 @@ def summarize_run(rows: list[dict]) -> dict:
     """One run's figures from its metrics rows (see the module docstring)."""
     train_time = 0.0
     curve = []  # (iteration, cumulative training seconds, val_loss)
+    copy_curve = []  # (iteration, cumulative training seconds, val_loss/copy)
     for r in rows:
         train_time += r["step_time_s"]
         if "val_loss" in r:
             curve.append((r["iteration"], train_time, r["val_loss"]))
+        if "val_loss/copy" in r:
+            copy_curve.append((r["iteration"], train_time, r["val_loss/copy"]))
     steady = rows[5:] or rows
     last_eval = next((r for r in reversed(rows) if "val_loss" in r), {})
     recalls = [r["recall"] for r in rows[-10:] if "recall" in r]
@@ -90,6 +96,7 @@ def summarize_run(rows: list[dict]) -> dict:
         "steps": rows[-1]["iteration"] if rows else 0,
         "train_seconds": train_time,
         "val_curve": curve,
+        "copy_curve": copy_curve,
         "final_val_loss": last_eval.get("val_loss", math.nan),
         "buckets": {k.split("/", 1)[1]: v for k, v in last_eval.items()
                     if k.startswith("val_loss/")},
@@ -124,7 +131,17 @@ def compare(runs: dict[str, dict]) -> dict:
         at_step = next((v for it, _, v in r["val_curve"] if it == eq_step), math.nan)
         out["arms"][arm] = {"val_loss_at_equal_step": at_step,
                             "val_loss_at_equal_time": interpolate(r["val_curve"], eq_time)}
+        if r.get("copy_curve"):
+            out["arms"][arm]["copy_loss_at_equal_step"] = next(
+                (v for it, _, v in r["copy_curve"] if it == eq_step), math.nan)
     arms = out["arms"]
+    if all("copy_loss_at_equal_step" in a for a in arms.values()) and arms:
+        rec = {arm: a["copy_loss_at_equal_step"] for arm, a in arms.items()}
+        if {"msa", "dense"} <= rec.keys():
+            out["msa_minus_dense_copy"] = rec["msa"] - rec["dense"]
+        if "control" in rec and {"msa", "dense"} & rec.keys():
+            best = min(rec[a] for a in ("msa", "dense") if a in rec)
+            out["control_minus_best_copy"] = rec["control"] - best
     if {"msa", "dense"} <= arms.keys():
         out["msa_minus_dense"] = (arms["msa"]["val_loss_at_equal_step"]
                                   - arms["dense"]["val_loss_at_equal_step"])
@@ -147,18 +164,23 @@ def markdown(report: dict) -> str:
              f"commit {report['commit']})", "", f"Command: `{report['command']}`", ""]
     for seq, block in report["lengths"].items():
         cmp_ = block["comparison"]
-        buckets = sorted({b for r in block["runs"].values() for b in r["buckets"]},
+        buckets = sorted({b for r in block["runs"].values() for b in r["buckets"]
+                          if b.startswith("pos_")},
                          key=lambda b: int(b.split("_")[1].split("-")[0].replace("k", "000")))
+        if any("copy" in r["buckets"] for r in block["runs"].values()):
+            buckets.append("copy")
         lines += [f"## {seq} tokens per sequence", "",
                   f"equal step = {cmp_['equal_step']}, equal training time = "
                   f"{_fmt(cmp_['equal_time_s'], 1)} s", ""]
         head = ["arm", "steps", "val loss @ equal step", "val loss @ equal time",
-                "final val loss", *buckets, "recall", "tokens/s", "TFLOP/s/GPU", "MFU"]
+                "copy loss @ equal step", "final val loss", *buckets, "selection recall",
+                "tokens/s", "TFLOP/s/GPU", "MFU"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for arm, r in block["runs"].items():
             a = cmp_["arms"][arm]
             cells = [arm, str(r["steps"]), _fmt(a["val_loss_at_equal_step"]),
-                     _fmt(a["val_loss_at_equal_time"]), _fmt(r["final_val_loss"]),
+                     _fmt(a["val_loss_at_equal_time"]), _fmt(a.get("copy_loss_at_equal_step")),
+                     _fmt(r["final_val_loss"]),
                      *(_fmt(r["buckets"].get(b)) for b in buckets), _fmt(r["recall"], 3),
                      f"{r['tokens_per_s']:.0f}", _fmt(r["tflops_per_gpu"], 2), _fmt(r["mfu"], 3)]
             lines.append("| " + " | ".join(cells) + " |")
@@ -170,6 +192,12 @@ def markdown(report: dict) -> str:
         if "control_minus_best" in cmp_:
             notes.append(f"control - best of MSA/dense: {cmp_['control_minus_best']:+.4f} "
                          f"({'worse' if cmp_['control_worse'] else 'NOT measurably worse'})")
+        if "msa_minus_dense_copy" in cmp_:
+            notes.append(f"MSA - dense copy loss (second copies) at equal step: "
+                         f"{cmp_['msa_minus_dense_copy']:+.4f}")
+        if "control_minus_best_copy" in cmp_:
+            notes.append(f"control - best of MSA/dense copy loss at equal step: "
+                         f"{cmp_['control_minus_best_copy']:+.4f}")
         lines += [""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)
 
@@ -238,6 +266,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help=f"default {TOKENS_PER_STEP} (512 with --tiny)")
     parser.add_argument("--time-budget-s", type=float, default=480.0,
                         help="wall-time budget of the whole call (default 480)")
+    parser.add_argument("--copy-marker", type=int, default=None,
+                        help="the corpus's copy marker (prepare_corpus --copy-fraction: 0); "
+                        "adds the copy column, the loss of second copies")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke-test preset")
     parser.add_argument("--out", default="runs/quality")
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every arm")
@@ -259,6 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: --time-budget-s = {args.time_budget_s}: expected > 0")
     recipe = args.recipe or (None if args.tiny else str(REPO / "recipes/quality_bench.yaml"))
     base = (TINY if args.tiny else []) + list(args.overrides)
+    if args.copy_marker is not None:
+        base.append(f"train.eval_copy_marker={args.copy_marker}")
     from nemo_msa.training.recipe import load_recipe
 
     num_layers = int(load_recipe(recipe, base).model.get("num_layers", 1))

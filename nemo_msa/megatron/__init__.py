@@ -8,6 +8,8 @@
   :class:`MSAIndexerMetrics` (logging of indexer loss and selection recall).
 - training phase: :func:`set_training_iteration` (dense warm-up), parameter helpers.
 - data side: :class:`SharedMicrobatchIterators` (one layout per microbatch across VPP chunks).
+- full activation recompute: :class:`SelectionReplay` (the recompute reuses the first forward's
+  layout and block selection), :func:`clear_selection_replay`.
 
 Layer specs live in the top-level ``layer_specs`` package.
 """
@@ -34,11 +36,13 @@ from nemo_msa.megatron.msa_attention import (
 from nemo_msa.megatron.phase import (
     dense_warmup_active,
     get_training_iteration,
+    get_training_step_count,
     indexer_parameters,
     non_indexer_parameters,
     set_main_parameters_trainable,
     set_training_iteration,
 )
+from nemo_msa.megatron.selection_replay import SelectionReplay, clear_selection_replay
 
 __all__ = [
     "GemmaRMSNorm",
@@ -51,10 +55,13 @@ __all__ = [
     "MSASelfAttentionSubmodules",
     "MSATransformerConfig",
     "ReplicatedLinear",
+    "SelectionReplay",
     "SharedMicrobatchIterators",
     "check_msa_layer_config",
+    "clear_selection_replay",
     "dense_warmup_active",
     "get_training_iteration",
+    "get_training_step_count",
     "indexer_parameters",
     "layout_for_layer",
     "move_to_device",

@@ -51,6 +51,14 @@ from nemo_msa.layout import query_rows
 from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler, MSAIndexerMetrics
 from nemo_msa.megatron.microbatch import context_parallel_layout_for_layer, full_rotary_table
 from nemo_msa.megatron.phase import dense_warmup_active
+from nemo_msa.megatron.selection_replay import (
+    RECORD,
+    REPLAY,
+    ReplayEntry,
+    SelectionReplay,
+    document_map_anchor,
+    recompute_phase,
+)
 from nemo_msa.ops import select_blocks
 from nemo_msa.plan import MSAPlan
 from nemo_msa.support import check_runtime_arguments
@@ -182,6 +190,8 @@ class MSASelfAttention(SelfAttention):
             if sparse
             else None
         )
+        #: Under full recompute: the first forward's layout and selection, for the recompute.
+        self.selection_replay = SelectionReplay()
 
     # ------------------------------------------------------------------ helpers
     def _token_rotary_freqs(
@@ -265,7 +275,12 @@ class MSASelfAttention(SelfAttention):
             )
         seq_local, batch = hidden_states.shape[0], hidden_states.shape[1]
         seq = seq_local * self.world_size if self.config.sequence_parallel else seq_local
-        cp = context_parallel_layout_for_layer(
+        # Full recompute (ADR 0028): the first forward records its layout and selection, the
+        # recompute takes them back instead of building and scoring again.
+        replay = recompute_phase(self.config, self.training)
+        anchor = document_map_anchor(attention_mask, packed_seq_params)
+        entry = self.selection_replay.take(anchor, seq, batch) if replay == REPLAY else None
+        cp = entry.layout if entry is not None else context_parallel_layout_for_layer(
             attention_mask, packed_seq_params, batch, seq, hidden_states.device, self.config,
             self.pg_collection.cp,
         )
@@ -282,23 +297,29 @@ class MSASelfAttention(SelfAttention):
         # Queries stay local; every rank's keys and values (global compact order) travel.
         key, value = cp.gather(key), cp.gather(value)
 
-        need_loss = (
+        # The first forward of a full recompute has no grad, yet runs the kernels (and records
+        # the by-products) of the training forward its recompute will be; the loss is attached
+        # once, in the recompute.
+        trains_indexer = (
             self.is_msa_layer
             and self.training
-            and torch.is_grad_enabled()
+            and (torch.is_grad_enabled() or replay == RECORD)
             and self.config.msa_indexer_loss_coeff > 0
         )
+        need_loss = trains_indexer and torch.is_grad_enabled()
         sparse = self.is_msa_layer and not dense_warmup_active(self.config)
         log_recall = need_loss and self.config.msa_log_selection_recall
         plan = self.msa_plan
-        byproducts = need_loss and sparse and plan.loss_from_byproducts
+        byproducts = trains_indexer and sparse and plan.loss_from_byproducts
+        replayed = entry.selection if entry is not None and sparse else None
         selected = index_q = index_k = block_scores = block_keys = None
         if sparse or need_loss:
-            index_q, index_k = self.indexer(hidden_states, cp, freqs)
+            if replayed is None or need_loss:
+                index_q, index_k = self.indexer(hidden_states, cp, freqs)
             # During the dense warm-up the selection feeds only the recall metric (how much dense
             # attention mass the indexer's blocks would hold); attention stays dense.
             if sparse or log_recall:
-                selected = select_blocks(
+                selected = replayed if replayed is not None else select_blocks(
                     index_q.detach(),
                     index_k.detach(),
                     msa,
@@ -308,8 +329,12 @@ class MSASelfAttention(SelfAttention):
                     return_scores=byproducts,
                     queries=queries,
                 )
-                if byproducts:
-                    selected, block_scores, block_keys = selected
+        if replay == RECORD:
+            self.selection_replay.record(
+                anchor, ReplayEntry(cp, selected if sparse else None, seq, batch)
+            )
+        if byproducts:
+            selected, block_scores, block_keys = selected
         q2k = selected if sparse else None
         found = {}
 
@@ -331,7 +356,7 @@ class MSASelfAttention(SelfAttention):
         else:
             core = run_core(query, key, value)
 
-        if byproducts:
+        if byproducts and need_loss:
             loss, stats = sparse_indexer_loss_from_byproducts(
                 index_q,
                 index_k,

@@ -20,6 +20,7 @@ import torch
 __all__ = [
     "dense_warmup_active",
     "get_training_iteration",
+    "get_training_step_count",
     "indexer_parameters",
     "non_indexer_parameters",
     "set_main_parameters_trainable",
@@ -27,10 +28,17 @@ __all__ = [
 ]
 
 _ITERATION: int | None = None
+# How many times the iteration was set: a new step even when a failed one is retried.
+_STEP_COUNT = 0
 
 
 def set_training_iteration(iteration: int | None) -> None:
     """Tells every MSA layer of the process the current (0-based) training iteration.
+
+    Call it once per step, before the step's first forward (not per microbatch): each call starts
+    a new step, whose first act is to drop the selection-replay entries an earlier step left
+    (nemo_msa.megatron.selection_replay), so a call between a forward and its backward makes
+    that backward's recompute fail.
 
     Args:
         iteration: the iteration about to run, or None to forget it.
@@ -38,15 +46,22 @@ def set_training_iteration(iteration: int | None) -> None:
     Raises:
         ValueError: a negative iteration.
     """
-    global _ITERATION
+    global _ITERATION, _STEP_COUNT
     if iteration is not None and (isinstance(iteration, bool) or int(iteration) < 0):
         raise ValueError(f"iteration={iteration!r}; expected an int >= 0 or None")
     _ITERATION = None if iteration is None else int(iteration)
+    _STEP_COUNT += 1
 
 
 def get_training_iteration() -> int | None:
     """The iteration set by :func:`set_training_iteration` (None if never set)."""
     return _ITERATION
+
+
+def get_training_step_count() -> int:
+    """How many times :func:`set_training_iteration` was called (0 if never): changes at every
+    step of a loop that calls it, a retried iteration included."""
+    return _STEP_COUNT
 
 
 def dense_warmup_active(config) -> bool:

@@ -7,8 +7,11 @@ the same ``get_forward_backward_func()`` schedule as training with ``forward_onl
 It reports ``val_loss``, ``val_ppl`` and the validation loss per position bucket within the
 document (``val_loss/pos_<lo>-<hi>``): positions come from the document map, so a token's
 bucket is how much of its document precedes it in the row, which is where long-range use of
-attention shows. Every evaluation reads the same first ``eval_iters * global_batch_size``
-validation samples, so values at different steps (and of different runs) are comparable.
+attention shows. With ``train.eval_copy_marker`` it also reports ``val_loss/copy``: the loss
+of the tokens after their document's second marker (the second copy of a copy document), the
+long-range recall a model can only do by attending back to the first copy. Every evaluation
+reads the same first ``eval_iters * global_batch_size`` validation samples, so values at
+different steps (and of different runs) are comparable.
 
 :class:`StepFlops` counts each step's model FLOPs (:mod:`nemo_msa.training.flops`) and turns
 them into TFLOP/s per GPU and MFU. :func:`should_exit` is the ``train.exit_duration_in_mins``
@@ -62,30 +65,57 @@ def bucket_names(edges: list[int], seq_length: int) -> list[str]:
     return [f"pos_{_label(lo)}-{_label(hi)}" for lo, hi in zip(edges, highs, strict=True)]
 
 
-def _eval_loss_func(loss_mask, bucket, num_buckets, output_tensor):
-    """LM loss sum and tokens, plus [2, buckets] sums and counts, in Megatron's 3-tuple form."""
+def after_second_marker(tokens: torch.Tensor, positions: torch.Tensor,
+                        marker: int) -> torch.Tensor:
+    """Which tokens lie at or after the second ``marker`` of their document, within the row.
+
+    Args:
+        tokens: ``[b, S]`` int64, the row's input tokens.
+        positions: ``[b, S]`` int64, each token's position in its document within the row
+            (0 where a document starts or a row cuts it).
+        marker: the marker token id.
+
+    Returns:
+        ``[b, S]`` bool. The loss at such a position predicts the next token of a second copy.
+    """
+    counts = torch.cumsum((tokens == marker).to(torch.int64), dim=1)
+    # Markers before the document's first token in the row: counts one column left of it.
+    before = torch.nn.functional.pad(counts, (1, 0))
+    start = torch.arange(tokens.shape[1], device=tokens.device) - positions
+    return counts - torch.gather(before, 1, start) >= 2
+
+
+def _eval_loss_func(loss_mask, bucket, num_buckets, copies, output_tensor):
+    """LM loss sum and tokens, plus [2, buckets + 1] sums and counts (the last column: the
+    second-copy tokens, zero without a marker), in Megatron's 3-tuple form."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().to(torch.int)
-    per = torch.zeros(2, num_buckets, dtype=torch.float32, device=losses.device)
-    per[0].scatter_add_(0, bucket, (losses * mask).detach())
-    per[1].scatter_add_(0, bucket, mask)
+    per = torch.zeros(2, num_buckets + 1, dtype=torch.float32, device=losses.device)
+    per[0, :num_buckets].scatter_add_(0, bucket, (losses * mask).detach())
+    per[1, :num_buckets].scatter_add_(0, bucket, mask)
+    if copies is not None:
+        per[0, num_buckets] = torch.sum(losses.detach() * mask * copies)
+        per[1, num_buckets] = torch.sum(mask * copies)
     report = torch.cat([torch.stack([loss.detach(), num_tokens.detach().float()]),
                         per.view(-1)])
     return loss, num_tokens, {"val": report}
 
 
-def _eval_forward_step(hooks: TrainingHooks, edges, data_iterator, model):
+def _eval_forward_step(hooks: TrainingHooks, edges, marker, data_iterator, model):
     mb = next(data_iterator)
     output = model(mb.tokens, mb.position_ids, labels=mb.labels,
                    **hooks.model_forward_kwargs(mb.packed_seq_ids))
     pos = positions_from_document_ids(mb.packed_seq_ids)  # global [b, S]
+    # The second-copy group needs the whole row's tokens (the recipe allows it only with CP = 1).
+    copies = (None if marker is None
+              else after_second_marker(mb.tokens, pos, marker).reshape(-1).float())
     if mb.cp_size > 1:  # this CP rank's columns, as its tokens and losses
         pos = split_for_context_parallel(pos, 1, mb.cp_size, ps.get_context_parallel_rank())
     pos = pos.reshape(-1)
     bucket = torch.bucketize(pos, edges, right=True) - 1
-    return output, partial(_eval_loss_func, mb.loss_mask, bucket, edges.numel())
+    return output, partial(_eval_loss_func, mb.loss_mask, bucket, edges.numel(), copies)
 
 
 class Evaluator:
@@ -140,7 +170,8 @@ class Evaluator:
         return self.enabled and self.last_evaluated != iteration and iteration > 0
 
     def run(self, iteration: int) -> dict[str, float]:
-        """Evaluate now; return ``val_loss``, ``val_ppl`` and ``val_loss/pos_*`` (all ranks)."""
+        """Evaluate now; return ``val_loss``, ``val_ppl``, ``val_loss/pos_*`` and, with a copy
+        marker, ``val_loss/copy`` (all ranks)."""
         t0 = time.perf_counter()
         train = self.recipe.train
         source = MicrobatchSource(
@@ -151,7 +182,7 @@ class Evaluator:
             reset_position_ids=self.recipe.dataset.reset_position_ids,
             cp_size=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank())
         nb = len(self.edges_list)
-        buf = torch.zeros(2 + 2 * nb, dtype=torch.float64, device=self.device)
+        buf = torch.zeros(2 + 2 * (nb + 1), dtype=torch.float64, device=self.device)
         owner = (ps.is_pipeline_last_stage(ignore_virtual=True)
                  and ps.get_tensor_model_parallel_rank() == 0)
         for m in self.chunks:
@@ -164,7 +195,8 @@ class Evaluator:
                     iterators = shared.iterators()
                     seq = self.recipe.gpt.seq_length
                     reports = self.forward_backward(
-                        forward_step_func=partial(_eval_forward_step, self.hooks, self.edges),
+                        forward_step_func=partial(_eval_forward_step, self.hooks, self.edges,
+                                                  train.eval_copy_marker),
                         data_iterator=iterators if len(self.chunks) > 1 else iterators[0],
                         model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
                         num_microbatches=source.num_microbatches, seq_length=seq,
@@ -180,10 +212,10 @@ class Evaluator:
         values = buf.tolist()
         loss = values[0] / max(values[1], 1.0)
         out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
-        for i, name in enumerate(self.names):
-            count = values[2 + nb + i]
+        sums, counts = values[2:3 + nb], values[3 + nb:]
+        for name, total, count in zip([*self.names, "copy"], sums, counts, strict=True):
             if count > 0:
-                out[f"val_loss/{name}"] = values[2 + i] / count
+                out[f"val_loss/{name}"] = total / count
         self.last_evaluated = iteration
         self.seconds += time.perf_counter() - t0
         return out

@@ -173,6 +173,7 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "train.exit_interval": (0, False, None, False),
     "train.eval_interval": (0, False, None, False),
     "train.eval_iters": (0, False, None, False),
+    "train.eval_copy_marker": (0, True, None, False),
     "train.exit_duration_in_mins": (0, False, None, False),
     "scheduler.lr_warmup_init": (0, True, None, False),
     "scheduler.lr_decay_iters": (0, False, None, False),
@@ -301,6 +302,15 @@ def _check_values(r: Recipe) -> None:
         require(r.scheduler.lr_wsd_decay_style in WSD_DECAY_STYLES,
                 "scheduler.lr_wsd_decay_style", r.scheduler.lr_wsd_decay_style,
                 f"one of {', '.join(WSD_DECAY_STYLES)}")
+    marker = r.train.eval_copy_marker
+    if marker is not None:
+        require(marker < r.gpt.vocab_size, "train.eval_copy_marker", marker,
+                f"a token id below model.vocab_size = {r.gpt.vocab_size}")
+        # The marker count runs along the whole row; a CP rank holds two chunks of it.
+        require(int(r.model.get("context_parallel_size", 1) or 1) == 1,
+                "train.eval_copy_marker", marker,
+                "null with model.context_parallel_size > 1 (the recall loss counts markers "
+                "along whole rows)")
     optimizer = r.optimizer.get("optimizer", "adam")
     require(optimizer in ("adam", "sgd"), "optimizer.optimizer", optimizer,
             "'adam' or 'sgd' (Megatron-Core's own optimizers)")

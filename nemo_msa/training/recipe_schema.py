@@ -57,6 +57,11 @@ class TrainConfig:
     eval_interval: int | None = None
     #: Global batches of validation data per evaluation (Megatron's --eval-iters).
     eval_iters: int = 10
+    #: A token id that marks a copy document (``marker, text, marker, text``, as
+    #: scripts/prepare_corpus.py --copy-fraction writes them): the evaluation also reports
+    #: ``val_loss/copy``, the loss of the tokens that follow their document's second marker,
+    #: which only an attention that reaches back to the first copy predicts. Null: not reported.
+    eval_copy_marker: int | None = None
     #: Stop this run (final evaluation and checkpoint included) after the first step that ends
     #: this many minutes after the first step began (Megatron's --exit-duration-in-mins).
     exit_duration_in_mins: float | None = None

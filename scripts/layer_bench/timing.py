@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import statistics
 import time
 
@@ -60,17 +61,25 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-def profile_top(fn, on_gpu: bool, top: int) -> list[dict]:
+def profile_top(fn, on_gpu: bool, top: int, trace: str | None = None) -> list[dict]:
     """The ``top`` kernels of one call of ``fn`` by device time (CPU ops by CPU time on CPU).
+
+    Args:
+        trace: where to write the call's Chrome trace (host ops and kernels, so a kernel can be
+            traced back to the op and module that launched it); None writes none.
 
     Returns:
         ``[{"name", "ms", "calls"}]``, largest first.
     """
     activities = [ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
+    if trace is not None and on_gpu:
+        activities.append(ProfilerActivity.CPU)
     with profile(activities=activities) as prof:
         fn()
         if on_gpu:
             torch.cuda.synchronize()
+    if trace is not None:
+        prof.export_chrome_trace(trace)
     events = list(prof.key_averages())
     if on_gpu:
         kernels = [e for e in events
@@ -137,5 +146,9 @@ def run_timed(bench, args, on_gpu: bool, row: dict, key: str) -> None:
     row["status"] = "ok"
     if args.profile:
         inputs = prepare()
-        row["kernels"] = profile_top(lambda: run(inputs), on_gpu, args.profile_top)
+        trace = None
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+            trace = os.path.join(args.trace, f"{row['case']}_{row['tokens']}.json")
+        row["kernels"] = profile_top(lambda: run(inputs), on_gpu, args.profile_top, trace)
 

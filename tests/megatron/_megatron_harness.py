@@ -11,7 +11,8 @@ import os
 import socket
 import traceback
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -19,6 +20,10 @@ import torch
 VOCAB = 96
 SEQ = 128
 MICRO_BATCH = 2
+#: Full activation recompute, one layer per checkpoint (ADR 0028: selection replay).
+FULL_RECOMPUTE = dict(
+    recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+)
 
 
 def free_port() -> int:
@@ -269,6 +274,38 @@ def spawn(fn: Callable, world_size: int, timeout: float = 240.0, **kwargs) -> di
     return results
 
 
+@contextmanager
+def count_selections() -> Iterator[dict]:
+    """Counts the block selections (scoring passes) of MSA layers inside the block, and the most
+    selection-replay entries one layer held at once (> 1: microbatches interleaved on it)."""
+    from nemo_msa.megatron import msa_attention
+    from nemo_msa.megatron.selection_replay import SelectionReplay
+
+    counts = {"selections": 0, "max_in_flight": 0}
+    select, record = msa_attention.select_blocks, SelectionReplay.record
+
+    def counting_select(*args, **kwargs):
+        counts["selections"] += 1
+        return select(*args, **kwargs)
+
+    def counting_record(store, anchor, entry):
+        record(store, anchor, entry)
+        counts["max_in_flight"] = max(counts["max_in_flight"], len(store))
+
+    msa_attention.select_blocks, SelectionReplay.record = counting_select, counting_record
+    try:
+        yield counts
+    finally:
+        msa_attention.select_blocks, SelectionReplay.record = select, record
+
+
+def pending_replay_entries(chunks: list) -> int:
+    """Selection-replay entries still held by the chunks' MSA layers."""
+    from nemo_msa.megatron import SelectionReplay
+
+    return sum(len(m) for c in chunks for m in c.modules() if isinstance(m, SelectionReplay))
+
+
 # ---------------------------------------------------------------------- rank functions
 def train_step_worker(
     rank: int,
@@ -302,13 +339,16 @@ def train_step_worker(
     MSAIndexerLossAutoScaler.reset()
     MSAIndexerMetrics.reset()
     builds_before = MSAMicrobatch.num_builds()
-    losses = run_schedule(chunks, batches, shared=shared)
+    with count_selections() as counts:
+        losses = run_schedule(chunks, batches, shared=shared)
     builds = MSAMicrobatch.num_builds() - builds_before
     metrics = MSAIndexerMetrics.pop(num_layers=config.num_layers)
     grads = full_gradients(chunks)
     return {
         "losses": losses,
         "builds": builds,
+        **counts,
+        "pending_replay": pending_replay_entries(chunks),
         "metrics": metrics,
         "grads": grads if ps.get_tensor_model_parallel_rank() == 0 else {},
         "pp_rank": ps.get_pipeline_model_parallel_rank(),
@@ -323,6 +363,7 @@ PARALLEL_LAYOUTS = {
     "pp2": (1, 2, None, True, {}),
     "pp2_vpp2": (1, 2, 2, True, {}),
     "pp2_vpp2_unshared": (1, 2, 2, False, {}),
+    "pp2_vpp2_full_recompute": (1, 2, 2, True, FULL_RECOMPUTE),
     "tp1_sparse_loss": (1, 1, None, True, {"msa_indexer_loss_type": "sparse"}),
     "tp2_sparse_loss": (2, 1, None, True, {"msa_indexer_loss_type": "sparse"}),
 }
@@ -537,6 +578,7 @@ CP_VARIANTS = {
     "dense_loss": {},
     "sparse_loss": {"msa_indexer_loss_type": "sparse"},
     "warmup": {"msa_dense_warmup_steps": 100},
+    "sparse_loss_full_recompute": {"msa_indexer_loss_type": "sparse", **FULL_RECOMPUTE},
 }
 
 
@@ -593,8 +635,9 @@ def context_parallel_worker(
             MSAIndexerLossAutoScaler.reset()
             MSAIndexerMetrics.reset()
             cp_rank = ps.get_context_parallel_rank()
-            steps = [_cp_step(chunk, batch, cp, cp_rank, local_ids=index == 1)
-                     for index, batch in enumerate(batches)]
+            with count_selections() as counts:
+                steps = [_cp_step(chunk, batch, cp, cp_rank, local_ids=index == 1)
+                         for index, batch in enumerate(batches)]
             grads = full_gradients([chunk])
             if cp > 1:
                 for grad in grads.values():
@@ -610,6 +653,8 @@ def context_parallel_worker(
                 "grads": grads,
                 "metrics": MSAIndexerMetrics.pop(num_layers=config.num_layers),
                 "cp_rank": cp_rank,
+                **counts,
+                "pending_replay": pending_replay_entries([chunk]),
             }
             set_training_iteration(None)
             ps.destroy_model_parallel()

@@ -33,6 +33,24 @@ def test_cp2_matches_cp1(runs, name):
     _check_cp_against_reference(runs, name, 2)
 
 
+def test_cp2_full_recompute_replays_the_selection_bitwise(runs):
+    """Full recompute at CP = 2 (ADR 0028): the recompute takes back the layout (no second
+    gather of the document map) and this rank's selection: the same per-token losses, gradients
+    and metrics as CP = 2 without recompute, bit for bit, one scoring per MSA layer and
+    microbatch."""
+    for rank, result in runs.items():
+        plain = result[("sparse_loss", 2)]
+        recomputed = result[("sparse_loss_full_recompute", 2)]
+        assert recomputed["losses"] == plain["losses"], rank
+        for out, ref in zip(recomputed["per_token"], plain["per_token"], strict=True):
+            assert torch.equal(out, ref), rank
+        for key, ref in plain["grads"].items():
+            assert torch.equal(recomputed["grads"][key], ref), (rank, key)
+        assert recomputed["metrics"] == plain["metrics"], rank
+        assert recomputed["selections"] == plain["selections"] == 3 * 2, rank
+        assert recomputed["builds"] == [1, 1] and recomputed["pending_replay"] == 0, rank
+
+
 @pytest.fixture(scope="module")
 def tp2_cp2_runs():
     from _megatron_harness import context_parallel_worker

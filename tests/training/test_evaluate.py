@@ -95,6 +95,21 @@ def test_evaluation_without_a_validation_split_is_an_error(tmp_path):
         train(["train.eval_interval=2", "train.eval_iters=0"])
 
 
+def test_copy_marker_is_a_token_id_of_a_run_without_context_parallelism():
+    from nemo_msa.training.recipe import load_recipe
+
+    with pytest.raises(RecipeError, match=r"train.eval_copy_marker' = 300: expected a token id "
+                       r"below model.vocab_size = 257"):
+        load_recipe(None, ["model.vocab_size=257", "train.eval_copy_marker=300"])
+    with pytest.raises(RecipeError, match=r"train.eval_copy_marker' = -1"):
+        load_recipe(None, ["train.eval_copy_marker=-1"])
+    with pytest.raises(RecipeError, match=r"train.eval_copy_marker' = 0: expected null with "
+                       r"model.context_parallel_size > 1"):
+        load_recipe(None, ["train.eval_copy_marker=0", "model.context_parallel_size=2",
+                           "model.seq_length=256"])
+    assert load_recipe(None, ["train.eval_copy_marker=0"]).train.eval_copy_marker == 0
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -1,0 +1,85 @@
+"""Attributes the kernels of a Chrome trace (``bench_layer.py --profile --trace DIR``) to the host
+op that launched them: the autograd node for backward kernels, the outermost > innermost aten op
+for forward ones; GEMMs and Triton kernels are grouped apart from the small kernels, so the
+fixed cost around the indexer, the selection and the loss shows by the code that causes it.
+
+Usage::
+
+    python scripts/layer_bench/trace_attribution.py TRACE.json[.gz] [...] [--top N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def load(path: str) -> dict:
+    """The trace's events (gzip or plain JSON)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def host_stack(launch: dict, ops_by_thread: dict) -> list[str]:
+    """Names of the host ops enclosing a kernel launch, outermost first."""
+    t = launch["ts"]
+    around = [op for op in ops_by_thread[launch["tid"]] if op["ts"] <= t <= op["ts"] + op["dur"]]
+    around.sort(key=lambda op: (op["ts"], -op["dur"]))
+    return [op["name"] for op in around]
+
+
+def kernel_kind(name: str) -> str:
+    """GEMM (cuBLAS), TRITON:<kernel> (ours: Triton names start with '_') or small."""
+    if "nvjet" in name or "gemm" in name or "gemv" in name:
+        return "GEMM"
+    return f"TRITON:{name}" if name.startswith("_") else "small"
+
+
+def attribute(trace: dict) -> tuple[float, collections.Counter, collections.Counter]:
+    """GPU busy time (us), and time (us) and count per (kind, launching op) group."""
+    events = trace["traceEvents"]
+    kernels = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    ops_by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops_by_thread[e["tid"]].append(e)
+    time, count = collections.Counter(), collections.Counter()
+    for k in kernels:
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        stack = host_stack(launch, ops_by_thread) if launch else []
+        backward = [s.split(": ")[-1] for s in stack if s.startswith("autograd::engine")]
+        owner = backward[0] if backward else (stack[0] if stack else "?")
+        kind = kernel_kind(k["name"])
+        if kind == "small":
+            owner = f"{owner} > {stack[-1] if stack else '?'}"
+        time[(kind, owner)] += k["dur"]
+        count[(kind, owner)] += 1
+    return sum(k["dur"] for k in kernels), time, count
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("traces", nargs="+")
+    ap.add_argument("--top", type=int, default=40)
+    args = ap.parse_args()
+    for path in args.traces:
+        busy, time, count = attribute(load(path))
+        by_kind = collections.Counter()
+        for (kind, _), us in time.items():
+            by_kind[kind.split(":")[0]] += us
+        print(f"== {path}: GPU busy {busy / 1e3:.1f} ms over {sum(count.values())} kernels")
+        print("  by kind (ms):", {k: round(v / 1e3, 1) for k, v in by_kind.items()})
+        for key, us in time.most_common(args.top):
+            print(f"  {us / 1e3:8.3f} ms {count[key]:4d}  {key[0][:22]:22s} {key[1][:110]}")
+
+
+if __name__ == "__main__":
+    main()
