@@ -46,6 +46,13 @@ Usage::
     python scripts/bench_layer.py --tokens 8192,32768,131072 --json layer.json [--profile]
     python scripts/bench_layer.py --tiny --json /tmp/layer.json   # CPU, gloo, seconds
 
+``--m3-block`` times the real MiniMax-M3 block instead of the dense-FFN stand-in: one MoE
+layer as recipes/minimax_m3_msa.yaml builds layers 4-60 (SwiGLU-OAI, Gemma RMSNorm, QK norm,
+sigmoid top-4 routing with expert bias and scaling 2, one shared expert of 3072, ``--experts``
+routed experts of 3072, default all 128: 14.5 GB of bf16 weights and as much of gradients fit
+one H200), Megatron's local MoE layer (SequentialMLP, all-to-all dispatcher); the ``dense``
+case is the same block with dense attention (default cases: dense,msa_loss_off,msa_sparse_loss).
+
 ``--tiny`` builds a tiny model (hidden 128, 4/2 heads of 32, blocks of 16, top-4, vocab 256,
 fp32 on the CPU through ``nemo_msa.megatron.cpu_shim``) so the whole script runs end to end
 without a GPU.
@@ -80,7 +87,10 @@ from layer_bench.model import (  # noqa: E402
     ATTENTION_ROWS,
     CASES,
     M3,
+    M3_BLOCK,
     TINY,
+    TINY_BLOCK,
+    Block,
     Shape,
     build_model,
     case_config,
@@ -152,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel table (torch.profiler) of one more step per row")
     ap.add_argument("--profile-top", type=int, default=12)
+    ap.add_argument("--m3-block", action="store_true",
+                    help="the real M3 block: one MoE layer (see the module docstring)")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="routed experts of --m3-block (default 128; --tiny 4)")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="with --profile: write each profiled step's Chrome trace to DIR")
     ap.add_argument("--tiny", action="store_true", help="tiny model (runs on the CPU in seconds)")
@@ -160,6 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         raise SystemExit(f"--steps={args.steps} --warmup={args.warmup}: expected both >= 1")
+    block = None
+    if args.m3_block:
+        block = TINY_BLOCK if args.tiny else M3_BLOCK
+        if args.experts is not None:
+            if args.experts < block.topk:
+                raise SystemExit(f"--experts={args.experts}: expected >= the top-k {block.topk}")
+            block = Block(**{**block.__dict__, "experts": args.experts})
+        if args.cases == ",".join(CASES):
+            args.cases = "dense,msa_loss_off,msa_sparse_loss"
+    elif args.experts is not None:
+        raise SystemExit("--experts needs --m3-block")
     cases = parse_list(args.cases, CASES, "--cases")
     sizes = parse_list(args.tokens or ("128,256" if args.tiny else "8192,32768,131072"), None,
                        "--tokens")
@@ -194,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         triton_version = None
     log(f"bench_layer: {gpu}, torch {torch.__version__}, triton {triton_version}, shape "
-         f"{shape}, dtype {dtype}, steps {args.steps} after {args.warmup} warm-up")
+         f"{shape}, M3 block {block}, dtype {dtype}, steps {args.steps} after {args.warmup} "
+         "warm-up")
 
     rows: list[dict] = []
     result = {
@@ -204,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton_version,
         "command": " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
         "shape": shape.__dict__,
+        "m3_block": block.__dict__ if block is not None else None,
         "dtype": str(dtype),
         "step": "forward + backward of the mean LM loss (+ indexer loss where on); optimizer "
         "step excluded",
@@ -218,9 +245,11 @@ def main(argv: list[str] | None = None) -> int:
             write_json(args.json, result)
 
     for case in cases:
-        config = case_config(case, shape, on_gpu)
+        config = case_config(case, shape, on_gpu, block)
         set_training_iteration(0)
         model = build_model(config, shape, max(sizes), on_gpu)
+        layer = getattr(model, "module", model).decoder.layers[0]
+        log(f"{case}: {type(layer.self_attention).__name__}, {type(layer.mlp).__name__}")
         blocked = None
         for tokens in sizes:
             row = {"tokens": tokens, "case": case, "step_ms": None, "peak_gib": None}

@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler
 from nemo_msa.support import MSATopology
 
-__all__ = ["MSATransformerConfig", "normalize_layer_pattern"]
+__all__ = ["MSATransformerConfig", "normalize_layer_pattern", "normalize_moe_layer_freq"]
 
 _SPARSE_CHARS = "S"
 _DENSE_CHARS = "D"
@@ -72,6 +72,37 @@ def normalize_layer_pattern(
             f"num_layers={num_layers}"
         )
     return flags
+
+
+def normalize_moe_layer_freq(
+    freq: int | Sequence[int], num_layers: int, num_moe_experts: int | None
+) -> tuple[bool, ...]:
+    """Which layers have an MoE MLP, as Megatron reads ``moe_layer_freq``.
+
+    Args:
+        freq: a positive int N (an MoE MLP on layers 0, N, 2N, ..., Megatron's
+            ``get_gpt_decoder_layer_specs``) or ``num_layers`` values 0 (dense MLP) / 1 (MoE),
+            e.g. ``[0, 0, 0] + [1] * 57`` for MiniMax-M3.
+        num_layers: the model's ``num_layers``.
+        num_moe_experts: None makes every layer dense whatever ``freq`` says.
+
+    Returns:
+        Tuple of ``num_layers`` bools, index i describing layer i + 1.
+
+    Raises:
+        ValueError: naming ``moe_layer_freq``, its value and what was expected.
+    """
+    if num_moe_experts is None:
+        return (False,) * num_layers
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
+        return tuple(i % freq == 0 for i in range(num_layers))
+    if (isinstance(freq, (list, tuple)) and len(freq) == num_layers
+            and all(type(v) is int and v in (0, 1) for v in freq)):
+        return tuple(bool(v) for v in freq)
+    raise ValueError(
+        f"moe_layer_freq={freq!r}; expected a positive int (an MoE layer every N layers) or a "
+        f"list of num_layers={num_layers} values 0 (dense MLP) / 1 (MoE MLP)"
+    )
 
 
 @dataclass
@@ -152,11 +183,12 @@ class MSATransformerConfig(TransformerConfig):
         if self.msa_num_index_heads is None:
             self.msa_num_index_heads = self.num_query_groups
         self._validate_msa_fields()
-        if len(set(self.msa_layer_flags)) > 1:
-            # MSA and dense layers have different parameters (dense ones have no indexer), so the
-            # layers cannot be stacked into one [num_layers, ...] tensor per key in a
-            # distributed checkpoint; save them per layer (decoder.layers.<i>.*), as Megatron
-            # does for mixed MoE/dense patterns.
+        moe_flags = normalize_moe_layer_freq(self.moe_layer_freq, self.num_layers,
+                                             self.num_moe_experts)
+        if len(set(self.msa_layer_flags)) > 1 or len(set(moe_flags)) > 1:
+            # MSA and dense layers have different parameters (dense ones have no indexer, dense
+            # MLPs no router), so the layers cannot be stacked into one [num_layers, ...] tensor
+            # per key in a distributed checkpoint; save them per layer (decoder.layers.<i>.*).
             self.hetereogenous_dist_checkpoint = True
 
     # ------------------------------------------------------------------ validation
@@ -193,6 +225,7 @@ class MSATransformerConfig(TransformerConfig):
         if self.msa_backend is not None and not isinstance(self.msa_backend, str):
             raise ValueError(f"msa_backend={self.msa_backend!r}; expected a backend name or None")
         normalize_layer_pattern(self.msa_layer_pattern, self.num_layers)
+        normalize_moe_layer_freq(self.moe_layer_freq, self.num_layers, self.num_moe_experts)
 
         # Topology and score type: the same check the layers run when they are built.
         MSATopology.from_config(self).validate()

@@ -239,7 +239,8 @@ def check_cpu_config(config: Any) -> None:
     Raises:
         ValueError: naming the field and its value when it differs from
             :func:`cpu_config_overrides` (``batch_p2p_comm=True`` gives wrong gradients with
-            interleaved pipelining on gloo, silently).
+            interleaved pipelining on gloo, silently), or an MoE model whose token dispatcher
+            is not ``"allgather"``.
     """
     for name, expected in cpu_config_overrides().items():
         value = getattr(config, name, expected)
@@ -248,6 +249,13 @@ def check_cpu_config(config: Any) -> None:
                 f"config.{name}={value!r} is not supported on the CPU/gloo; expected {expected!r} "
                 "(see nemo_msa.megatron.cpu_shim.cpu_config_overrides)"
             )
+    dispatcher = getattr(config, "moe_token_dispatcher_type", "allgather")
+    if getattr(config, "num_moe_experts", None) is not None and dispatcher != "allgather":
+        # The all-to-all dispatcher makes a torch.cuda.Stream at construction; flex needs DeepEP.
+        raise ValueError(
+            f"config.moe_token_dispatcher_type={dispatcher!r} is not supported on the CPU/gloo; "
+            "expected 'allgather' (the alltoall dispatcher creates a CUDA stream)"
+        )
 
 
 def init_gloo_process_group(

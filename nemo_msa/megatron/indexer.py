@@ -32,14 +32,15 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import (
     divide,
     get_pg_size,
-    get_tensor_model_parallel_group_if_none,
 )
 
 from nemo_msa.context_parallel import ContextParallelLayout
 from nemo_msa.megatron.microbatch import pack_sbhd
+from nemo_msa.megatron.norms import GemmaRMSNorm, RMSNorm
 
 __all__ = [
     "GemmaRMSNorm",
+    "RMSNorm",
     "MSAIndexer",
     "MSAIndexerSubmodules",
     "ReplicatedLinear",
@@ -55,60 +56,16 @@ class MSAIndexerSubmodules:
             (``self_attn.index_q_proj``); called like Megatron's ``linear_qkv``.
         index_k_proj: replicated linear hidden -> index_head_dim, no bias
             (``self_attn.index_k_proj``); called with ``parallel_mode="duplicated"``.
-        index_q_norm: per-head RMSNorm over index_head_dim, weight + 1 (``index_q_norm``).
-        index_k_norm: RMSNorm over index_head_dim, weight + 1 (``index_k_norm``).
+        index_q_norm: per-head RMSNorm over index_head_dim (``index_q_norm``); the layer specs
+            build :class:`nemo_msa.megatron.norms.RMSNorm`, whose weight convention (``1 + w`` or
+            ``w``) follows ``config.layernorm_zero_centered_gamma`` like every norm of the layer.
+        index_k_norm: RMSNorm over index_head_dim (``index_k_norm``), the same.
     """
 
     index_q_proj: ModuleSpec | type | None = None
     index_k_proj: ModuleSpec | type | None = None
     index_q_norm: ModuleSpec | type | None = None
     index_k_norm: ModuleSpec | type | None = None
-
-
-class GemmaRMSNorm(MegatronModule):
-    """RMSNorm with a zero-centred weight (``y = x / rms(x) * (1 + weight)``), fp32 inside.
-
-    Megatron's local norm (torch.nn.RMSNorm) has no zero-centred variant, and the index norms are
-    Gemma-style in the MiniMax-M3 checkpoint whatever ``layernorm_zero_centered_gamma`` says for
-    the rest of the model; so the indexer carries its own.
-
-    Args:
-        config: the model config (init is zeros, i.e. an identity scale).
-        hidden_size: normalized channels (index_head_dim).
-        eps: added to the mean square.
-        tp_group: the tensor-parallel group (default: Megatron's); the weight is replicated on it.
-        sum_grad_across_tp: sum the weight's gradient over ``tp_group`` inside autograd (the
-            weight is replicated but each rank normalizes only its own heads).
-    """
-
-    def __init__(
-        self,
-        config: TransformerConfig,
-        hidden_size: int,
-        eps: float = 1e-6,
-        tp_group: torch.distributed.ProcessGroup | None = None,
-        sum_grad_across_tp: bool = False,
-    ) -> None:
-        super().__init__(config=config)
-        self.hidden_size = hidden_size
-        self.eps = eps
-        self.weight = torch.nn.Parameter(
-            torch.zeros(hidden_size, dtype=config.params_dtype, device=_param_device(config))
-        )
-        if tp_group is None:
-            tp_group = get_tensor_model_parallel_group_if_none(None)
-        # Also what MegatronModule.sharded_state_dict uses for the replica ids of the weight.
-        self.tp_group = tp_group
-        self._sum_grad = sum_grad_across_tp and get_pg_size(tp_group) > 1
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalizes the last dim of ``x [..., hidden_size]``; returns x's dtype."""
-        weight = self.weight
-        if self._sum_grad:
-            weight = copy_to_tensor_model_parallel_region(weight, group=self.tp_group)
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + weight.float())).to(x.dtype)
 
 
 class ReplicatedLinear(MegatronModule):
@@ -170,9 +127,10 @@ class ReplicatedLinear(MegatronModule):
         return torch.nn.functional.linear(x, self.weight, self.bias), None
 
 
-def _param_device(config: TransformerConfig) -> torch.device:
+def _param_device(config: TransformerConfig) -> torch.device | None:
+    # None: torch's default device (the CPU, or "meta" inside ``with torch.device("meta")``).
     if config.use_cpu_initialization or not torch.cuda.is_available():
-        return torch.device("cpu")
+        return None
     return torch.device("cuda", torch.cuda.current_device())
 
 

@@ -52,15 +52,11 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from nemo_msa.megatron.config import normalize_layer_pattern
+from nemo_msa.megatron.config import normalize_layer_pattern, normalize_moe_layer_freq
 from nemo_msa.megatron.core_attention import MSACoreAttention
-from nemo_msa.megatron.indexer import (
-    GemmaRMSNorm,
-    MSAIndexer,
-    MSAIndexerSubmodules,
-    ReplicatedLinear,
-)
+from nemo_msa.megatron.indexer import MSAIndexer, MSAIndexerSubmodules, ReplicatedLinear
 from nemo_msa.megatron.msa_attention import MSASelfAttention, MSASelfAttentionSubmodules
+from nemo_msa.megatron.norms import RMSNorm
 
 __all__ = [
     "TRANSFORMER_IMPLS",
@@ -68,6 +64,8 @@ __all__ = [
     "get_msa_decoder_layer_specs",
     "get_msa_layer_spec",
     "get_msa_self_attention_spec",
+    "layer_norm_builder",
+    "moe_layer_flags",
     "spec_provider",
     "te_unavailable_reason",
 ]
@@ -132,6 +130,42 @@ def _check_sequence_parallel(config: TransformerConfig | None, transformer_impl:
         )
 
 
+def layer_norm_builder(
+    config: TransformerConfig | None, transformer_impl: str, for_qk: bool = False
+):
+    """The norm of the layer's norms (input, pre-MLP, q/k, final) for ``transformer_impl``.
+
+    Megatron's provider's norm, except where the local one cannot honour the config: with
+    ``layernorm_zero_centered_gamma=True`` Megatron's local norm (``WrappedTorchNorm``) refuses,
+    so the local spec builds :class:`nemo_msa.megatron.norms.RMSNorm` (``x * (1 + w)``).
+    TE's ``TENorm`` reads ``layernorm_zero_centered_gamma`` itself.
+
+    Raises:
+        ValueError: zero-centred gamma with a local LayerNorm (no local implementation).
+    """
+    normalization = getattr(config, "normalization", "LayerNorm")
+    rms = normalization == "RMSNorm"
+    zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+    if transformer_impl == "local" and zero_centered:
+        if not rms:
+            raise ValueError(
+                f"layernorm_zero_centered_gamma=True with normalization={normalization!r} and "
+                "transformer_impl='local': the local spec has a zero-centred RMSNorm only; use "
+                "normalization='RMSNorm' or transformer_impl='transformer_engine'"
+            )
+        return RMSNorm
+    return spec_provider(transformer_impl).layer_norm(rms_norm=rms, for_qk=for_qk)
+
+
+def moe_layer_flags(config: TransformerConfig | None) -> tuple[bool, ...]:
+    """One bool per layer (True = MoE MLP) from ``num_moe_experts`` and ``moe_layer_freq``
+    (:func:`nemo_msa.megatron.config.normalize_moe_layer_freq`); empty without a config."""
+    if config is None:
+        return ()
+    return normalize_moe_layer_freq(getattr(config, "moe_layer_freq", 1), config.num_layers,
+                                    getattr(config, "num_moe_experts", None))
+
+
 def get_msa_self_attention_spec(
     config: TransformerConfig | None = None,
     *,
@@ -153,11 +187,10 @@ def get_msa_self_attention_spec(
     impl = _resolve_impl(config, transformer_impl)
     provider = spec_provider(impl)
     qk_layernorm = bool(getattr(config, "qk_layernorm", False))
-    rms = getattr(config, "normalization", "LayerNorm") == "RMSNorm"
     column, row = provider.column_parallel_linear(), provider.row_parallel_linear()
     # The shared index key head is replicated: TE's plain linear, or this package's.
     replicated = provider.linear() if impl == "transformer_engine" else ReplicatedLinear
-    qk_norm = provider.layer_norm(rms_norm=rms, for_qk=True)
+    qk_norm = layer_norm_builder(config, impl, for_qk=True) if qk_layernorm else IdentityOp
 
     indexer = None
     if sparse:
@@ -166,10 +199,10 @@ def get_msa_self_attention_spec(
             submodules=MSAIndexerSubmodules(
                 index_q_proj=column,
                 index_k_proj=replicated,
-                # Gemma-style (weight + 1) whatever the implementation: the checkpoint's
-                # convention.
-                index_q_norm=GemmaRMSNorm,
-                index_k_norm=GemmaRMSNorm,
+                # Replicated over TP with their own gradient reduction, in both implementations;
+                # ``1 + w`` or ``w`` by config.layernorm_zero_centered_gamma, like the other norms.
+                index_q_norm=RMSNorm,
+                index_k_norm=RMSNorm,
             ),
         )
     return ModuleSpec(
@@ -179,8 +212,8 @@ def get_msa_self_attention_spec(
             linear_qkv=column,
             core_attention=MSACoreAttention,
             linear_proj=row,
-            q_layernorm=qk_norm if qk_layernorm else IdentityOp,
-            k_layernorm=qk_norm if qk_layernorm else IdentityOp,
+            q_layernorm=qk_norm,
+            k_layernorm=qk_norm,
             indexer=indexer,
         ),
     )
@@ -190,16 +223,20 @@ def get_msa_layer_spec(
     config: TransformerConfig | None = None,
     *,
     sparse: bool = True,
+    moe: bool | None = None,
     transformer_impl: str | None = None,
 ) -> ModuleSpec:
     """Spec of one transformer layer with MSA (or dense-document) self-attention.
 
-    The MLP (dense or MoE: ``num_moe_experts``, ``moe_grouped_gemm``) and norms follow
-    Megatron's GPT layer spec of the same implementation.
+    The MLP (dense, or Megatron's MoE layer: router, routed experts, shared expert, by the
+    config's ``num_moe_experts``, ``moe_grouped_gemm``, ``moe_shared_expert_intermediate_size``)
+    comes from Megatron's GPT layer spec of the same implementation; the norms follow
+    ``normalization`` and ``layernorm_zero_centered_gamma`` (:func:`layer_norm_builder`).
 
     Args:
         config: the MSATransformerConfig (None: local, LayerNorm, dense MLP).
         sparse: MSA layer (True) or dense-document layer (False).
+        moe: MoE MLP (True) or dense MLP (False); None: MoE whenever ``num_moe_experts`` is set.
         transformer_impl: "local", "transformer_engine", or None (config.transformer_impl).
 
     Returns:
@@ -212,7 +249,12 @@ def get_msa_layer_spec(
     impl = _resolve_impl(config, transformer_impl)
     _check_sequence_parallel(config, impl)
     num_experts = getattr(config, "num_moe_experts", None)
-    grouped = bool(getattr(config, "moe_grouped_gemm", False))
+    if moe is None:
+        moe = num_experts is not None
+    if moe and num_experts is None:
+        raise ValueError("moe=True needs config.num_moe_experts; it is None")
+    num_experts = num_experts if moe else None
+    grouped = bool(getattr(config, "moe_grouped_gemm", False)) and moe
     normalization = getattr(config, "normalization", "LayerNorm")
     if impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -223,19 +265,22 @@ def get_msa_layer_spec(
             num_experts=num_experts, moe_grouped_gemm=grouped
         )
         # Not fused into linear_qkv: the indexer reads the normalized hidden states too.
-        input_layernorm = spec_provider(impl).layer_norm()
+        input_layernorm = layer_norm_builder(config, impl)
         keys_map = {"input_layernorm.": _KEYS_MAP["input_layernorm."]}
     else:
         base = get_gpt_layer_local_submodules(
             num_experts=num_experts, moe_grouped_gemm=grouped, normalization=normalization
         )
-        input_layernorm = base.input_layernorm
+        input_layernorm = layer_norm_builder(config, impl)
         keys_map = dict(base.sharded_state_dict_keys_map or _KEYS_MAP)
+    pre_mlp_layernorm = base.pre_mlp_layernorm
+    if pre_mlp_layernorm is not IdentityOp:  # TE's dense MLP fuses it into linear_fc1
+        pre_mlp_layernorm = layer_norm_builder(config, impl)
     submodules = TransformerLayerSubmodules(
         input_layernorm=input_layernorm,
         self_attention=get_msa_self_attention_spec(config, sparse=sparse, transformer_impl=impl),
         self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=base.pre_mlp_layernorm,
+        pre_mlp_layernorm=pre_mlp_layernorm,
         mlp=base.mlp,
         mlp_bda=get_bias_dropout_add,
         sharded_state_dict_keys_map=keys_map,
@@ -246,21 +291,23 @@ def get_msa_layer_spec(
 def get_msa_decoder_layer_specs(
     config: TransformerConfig, transformer_impl: str | None = None
 ) -> list[ModuleSpec]:
-    """One layer spec per layer of the whole model, by ``config.msa_layer_pattern``.
+    """One layer spec per layer of the whole model, by ``config.msa_layer_pattern`` (MSA or
+    dense attention) and ``config.moe_layer_freq`` (MoE or dense MLP, :func:`moe_layer_flags`).
 
     Args:
         config: the MSATransformerConfig.
         transformer_impl: "local", "transformer_engine", or None (config.transformer_impl).
 
     Returns:
-        ``config.num_layers`` specs; MSA layers share one spec object, dense layers another.
+        ``config.num_layers`` specs; layers of one (attention, MLP) kind share one spec object.
     """
     flags = normalize_layer_pattern(getattr(config, "msa_layer_pattern", None), config.num_layers)
-    sparse_spec = (get_msa_layer_spec(config, sparse=True, transformer_impl=transformer_impl)
-                   if any(flags) else None)
-    dense_spec = (get_msa_layer_spec(config, sparse=False, transformer_impl=transformer_impl)
-                  if not all(flags) else None)
-    return [sparse_spec if flag else dense_spec for flag in flags]
+    moe_flags = moe_layer_flags(config)
+    specs: dict[tuple[bool, bool], ModuleSpec] = {}
+    for kind in sorted(set(zip(flags, moe_flags, strict=True))):
+        specs[kind] = get_msa_layer_spec(config, sparse=kind[0], moe=kind[1],
+                                         transformer_impl=transformer_impl)
+    return [specs[kind] for kind in zip(flags, moe_flags, strict=True)]
 
 
 def get_msa_decoder_block_spec(
@@ -303,10 +350,5 @@ def get_msa_decoder_block_spec(
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
         count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
         local_specs = layer_specs[offset : offset + count]
-    if impl == "transformer_engine":
-        final_norm = spec_provider(impl).layer_norm()
-    else:
-        final_norm = get_gpt_layer_local_submodules(
-            normalization=getattr(config, "normalization", "LayerNorm")
-        ).input_layernorm
+    final_norm = layer_norm_builder(config, impl)
     return TransformerBlockSubmodules(layer_specs=local_specs, layer_norm=final_norm)

@@ -337,8 +337,9 @@ def check_parallel_layout(model: dict[str, Any], world_size: int, global_batch_s
 
     Raises:
         RecipeError: naming the sizes when TP*PP*CP does not divide the world size, when the
-            layers do not split evenly over the pipeline (virtual) stages, or when the global
-            batch is not a multiple of micro batch * data parallel.
+            layers do not split evenly over the pipeline (virtual) stages, when the global
+            batch is not a multiple of micro batch * data parallel, or when expert parallelism
+            (EP) does not divide the experts or PP*EP*ETP the world size.
     """
     tp = int(model.get("tensor_model_parallel_size", 1) or 1)
     pp = int(model.get("pipeline_model_parallel_size", 1) or 1)
@@ -367,6 +368,18 @@ def check_parallel_layout(model: dict[str, Any], world_size: int, global_batch_s
             f"recipe key 'train.global_batch_size' = {global_batch_size}: expected a multiple of "
             f"micro_batch_size x data-parallel size = {micro_batch_size} x {dp}"
         )
+    experts = model.get("num_moe_experts")
+    ep = int(model.get("expert_model_parallel_size", 1) or 1)
+    etp = model.get("expert_tensor_parallel_size")
+    etp = tp if etp is None else int(etp)
+    if experts is not None or ep > 1:
+        require(experts is not None and int(experts) % ep == 0,
+                "model.expert_model_parallel_size", ep,
+                f"a divisor of model.num_moe_experts = {experts}")
+        require(world_size % (pp * ep * etp) == 0, "model.expert_model_parallel_size", ep,
+                f"a layout whose pipeline_model_parallel_size x expert_model_parallel_size x "
+                f"expert_tensor_parallel_size = {pp} x {ep} x {etp} divides the world size "
+                f"{world_size}")
     if vpp is not None:
         nmb = global_batch_size // (micro_batch_size * dp)
         require(nmb % pp == 0, "train.global_batch_size", global_batch_size,

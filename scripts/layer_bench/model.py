@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.activations import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
@@ -53,6 +54,46 @@ M3 = Shape(6144, 16384, 64, 4, 128, 4, 128, 128, 16, 8192)
 TINY = Shape(128, 256, 4, 2, 32, 2, 32, 16, 4, 256)
 
 
+@dataclass(frozen=True)
+class Block:
+    """The real MiniMax-M3 block (``--m3-block``): one MoE layer as recipes/minimax_m3_msa.yaml
+    builds its layers 4-60 (SwiGLU-OAI, Gemma RMSNorm eps 1e-6, QK norm, sigmoid top-k routing
+    with expert bias and scaling, one shared expert), Megatron's local MoE (SequentialMLP).
+
+    Attributes:
+        experts: routed experts built (M3: 128).
+        topk: experts per token.
+        expert_ffn: routed expert FFN size.
+        shared_ffn: shared expert FFN size.
+    """
+
+    experts: int
+    topk: int
+    expert_ffn: int
+    shared_ffn: int
+
+
+#: All of M3's 128 experts fit one H200 here: 128 x 56.6M = 7.25B parameters, 14.5 GB of bf16
+#: weights + 14.5 GB of bf16 gradients (the benchmark has no optimizer state).
+M3_BLOCK = Block(128, 4, 3072, 3072)
+TINY_BLOCK = Block(4, 2, 64, 64)
+
+
+def block_fields(block: Block, on_gpu: bool) -> dict:
+    """The MSATransformerConfig fields of the M3 block (MoE, activation, norms)."""
+    return dict(
+        num_moe_experts=block.experts, moe_ffn_hidden_size=block.expert_ffn,
+        moe_shared_expert_intermediate_size=block.shared_ffn, moe_router_topk=block.topk,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=2.0, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-3,
+        # All-to-all on the GPU (the recipe's); its CUDA stream has no CPU path.
+        moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+        activation_func=quick_gelu, activation_func_clamp_value=7.0, glu_linear_offset=1.0,
+        layernorm_zero_centered_gamma=True, layernorm_epsilon=1e-6, qk_layernorm=True,
+    )
+
+
 def init_single_rank(on_gpu: bool) -> None:
     """A one-rank process group (NCCL on the GPU, gloo + the CPU shim on the CPU), TP = PP = 1."""
     if not on_gpu:
@@ -70,13 +111,15 @@ def init_single_rank(on_gpu: bool) -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
-def case_config(case: str, shape: Shape, on_gpu: bool) -> MSATransformerConfig:
+def case_config(case: str, shape: Shape, on_gpu: bool,
+                block: Block | None = None) -> MSATransformerConfig:
     """The MSATransformerConfig of one case.
 
     Args:
         case: one of :data:`CASES`.
         shape: the model shape.
         on_gpu: bf16 on the GPU; fp32 with the CPU shim's overrides otherwise.
+        block: the M3 block's MoE (None: the dense SwiGLU stand-in layer).
 
     Returns:
         The config (one layer).
@@ -98,7 +141,8 @@ def case_config(case: str, shape: Shape, on_gpu: bool) -> MSATransformerConfig:
         if on_gpu
         else dict(cpu_shim.cpu_config_overrides())
     )
-    return MSATransformerConfig(
+    extra = block_fields(block, on_gpu) if block is not None else {}
+    fields = dict(
         num_layers=1,
         hidden_size=shape.hidden,
         ffn_hidden_size=shape.ffn,
@@ -120,6 +164,7 @@ def case_config(case: str, shape: Shape, on_gpu: bool) -> MSATransformerConfig:
         **msa,
         **precision,
     )
+    return MSATransformerConfig(**{**fields, **extra})
 
 
 def build_model(config: MSATransformerConfig, shape: Shape, max_tokens: int, on_gpu: bool):

@@ -364,8 +364,9 @@ def test_sparse_loss_from_byproducts_matches_the_recomputing_reference(monkeypat
 
 
 def test_indexer_matches_a_hand_written_reference():
-    """index_q/index_k = Gemma RMSNorm (1 + w) per head, then rotate-half RoPE on the first
-    rot_dim channels at document positions (theta 5e6), written out by hand here."""
+    """index_q/index_k = RMSNorm per head (weight w, or 1 + w with zero-centred gamma, as the
+    model's other norms), then rotate-half RoPE on the first rot_dim channels at document
+    positions (theta 5e6), written out by hand here."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     model = _model()
@@ -386,8 +387,11 @@ def test_indexer_matches_a_hand_written_reference():
         angles = positions[:, None] * inv_freq[None, :]
         cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
 
+        offset = 1.0 if attention.config.layernorm_zero_centered_gamma else 0.0
+
         def gemma(v, weight):
-            return v / v.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt() * (1 + weight.double())
+            return v / v.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt() * (offset
+                                                                           + weight.double())
 
         def rope(v):
             head, rest = v[..., :rot], v[..., rot:]
@@ -400,4 +404,5 @@ def test_indexer_matches_a_hand_written_reference():
         k = rope(gemma(x @ indexer.index_k_proj.weight.double().T, indexer.index_k_norm.weight))
     errors = (_rel(index_q.double(), q), _rel(index_k.double(), k))
     assert max(errors) < 1e-5, f"relative error of index_q, index_k vs by hand: {errors}"
-    assert float(indexer.index_q_norm.weight.abs().max()) > 0  # the (1 + w) term is exercised
+    # The weight term is exercised (not the init value of either convention).
+    assert float((indexer.index_q_norm.weight - (1.0 - offset)).abs().max()) > 0

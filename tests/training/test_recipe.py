@@ -33,7 +33,7 @@ def test_default_recipe_is_msa_tiny_and_overrides_apply():
     assert recipe.gpt.seq_length == 512 and "seq_length" not in recipe.model
 
 
-@pytest.mark.parametrize("name", ["msa_tiny.yaml", "minimax_m3_msa.yaml",
+@pytest.mark.parametrize("name", ["msa_tiny.yaml", "minimax_m3_msa.yaml", "minimax_m3_tiny.yaml",
                                   "minimax_m3_msa_1m_cp8.yaml", "msa_pp2_vpp2_tp2.yaml"])
 def test_shipped_recipes_make_valid_msa_configs(name):
     import torch
@@ -51,10 +51,23 @@ def test_shipped_recipes_make_valid_msa_configs(name):
         assert (config.msa_num_index_heads, config.msa_index_head_dim, config.msa_block_size,
                 config.msa_topk) == (4, 128, 128, 16)
         assert recipe.gpt.rotary_base == 5_000_000 and recipe.gpt.rotary_percent == 0.5
-        # TP x PP = 8 GPUs per replica; 8..64 GPUs give DP 1..8.
-        for world in (8, 16, 32, 64):
+        # MiniMax-M3's block through Megatron's own fields.
+        assert config.num_layers == 60 and config.moe_layer_freq == [0] * 3 + [1] * 57
+        assert config.msa_layer_flags == (False,) * 3 + (True,) * 57
+        assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size,
+                config.moe_shared_expert_intermediate_size) == (128, 4, 3072, 3072)
+        assert (config.moe_router_score_function, config.moe_router_enable_expert_bias,
+                config.moe_router_topk_scaling_factor) == ("sigmoid", True, 2.0)
+        assert config.activation_func.__name__ == "quick_gelu"
+        assert (config.activation_func_clamp_value, config.glu_linear_offset) == (7.0, 1.0)
+        assert config.layernorm_zero_centered_gamma and config.layernorm_epsilon == 1e-6
+        # TP x PP = 8 GPUs per replica, EP=32 over PP=4: 128 GPUs at least (DP 16, 32).
+        for world in (128, 256):
             assert check_parallel_layout(recipe.model, world, recipe.train.global_batch_size,
                                          recipe.train.micro_batch_size, config.num_layers)
+        with pytest.raises(RecipeError, match="'model.expert_model_parallel_size' = 32"):
+            check_parallel_layout(recipe.model, 64, recipe.train.global_batch_size,
+                                  recipe.train.micro_batch_size, config.num_layers)
 
 
 def test_cpu_refuses_what_megatron_cannot_run_there():

@@ -1,0 +1,106 @@
+"""RMSNorm for the local (Megatron-Core-only) spec, honouring ``layernorm_zero_centered_gamma``.
+
+Megatron's local norm (``WrappedTorchNorm``, i.e. ``torch.nn.RMSNorm``) refuses
+``layernorm_zero_centered_gamma=True``; only Transformer Engine's ``TENorm`` has it. MiniMax-M3
+stores every norm weight zero-centred (Gemma style, applied as ``1 + weight``), so the local spec
+of an M3 model builds :class:`RMSNorm` instead, and the MSA indexer's q/k norms use it in both
+implementations (they are replicated over tensor parallelism and need their own gradient
+reduction, which TE's norm does not do).
+
+    zero_centered_gamma=True:  y = x * rsqrt(mean(x^2) + eps) * (1 + weight), weight init 0
+    zero_centered_gamma=False: y = x * rsqrt(mean(x^2) + eps) * weight,       weight init 1
+
+computed in float32 (float64 stays float64) and returned in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_size, get_tensor_model_parallel_group_if_none
+
+__all__ = ["GemmaRMSNorm", "RMSNorm"]
+
+
+def _param_device(config: TransformerConfig) -> torch.device | None:
+    # None: torch's default device (the CPU, or "meta" inside ``with torch.device("meta")``).
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class RMSNorm(MegatronModule):
+    """RMSNorm over the last dim whose weight convention follows the config.
+
+    Built by Megatron as ``build_module(spec, config=..., hidden_size=..., eps=...)`` (the
+    ``LayerNormBuilder`` protocol), so it stands wherever the local spec puts a norm.
+
+    Args:
+        config: the model config; ``layernorm_zero_centered_gamma`` picks the convention unless
+            ``zero_centered_gamma`` is given.
+        hidden_size: normalized channels.
+        eps: added to the mean square.
+        tp_group: the tensor-parallel group (default: Megatron's); the weight is replicated on it.
+        sum_grad_across_tp: sum the weight's gradient over ``tp_group`` inside autograd (for a
+            replicated weight applied to rank-local heads, as the index q norm is).
+        zero_centered_gamma: override of ``config.layernorm_zero_centered_gamma``.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-6,
+        tp_group: torch.distributed.ProcessGroup | None = None,
+        sum_grad_across_tp: bool = False,
+        zero_centered_gamma: bool | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if zero_centered_gamma is None:
+            zero_centered_gamma = bool(config.layernorm_zero_centered_gamma)
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.zero_centered_gamma = zero_centered_gamma
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(
+            init(hidden_size, dtype=config.params_dtype, device=_param_device(config))
+        )
+        if tp_group is None:
+            tp_group = get_tensor_model_parallel_group_if_none(None)
+        # Also what MegatronModule.sharded_state_dict uses for the replica ids of the weight.
+        self.tp_group = tp_group
+        self._sum_grad = sum_grad_across_tp and get_pg_size(tp_group) > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalizes ``x [..., hidden_size]`` (any float dtype); returns x's dtype and shape."""
+        weight = self.weight
+        if self._sum_grad:
+            weight = copy_to_tensor_model_parallel_region(weight, group=self.tp_group)
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xf = x.to(compute)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        scale = weight.to(compute)
+        if self.zero_centered_gamma:
+            scale = 1.0 + scale
+        return (normed * scale).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.hidden_size}, eps={self.eps}, "
+                f"zero_centered_gamma={self.zero_centered_gamma}")
+
+
+class GemmaRMSNorm(RMSNorm):
+    """:class:`RMSNorm` with ``zero_centered_gamma=True`` whatever the config says."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-6,
+        tp_group: torch.distributed.ProcessGroup | None = None,
+        sum_grad_across_tp: bool = False,
+    ) -> None:
+        super().__init__(config, hidden_size, eps, tp_group, sum_grad_across_tp,
+                         zero_centered_gamma=True)

@@ -1,0 +1,43 @@
+"""scripts/bench_layer.py --m3-block on the CPU (--tiny): the real M3 block (one MoE layer with
+SwiGLU-OAI and Gemma norms) is timed for dense attention and MSA, and the JSON says which block."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_layer.py"), "--tiny", "--cpu",
+           "--m3-block", "--steps", "1", "--warmup", "1", "--json", str(tmp_path / "m3.json"),
+           *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=tmp_path,
+                          env={**os.environ, "NEMO_MSA_COMMIT": "test-commit"})
+
+
+def test_m3_block_rows_dense_vs_msa(tmp_path):
+    proc = _run(tmp_path, "--tokens", "64", "--no-attention-rows")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "m3.json").read_text())
+    assert result["m3_block"] == {"experts": 4, "topk": 2, "expert_ffn": 64, "shared_ffn": 64}
+    assert [row["case"] for row in result["rows"]] == ["dense", "msa_loss_off",
+                                                      "msa_sparse_loss"]
+    for row in result["rows"]:
+        assert row["status"] == "ok", row
+        assert math.isfinite(row["step_ms"]) and row["step_ms"] > 0, row
+    assert "msa_sparse_loss: MSASelfAttention, MoELayer" in proc.stdout + proc.stderr
+
+
+def test_experts_needs_the_block_and_enough_experts(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_layer.py"), "--tiny",
+                           "--cpu", "--experts", "8"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0 and "--experts needs --m3-block" in proc.stderr
+    proc = _run(tmp_path, "--experts", "1")
+    assert proc.returncode != 0 and "--experts=1: expected >= the top-k 2" in proc.stderr
