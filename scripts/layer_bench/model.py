@@ -70,16 +70,19 @@ def init_single_rank(on_gpu: bool) -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
-def case_config(case: str, shape: Shape, on_gpu: bool) -> MSATransformerConfig:
+def case_config(
+    case: str, shape: Shape, on_gpu: bool, layers: int = 1
+) -> MSATransformerConfig:
     """The MSATransformerConfig of one case.
 
     Args:
         case: one of :data:`CASES`.
         shape: the model shape.
         on_gpu: bf16 on the GPU; fp32 with the CPU shim's overrides otherwise.
+        layers: transformer layers (every one of the case's kind).
 
     Returns:
-        The config (one layer).
+        The config (``layers`` layers).
 
     Raises:
         ValueError: an unknown case.
@@ -99,7 +102,7 @@ def case_config(case: str, shape: Shape, on_gpu: bool) -> MSATransformerConfig:
         else dict(cpu_shim.cpu_config_overrides())
     )
     return MSATransformerConfig(
-        num_layers=1,
+        num_layers=layers,
         hidden_size=shape.hidden,
         ffn_hidden_size=shape.ffn,
         num_attention_heads=shape.heads,
@@ -116,14 +119,15 @@ def case_config(case: str, shape: Shape, on_gpu: bool) -> MSATransformerConfig:
         msa_index_head_dim=shape.index_dim,
         msa_block_size=shape.block,
         msa_topk=shape.topk,
-        msa_layer_pattern=msa.pop("msa_layer_pattern", "S"),
+        msa_layer_pattern=msa.pop("msa_layer_pattern", "S") * layers,
         **msa,
         **precision,
     )
 
 
 def build_model(config: MSATransformerConfig, shape: Shape, max_tokens: int, on_gpu: bool):
-    """GPTModel (one layer, this project's spec), wrapped in Float16Module for bf16 on the GPU.
+    """GPTModel (``config.num_layers`` layers, this project's spec), wrapped in Float16Module
+    for bf16 on the GPU.
 
     Args:
         config: the case's config (:func:`case_config`).
