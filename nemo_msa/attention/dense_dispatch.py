@@ -25,7 +25,25 @@ from nemo_msa.attention.dense import DocumentRun, dense_attention_runs, padded_l
 from nemo_msa.layout import MSAMicrobatch
 from nemo_msa.triton.kernel_layout import query_subset
 
-__all__ = ["DenseDispatch", "dense_dispatch", "dispatched_attention"]
+__all__ = [
+    "MIN_PREFIX_SHARE",
+    "DenseDispatch",
+    "dense_dispatch",
+    "dispatched_attention",
+    "prefix_share",
+]
+
+#: The dispatch runs where the prefix queries hold at least this share of the sparse path's
+#: (query, key) pairs. It saves that share of the sparse kernels' time less the dense path's
+#: (cuDNN does the same pairs in roughly 0.4x the time on the H200) and, with the indexer loss
+#: on, the prefixes' mass forward (about a quarter of their sparse time); it costs the gathers
+#: and the merge (a read and a write of q and of the output per direction, about 5 ms per layer
+#: at 131072 tokens). That model breaks even near 9% with the loss on (5% off): one document
+#: of 131072 tokens has 0.8% of its pairs in its first 2048 queries, one of 32768 tokens 3.2%,
+#: one of 8192 tokens 14%; rows packed as scripts/bench_layer.py packs them: 32768 tokens of
+#: mean 4096 about 28% (10-60% per row), 131072 of mean 16384 about 7% (2-15%). Either side of
+#: it the function is the same.
+MIN_PREFIX_SHARE = 0.1
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,7 +92,17 @@ def _tile_counts(lengths: tuple[int, ...], limit: int, block: int) -> tuple[dict
     return dense, sparse
 
 
-def dense_dispatch(msa: MSAMicrobatch, top_k: int) -> DenseDispatch | None:
+def prefix_share(lengths: tuple[int, ...], limit: int) -> float:
+    """The share of the sparse path's causal (query, key) pairs that the prefix queries hold:
+    a prefix of n queries has n (n + 1) / 2, a query past the limit attends ``limit`` keys."""
+    dense = sum(min(n, limit) * (min(n, limit) + 1) // 2 for n in lengths)
+    rest = sum(max(0, n - limit) * limit for n in lengths)
+    return dense / max(1, dense + rest)
+
+
+def dense_dispatch(
+    msa: MSAMicrobatch, top_k: int, min_share: float = MIN_PREFIX_SHARE
+) -> DenseDispatch | None:
     """The dense dispatch plan of ``msa`` for selections of ``top_k`` blocks (cached on the
     layout; no host synchronization: the counts come from its host document lengths).
 
@@ -82,17 +110,22 @@ def dense_dispatch(msa: MSAMicrobatch, top_k: int) -> DenseDispatch | None:
         msa: the microbatch layout (built by :meth:`MSAMicrobatch.build`, which records the
             document lengths on the host).
         top_k: blocks per query of the selection.
+        min_share: the least :func:`prefix_share` that dispatches (see
+            :data:`MIN_PREFIX_SHARE`).
 
     Returns:
-        The plan, or None for a layout without host document lengths (built by hand).
+        The plan, or None for a layout without host document lengths (built by hand) or whose
+        prefixes hold less than ``min_share`` of the sparse work (all-sparse is then faster).
     """
     lengths = msa.document_lengths
     if len(lengths) != msa.num_documents or sum(lengths) != msa.num_tokens:
         return None
 
-    def make() -> DenseDispatch:
+    def make() -> DenseDispatch | bool:
         block = msa.block_size
         limit = top_k * block
+        if prefix_share(lengths, limit) < min_share:
+            return False  # cached too: the share is read once per microbatch
         prefixes = [min(n, limit) for n in lengths]
         num_dense = sum(prefixes)
         # A stable sort of the "sparse" flag puts the dense rows first, each side ascending:
@@ -125,7 +158,8 @@ def dense_dispatch(msa: MSAMicrobatch, top_k: int) -> DenseDispatch | None:
             query_subset(msa, block, plan.sparse_rows, sparse_tiles)
         return plan
 
-    return msa.cached(f"nemo_msa.attention.dense_dispatch_{int(top_k)}", make)
+    plan = msa.cached(f"nemo_msa.attention.dense_dispatch_{int(top_k)}_{min_share}", make)
+    return plan or None
 
 
 class _SplitRows(torch.autograd.Function):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nemo_msa import MSAMicrobatch, ops, select_blocks, sparse_attention
-from nemo_msa.attention.dense_dispatch import dense_dispatch
+from nemo_msa.attention.dense_dispatch import MIN_PREFIX_SHARE, dense_dispatch, prefix_share
 from nemo_msa.indexer_loss import sparse_indexer_loss_from_byproducts
 from nemo_msa.q2k import canonical_q2k, holds_every_candidate
 from nemo_msa.testing.packs import document_map_from_lengths
@@ -54,7 +54,7 @@ def _inputs(msa, gen):
             torch.randn(t, HQ, D, generator=gen, dtype=torch.float64))
 
 
-def _step(msa, q, k, v, iq, ik, dout, dispatch: bool):
+def _step(msa, q, k, v, iq, ik, dout, dispatch: bool, expect_dispatch: bool | None = None):
     """Forward + backward of the attention and the by-product indexer loss; all-sparse when
     ``dispatch`` is False (the selection handed over as a copy, which claims no selection)."""
     for x in (q, k, v, iq, ik):
@@ -68,7 +68,7 @@ def _step(msa, q, k, v, iq, ik, dout, dispatch: bool):
     with mock.patch.object(ops, "dispatched_attention", wraps=ops.dispatched_attention) as spy:
         out, mass = ops.document_attention(q, k, v, msa, softmax_scale=D**-0.5, q2k=q2k,
                                        backend="reference", return_block_mass=True)
-    assert spy.call_count == int(dispatch)
+    assert spy.call_count == int(dispatch if expect_dispatch is None else expect_dispatch)
     loss, _ = sparse_indexer_loss_from_byproducts(
         iq, ik, scores, keys, mass, num_index_heads_total=HKV, loss_coeff=1.0)
     ((out * dout).sum() + loss).backward()
@@ -216,3 +216,15 @@ def test_without_block_mass(lengths):
         out.backward(dout)
         results.append([out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()])
     assert all(_rel(a, b) < 1e-12 for a, b in zip(*results, strict=True))
+
+
+def test_little_prefix_work_stays_sparse():
+    # One 1000-token document: its first 48 queries hold 2.5% of the sparse pairs.
+    msa, gen = _layout(6, [[1000]], 1000)
+    assert prefix_share(msa.document_lengths, TOP_K * BLOCK) < MIN_PREFIX_SHARE
+    assert dense_dispatch(msa, TOP_K) is None
+    assert dense_dispatch(msa, TOP_K, min_share=0.0).num_dense == 48
+    args = _inputs(msa, gen)
+    out_d, mass_d, _, grads_d = _step(msa, *args, dispatch=True, expect_dispatch=False)
+    out_s, mass_s, _, grads_s = _step(msa, *args, dispatch=False)
+    assert torch.equal(out_d, out_s) and torch.equal(mass_d, mass_s)
