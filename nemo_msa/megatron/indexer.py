@@ -20,6 +20,7 @@ import copy
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import (
@@ -106,9 +107,10 @@ class GemmaRMSNorm(MegatronModule):
         weight = self.weight
         if self._sum_grad:
             weight = copy_to_tensor_model_parallel_region(weight, group=self.tp_group)
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + weight.float())).to(x.dtype)
+        # torch's fused RMSNorm (one kernel each way on CUDA) with the weight 1 + w: the same
+        # fp32 arithmetic as x * rsqrt(mean(x^2) + eps) * (1 + w), in fewer passes.
+        scale = 1.0 + weight.float()
+        return F.rms_norm(x.float(), (self.hidden_size,), scale, self.eps).to(x.dtype)
 
 
 class ReplicatedLinear(MegatronModule):
