@@ -228,3 +228,50 @@ def test_little_prefix_work_stays_sparse():
     out_d, mass_d, _, grads_d = _step(msa, *args, dispatch=True, expect_dispatch=False)
     out_s, mass_s, _, grads_s = _step(msa, *args, dispatch=False)
     assert torch.equal(out_d, out_s) and torch.equal(mass_d, mass_s)
+
+
+@pytest.mark.gpu
+def test_dispatch_byproduct_loss_and_recall_add_no_synchronization_gpu():
+    """After the layout's one sync, the dispatch plan, both sides of the attention, the mass,
+    the by-product loss and its Triton backward, and the Triton recall never wait on the host
+    (a fresh layout each round: the plan is built inside the checked region)."""
+    import warnings
+
+    from nemo_msa.indexer_loss import sampled_selection_recall
+
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(1)
+    lengths = [[300, 2048, 1000, 700], [4000, 96]]
+    t = sum(map(sum, lengths))
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device, torch.bfloat16).requires_grad_()
+
+    q, k, v = rnd(t, 64, 128), rnd(t, 4, 128), rnd(t, 4, 128)
+    iq, ik = rnd(t, 4, 128), rnd(t, 128)
+    dout = torch.randn(t, 64, 128, generator=gen).to(device, torch.bfloat16)
+    for _ in range(2):  # the first round compiles the kernels and plans cuDNN
+        ids = document_map_from_lengths(lengths, 4096, device)
+        msa = MSAMicrobatch.build(packed_seq_ids=ids, block_size=128)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught, mock.patch.object(
+                    ops, "dispatched_attention", wraps=ops.dispatched_attention) as spy:
+                warnings.simplefilter("always")
+                q2k, scores, keys = select_blocks(iq.detach(), ik.detach(), msa, top_k=16,
+                                                  backend="triton", return_scores=True)
+                out, mass = ops.document_attention(q, k, v, msa, softmax_scale=128**-0.5,
+                                                   q2k=q2k, backend="triton",
+                                                   return_block_mass=True)
+                loss, _ = sparse_indexer_loss_from_byproducts(
+                    iq, ik, scores, keys, mass, num_index_heads_total=4, loss_coeff=1.0)
+                stats = sampled_selection_recall(q, k, q2k, msa, softmax_scale=128**-0.5,
+                                                 num_rows=256)
+                ((out.float() * dout.float()).sum() + loss).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert spy.call_count == 1
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert syncs == []
+    assert 0 < float(stats["recall_mass"]) <= float(stats["recall_count"])
