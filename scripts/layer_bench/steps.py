@@ -46,20 +46,28 @@ def packed_lengths(tokens: int, mean: int, minimum: int, generator: torch.Genera
 
 
 def layer_step(model, shape: Shape, tokens: int, device: torch.device, doc_mean: int = 0,
-               doc_min: int = 1, seed: int = 0, stats: dict | None = None):
+               doc_min: int = 1, seed: int = 0, stats: dict | None = None, doc_maps: int = 4):
     """``(prepare, run)`` of one training step: fresh random tokens and document map, then the
     forward and backward of the mean LM loss (the layout is built inside, as in training).
 
     ``doc_mean`` > 0: the row is packed with documents of :func:`packed_lengths` (mean
-    ``doc_mean``, at least ``doc_min`` tokens), drawn anew every step from a generator seeded
-    with ``seed`` (so every case of a run sees the same sequence of document maps) and RoPE
-    positions restart per document; ``stats["documents"]`` collects the documents per step.
+    ``doc_mean``, at least ``doc_min`` tokens): ``doc_maps`` length lists drawn from a generator
+    seeded with ``seed`` (every case of a run sees the same ones), used in turn, one per step,
+    each as a new document-map tensor (so the layout is rebuilt every step, as in training).
+    Cycling a few maps measures the steady state of training, where every padded document
+    length has been planned by cuDNN once (a first plan costs about 120 ms on the H200); the
+    caller warms up at least ``doc_maps`` steps. ``stats["documents"]`` collects the documents
+    per step.
     """
     generator = torch.Generator().manual_seed(seed)
+    maps = [packed_lengths(tokens, doc_mean, doc_min, generator) for _ in range(doc_maps)]
+    step = 0
 
     def prepare() -> dict:
+        nonlocal step
         text = torch.randint(1, shape.vocab, (1, tokens), device=device)
-        sizes = packed_lengths(tokens, doc_mean, doc_min, generator)
+        sizes = maps[step % len(maps)]
+        step += 1
         if stats is not None:
             stats.setdefault("documents", []).append(len(sizes))
         lengths = torch.tensor(sizes)

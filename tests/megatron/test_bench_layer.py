@@ -67,7 +67,7 @@ def test_packed_rows_and_two_layers(tmp_path):
                 "--layers", "2", "--no-attention-rows", "--seed", "3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "layer.json").read_text())
-    assert result["layers"] == 2 and "seed 3" in result["documents"]
+    assert result["layers"] == 2 and "(seed 3)" in result["documents"]
     rows = {(r["tokens"], r["doc_mean"], r["case"]): r for r in result["rows"]}
     assert set(rows) == {(t, m, c) for t, m in ((128, 0), (256, 64))
                          for c in ("dense", "msa_sparse_loss")}
@@ -78,6 +78,8 @@ def test_packed_rows_and_two_layers(tmp_path):
             assert row["docs"] == 1, row
         else:  # 256 tokens of documents of at least 16 (the tiny --doc-min)
             assert 1 < row["docs"] <= 256 / 16, row
+            # The warm-up covers the 4 document maps before the timed step.
+            assert row["doc_maps"] == 4 and len(row["warmup_ms"]) == 4, row
     assert rows[(256, 64, "dense")]["docs"] == rows[(256, 64, "msa_sparse_loss")]["docs"]
 
 
