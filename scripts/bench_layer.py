@@ -6,7 +6,19 @@ spec (``layer_specs.get_msa_decoder_block_spec``, local backend, ``MSATransforme
 hidden 6144, SwiGLU FFN 16384, 64 query / 4 KV heads of 128, RMSNorm, no biases, partial RoPE
 (``rotary_percent`` 0.5, base 5e6), index heads 4 x 128, blocks of 128, top-16, bf16 parameters
 under Megatron's ``Float16Module``, vocabulary ``--vocab`` (default 8192, so that the LM head is
-a small part of the step). One document per row, one row of ``--tokens`` tokens.
+a small part of the step). One row of ``--tokens`` tokens: one document, or packed documents.
+
+Rows (``--tokens``): each entry is ``N`` (one document of N tokens; with ``--doc-mean M1,M2``
+one row per mean, 0 = one document) or ``N:MEAN`` (that row only): N tokens packed with
+documents of ``--doc-min`` + Exponential(MEAN - ``--doc-min``) tokens (mean MEAN), the last
+cut to fill the row: ``--doc-maps`` maps drawn from a generator seeded with ``--seed`` (every
+case sees the same ones), used in turn, a new map tensor every step (the layout is rebuilt as
+in training); the warm-up covers every map, so the timed steps see the steady state in which
+cuDNN has planned every padded document length. The issue's five rows, dense and MSA in one run::
+
+    --tokens 8192,32768,32768:4096,131072:16384,131072 --cases dense,msa_sparse_loss
+
+``--layers L`` builds L transformer layers of the case's kind (one by default).
 
 A step is the forward and backward of the mean LM loss (and of the indexer loss where the case
 has one), with fresh random tokens and a fresh document map per step (so the layout is built
@@ -34,7 +46,8 @@ document at its exact length on the same row (plans cached after the warm-up: cu
 case), the baseline of the packed rows; ``dense_attention_packed_fresh``: new lengths every
 step, as packed training batches bring them.
 
-Per row: ``step_ms`` (median of ``--steps`` steps after ``--warmup``, CUDA events), tokens/s,
+Per row: ``docs`` (mean documents per step), ``doc_mean`` (0 for one document per row),
+``layers``, ``step_ms`` (median of ``--steps`` steps after ``--warmup``, CUDA events), tokens/s,
 ``peak_gib`` (``torch.cuda.max_memory_allocated`` since the row started, model, gradients and
 inputs included) or ``fwdbwd_ms`` for the attention rows; with ``--profile`` the top kernels by
 CUDA time of one more step. A row that runs out of memory or one of whose warm-up steps exceeds
@@ -44,6 +57,8 @@ that case are then skipped and reported as such).
 Usage::
 
     python scripts/bench_layer.py --tokens 8192,32768,131072 --json layer.json [--profile]
+    python scripts/bench_layer.py --tokens 8192,32768,32768:4096,131072:16384,131072 \
+        --cases dense,msa_sparse_loss --json layer.json
     python scripts/bench_layer.py --tiny --json /tmp/layer.json   # CPU, gloo, seconds
 
 ``--m3-block`` times the real MiniMax-M3 block instead of the dense-FFN stand-in: one MoE
@@ -135,6 +150,37 @@ def parse_list(text: str, allowed: tuple[str, ...] | None, name: str) -> list:
     return values
 
 
+def parse_rows(text: str, means: list[int], name: str) -> list[tuple[int, int]]:
+    """The ``--tokens`` rows: ``N`` (one row per ``means`` entry) or ``N:MEAN`` entries.
+
+    Args:
+        text: the option's value.
+        means: the ``--doc-mean`` values plain ``N`` entries take (0: one document).
+        name: the option, for the error message.
+
+    Returns:
+        ``(tokens, doc_mean)`` pairs in order, duplicates dropped.
+
+    Raises:
+        SystemExit: an entry that is not ``N`` or ``N:MEAN`` with positive N, MEAN >= 0.
+    """
+    rows: list[tuple[int, int]] = []
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        parts = item.split(":")
+        try:
+            values = [int(x) for x in parts]
+        except ValueError:
+            raise SystemExit(f"{name}={text!r}: {item!r} is not N or N:MEAN") from None
+        if len(values) > 2 or values[0] <= 0 or (len(values) == 2 and values[1] < 0):
+            raise SystemExit(f"{name}={text!r}: {item!r}: expected N > 0 or N:MEAN, MEAN >= 0")
+        for mean in values[1:] or means:
+            if (values[0], mean) not in rows:
+                rows.append((values[0], mean))
+    if not rows:
+        raise SystemExit(f"{name}={text!r}: expected a comma-separated list")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parses the arguments, times every row and prints the table (see the module docstring).
 
@@ -147,7 +193,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {CASES}")
     ap.add_argument("--tokens", default=None,
-                    help="comma-separated sizes (default 8192,32768,131072; --tiny: 128,256)")
+                    help="comma-separated rows, N (one document; see --doc-mean) or N:MEAN "
+                    "(packed, mean document length MEAN) (default 8192,32768,131072; --tiny: "
+                    "128,256)")
+    ap.add_argument("--doc-mean", default="0",
+                    help="comma-separated mean document lengths of the plain N rows of --tokens "
+                    "(0: one document per row)")
+    ap.add_argument("--doc-min", type=int, default=None,
+                    help="shortest packed document (default 256; --tiny: 16)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the packed document lengths")
+    ap.add_argument("--doc-maps", type=int, default=4,
+                    help="packed rows: this many seeded document maps, used in turn (the warm-up "
+                    "runs at least this many steps, so every padded length is planned first)")
+    ap.add_argument("--layers", type=int, default=1, help="transformer layers per model")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per row (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1)")
     ap.add_argument("--max-step-s", type=float, default=30.0,
@@ -186,8 +244,21 @@ def main(argv: list[str] | None = None) -> int:
     elif args.experts is not None:
         raise SystemExit("--experts needs --m3-block")
     cases = parse_list(args.cases, CASES, "--cases")
-    sizes = parse_list(args.tokens or ("128,256" if args.tiny else "8192,32768,131072"), None,
-                       "--tokens")
+    means = [0 if m == "0" else parse_list(m, None, "--doc-mean")[0]
+             for m in args.doc_mean.split(",") if m.strip()]
+    if not means:
+        raise SystemExit(f"--doc-mean={args.doc_mean!r}: expected a comma-separated list")
+    row_specs = parse_rows(args.tokens or ("128,256" if args.tiny else "8192,32768,131072"),
+                           means, "--tokens")
+    sizes = [tokens for tokens, _ in row_specs]
+    doc_min = args.doc_min if args.doc_min is not None else (16 if args.tiny else 256)
+    if doc_min < 1 or args.layers < 1 or args.doc_maps < 1:
+        raise SystemExit(f"--doc-min={doc_min} --layers={args.layers} --doc-maps="
+                         f"{args.doc_maps}: expected each >= 1")
+    bad_means = [m for m in means + [m for _, m in row_specs] if 0 < m < doc_min]
+    if bad_means:
+        raise SystemExit(f"--doc-mean / --tokens N:MEAN {sorted(set(bad_means))}: expected 0 "
+                         f"or a mean >= --doc-min={doc_min}")
     packed = None
     if args.packed_docs is not None:
         try:
@@ -234,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": str(dtype),
         "step": "forward + backward of the mean LM loss (+ indexer loss where on); optimizer "
         "step excluded",
+        "layers": args.layers,
+        "documents": f"packed rows: {doc_min} + Exponential(doc_mean - {doc_min}) tokens per "
+        f"document, the last cut to fit; {args.doc_maps} document maps (seed {args.seed}) in "
+        "turn, a new map tensor every step, warm-up >= the maps",
         "rows": rows,
     }
 
@@ -245,24 +320,35 @@ def main(argv: list[str] | None = None) -> int:
             write_json(args.json, result)
 
     for case in cases:
-        config = case_config(case, shape, on_gpu, block)
+        config = case_config(case, shape, on_gpu, block, args.layers)
         set_training_iteration(0)
         model = build_model(config, shape, max(sizes), on_gpu)
         layer = getattr(model, "module", model).decoder.layers[0]
         log(f"{case}: {type(layer.self_attention).__name__}, {type(layer.mlp).__name__}")
         blocked = None
-        for tokens in sizes:
-            row = {"tokens": tokens, "case": case, "step_ms": None, "peak_gib": None}
-            if blocked is not None:
-                row.update(status="skipped", note=f"{blocked} at a smaller size")
+        for tokens, doc_mean in row_specs:
+            row = {"tokens": tokens, "case": case, "docs": None, "doc_mean": doc_mean,
+                   "layers": args.layers, "step_ms": None, "peak_gib": None}
+            if blocked is not None and tokens >= blocked[0]:
+                row.update(status="skipped", note=f"{blocked[1]} at {blocked[0]} tokens")
                 report(row)
                 continue
-            if run_row(layer_step(model, shape, tokens, device), args, on_gpu, row, "step_ms"):
+            stats: dict = {}
+            step = layer_step(model, shape, tokens, device, doc_mean, doc_min, args.seed, stats,
+                              args.doc_maps)
+            row_args = args
+            if doc_mean:
+                row["doc_maps"] = args.doc_maps
+                row_args = argparse.Namespace(**{**vars(args),
+                                                 "warmup": max(args.warmup, args.doc_maps)})
+            if run_row(step, row_args, on_gpu, row, "step_ms"):
                 row["peak_gib"] = peak_gib(on_gpu)
                 model.zero_grad(set_to_none=True)
                 free_memory(on_gpu)
+            if stats.get("documents"):
+                row["docs"] = statistics.mean(stats["documents"])
             if row["status"] in ("oom", "too_slow"):
-                blocked = row["status"]
+                blocked = (tokens, row["status"])
             if row["status"] == "ok":
                 row["tokens_per_s"] = tokens / (row["step_ms"] / 1e3)
             report(row)
@@ -271,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         free_memory(on_gpu)
 
     if not args.no_attention_rows:
-        for tokens in sizes:
+        for tokens in dict.fromkeys(sizes):
             for name in ATTENTION_ROWS:
                 row = {"tokens": tokens, "case": name, "fwdbwd_ms": None, "peak_gib": None,
                        "kernel": ("nemo_msa dense_document_attention" if name == "dense_attention"

@@ -40,6 +40,7 @@ __all__ = [
     "GPU_SDPA_BACKENDS",
     "DocumentRun",
     "QueryRun",
+    "dense_attention_runs",
     "dense_document_attention",
     "dense_document_attention_per_document",
     "dense_document_attention_queries",
@@ -205,10 +206,38 @@ def dense_document_attention_per_document(
         ValueError: shapes that disagree with each other or with the layout.
     """
     validate_qkv(q, k, v, msa, softmax_scale=softmax_scale)
+    return dense_attention_runs(q, k, v, document_runs(msa), softmax_scale, backends, pad_to)
+
+
+def dense_attention_runs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    runs: Sequence[DocumentRun],
+    softmax_scale: float,
+    backends: Sequence[SDPBackend] = GPU_SDPA_BACKENDS,
+    pad_to: Callable[[int], int] | None = padded_length,
+) -> torch.Tensor:
+    """Causal attention within each document of ``runs`` (which cover q's rows in order): the
+    body of :func:`dense_document_attention_per_document`, for any host plan of documents
+    (the dense dispatch's document prefixes among them).
+
+    Args:
+        q: [T, Hq, d] queries, documents contiguous.
+        k: [T, Hkv, d] keys in q's dtype, Hq a multiple of Hkv.
+        v: [T, Hkv, d] values in q's dtype.
+        runs: runs of equal-length documents covering [0, T) in order.
+        softmax_scale: multiplies q.k.
+        backends: SDPA backends in order of preference.
+        pad_to: the padded length of a document of a given length, or None for none.
+
+    Returns:
+        [T, Hq, d] in q's dtype.
+    """
     heads_q, heads_kv, dim = q.shape[1], k.shape[1], q.shape[2]
     outputs = []
     with _backend_preference(backends):
-        for run in document_runs(msa):
+        for run in runs:
             stop = run.start + run.count * run.length
 
             tail = (pad_to(run.length) if pad_to is not None else run.length) - run.length

@@ -13,7 +13,9 @@ import math
 
 import torch
 
+from nemo_msa.indexer_loss.triton_byproducts import byproduct_grads_triton
 from nemo_msa.limits import accumulation_dtype
+from nemo_msa.triton.kernel_layout import INTERPRET
 
 __all__ = ["sparse_indexer_loss_from_byproducts"]
 
@@ -47,8 +49,25 @@ class _SparseKLFromByproducts(torch.autograd.Function):
         # d KL / d s_b = Q_b * sum(P) - P_b (sum(P) = 1 up to rounding; kept exact here).
         dscore = torch.exp(log_q) * target.sum(-1, keepdim=True) - target
         dscore = dscore * (grad.to(dscore.dtype) * ctx.index_scale / ctx.denominator)
-        dq, dk = _gather_scatter_grads(dscore, keys, index_q, index_k)
+        if _fused_backward(dscore, index_q):
+            dq, dk = byproduct_grads_triton(dscore, keys, index_q, index_k)
+        else:
+            dq, dk = _gather_scatter_grads(dscore, keys, index_q, index_k)
         return dq, dk, None, None, None, None, None
+
+
+def _fused_backward(dscore: torch.Tensor, index_q: torch.Tensor) -> bool:
+    """The Triton backward (:func:`byproduct_grads_triton`) where it runs: the kernels' device
+    (CUDA, or the host under the interpreter), fp16/bf16 index tensors, d a power of two in
+    16..128, and no deterministic-algorithms request (its d index_k adds atomically, as
+    ``index_add_`` does on CUDA; the torch version is deterministic under that request)."""
+    dim = index_q.shape[-1]
+    return (
+        (dscore.is_cuda or INTERPRET)
+        and index_q.dtype in (torch.float16, torch.bfloat16)
+        and dim in (16, 32, 64, 128)
+        and not torch.are_deterministic_algorithms_enabled()
+    )
 
 
 def _gather_scatter_grads(dscore, keys, index_q, index_k):

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from nemo_msa.indexer_loss.triton_recall import selection_recall_rows_triton
 from nemo_msa.layout import query_rows
 from nemo_msa.limits import accumulation_dtype
 
@@ -37,6 +38,7 @@ def sampled_selection_recall(
     softmax_scale: float,
     num_rows: int,
     queries: torch.Tensor | None = None,
+    fused: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Selection recall measured exactly on a fixed-size sample of query tokens.
 
@@ -61,6 +63,12 @@ def sampled_selection_recall(
             subset: context parallelism; key stays every token's). The sample is then drawn
             from the Tq local tokens (each rank samples its own; the sums add over ranks, and
             ``num_rows >= Tq`` on every rank gives the exact recall of the whole microbatch).
+        fused: measure the sample with the Triton kernel
+            (:func:`~nemo_msa.indexer_loss.triton_recall.selection_recall_rows_triton`: one pass
+            per sampled row over its own document's visible keys, products of the fp16/bf16
+            inputs accumulated in fp32, no [n, Hq, T] score tensor) instead of the chunked torch
+            pass over the whole workspace (TF32 on CUDA). None: where it can run (CUDA,
+            fp16/bf16, head dim 16..128, every token a query).
 
     Returns:
         ``{"recall_mass": sum of covered mass, "recall_count": sampled (token, head) pairs}``,
@@ -71,6 +79,10 @@ def sampled_selection_recall(
     """
     if num_rows < 1:
         raise ValueError(f"num_rows={num_rows}; expected >= 1")
+    if fused is None:
+        fused = query.is_cuda and queries is None and _fused_reason(query, key) is None
+    if fused:
+        return _fused_recall(query, key, q2k, msa, softmax_scale, num_rows)
     tokens, q_heads, dim = query.shape
     heads = key.shape[1]
     group = q_heads // heads
@@ -110,3 +122,26 @@ def sampled_selection_recall(
     }
 
 
+
+
+def _fused_reason(query: torch.Tensor, key: torch.Tensor) -> str | None:
+    """Why the Triton recall cannot run these inputs (None when it can)."""
+    if query.dtype not in (torch.float16, torch.bfloat16) or key.dtype != query.dtype:
+        return f"query/key dtypes {query.dtype}/{key.dtype}: the kernel reads fp16/bf16"
+    if query.shape[-1] not in (16, 32, 64, 128):
+        return f"head dim {query.shape[-1]}: the kernel takes 16, 32, 64 or 128"
+    return None
+
+
+def _fused_recall(query, key, q2k, msa, softmax_scale: float, num_rows: int) -> dict:
+    """The sampled recall on :func:`selection_recall_rows_triton` (the same sample)."""
+    tokens = query.shape[0]
+    n = min(num_rows, tokens)
+    rows = ((torch.arange(n, device=query.device, dtype=torch.float64) + 0.5) * tokens
+            / n).long()
+    covered = selection_recall_rows_triton(
+        query.detach(), key.detach(), q2k[:, rows], rows, msa, softmax_scale)
+    return {
+        "recall_mass": covered.sum(),
+        "recall_count": torch.full((), float(n * key.shape[1]), device=query.device),
+    }

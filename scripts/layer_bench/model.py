@@ -111,8 +111,8 @@ def init_single_rank(on_gpu: bool) -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
-def case_config(case: str, shape: Shape, on_gpu: bool,
-                block: Block | None = None) -> MSATransformerConfig:
+def case_config(case: str, shape: Shape, on_gpu: bool, block: Block | None = None,
+                layers: int = 1) -> MSATransformerConfig:
     """The MSATransformerConfig of one case.
 
     Args:
@@ -120,9 +120,10 @@ def case_config(case: str, shape: Shape, on_gpu: bool,
         shape: the model shape.
         on_gpu: bf16 on the GPU; fp32 with the CPU shim's overrides otherwise.
         block: the M3 block's MoE (None: the dense SwiGLU stand-in layer).
+        layers: transformer layers (every one of the case's kind).
 
     Returns:
-        The config (one layer).
+        The config (``layers`` layers).
 
     Raises:
         ValueError: an unknown case.
@@ -143,7 +144,7 @@ def case_config(case: str, shape: Shape, on_gpu: bool,
     )
     extra = block_fields(block, on_gpu) if block is not None else {}
     fields = dict(
-        num_layers=1,
+        num_layers=layers,
         hidden_size=shape.hidden,
         ffn_hidden_size=shape.ffn,
         num_attention_heads=shape.heads,
@@ -160,7 +161,7 @@ def case_config(case: str, shape: Shape, on_gpu: bool,
         msa_index_head_dim=shape.index_dim,
         msa_block_size=shape.block,
         msa_topk=shape.topk,
-        msa_layer_pattern=msa.pop("msa_layer_pattern", "S"),
+        msa_layer_pattern=msa.pop("msa_layer_pattern", "S") * layers,
         **msa,
         **precision,
     )
@@ -168,7 +169,8 @@ def case_config(case: str, shape: Shape, on_gpu: bool,
 
 
 def build_model(config: MSATransformerConfig, shape: Shape, max_tokens: int, on_gpu: bool):
-    """GPTModel (one layer, this project's spec), wrapped in Float16Module for bf16 on the GPU.
+    """GPTModel (``config.num_layers`` layers, this project's spec), wrapped in Float16Module
+    for bf16 on the GPU.
 
     Args:
         config: the case's config (:func:`case_config`).

@@ -23,14 +23,19 @@ def fmt_table(rows: list[dict]) -> str:
     Returns:
         The table, in Markdown.
     """
-    dense_ms = {r["tokens"]: r["step_ms"] for r in rows
+    def key(r: dict) -> tuple:
+        # A model row is compared with the dense row of its tokens, documents and layers.
+        return r["tokens"], r.get("doc_mean", 0), r.get("layers", 1)
+
+    dense_ms = {key(r): r["step_ms"] for r in rows
                 if r["case"] == "dense" and r.get("status") == "ok"}
     # Each attention row against cuDNN on the same tokens: single documents against
     # cudnn_attention, packed rows against cudnn_attention_packed.
     cudnn_ms = {(r["tokens"], "_packed" in r["case"]): r["fwdbwd_ms"] for r in rows
                 if r["case"].startswith("cudnn_attention") and r.get("status") == "ok"}
-    head = (f"| {'tokens':>7} | {'case':<28} | {'status':<8} | {'step_ms':>9} | {'tok/s':>10} "
-            f"| {'x dense':>7} | {'fwdbwd_ms':>9} | {'x cudnn':>7} | {'peak_gib':>8} |")
+    head = (f"| {'tokens':>7} | {'docs':>6} | {'case':<28} | {'status':<8} | {'step_ms':>9} "
+            f"| {'tok/s':>10} | {'x dense':>7} | {'fwdbwd_ms':>9} | {'x cudnn':>7} "
+            f"| {'peak_gib':>8} |")
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
 
     def num(value, width, digits=1):
@@ -38,13 +43,15 @@ def fmt_table(rows: list[dict]) -> str:
 
     for r in rows:
         step, fb = r.get("step_ms"), r.get("fwdbwd_ms")
-        x_dense = dense_ms[r["tokens"]] / step if step and r["tokens"] in dense_ms else None
+        x_dense = dense_ms[key(r)] / step if step and key(r) in dense_ms else None
         base = cudnn_ms.get((r["tokens"], "_packed" in r["case"]))
         x_cudnn = fb / base if fb and base else None
+        docs = r.get("docs") or r.get("documents_mean")
+        case = r["case"] + (f" x{r['layers']}" if r.get("layers", 1) > 1 else "")
         lines.append(
-            f"| {r['tokens']:>7} | {r['case']:<28} | {r['status']:<8} | {num(step, 9)} "
-            f"| {num(r.get('tokens_per_s'), 10, 0)} | {num(x_dense, 7, 2)} | {num(fb, 9)} "
-            f"| {num(x_cudnn, 7, 2)} | {num(r.get('peak_gib'), 8, 2)} |"
+            f"| {r['tokens']:>7} | {num(docs, 6)} | {case:<28} | {r['status']:<8} "
+            f"| {num(step, 9)} | {num(r.get('tokens_per_s'), 10, 0)} | {num(x_dense, 7, 2)} "
+            f"| {num(fb, 9)} | {num(x_cudnn, 7, 2)} | {num(r.get('peak_gib'), 8, 2)} |"
         )
     return "\n".join(lines)
 

@@ -14,17 +14,70 @@ from nemo_msa.attention import dense_document_attention
 from nemo_msa.megatron import MSAIndexerMetrics
 
 
-def layer_step(model, shape: Shape, tokens: int, device: torch.device):
+def packed_lengths(tokens: int, mean: int, minimum: int, generator: torch.Generator) -> list[int]:
+    """Document lengths of one packed row: ``minimum + Exponential(mean - minimum)`` tokens each
+    (rounded; so the mean length is ``mean`` and none is shorter than ``minimum``), drawn until
+    the row is full; the last document is cut to fit, and merged into the one before it where
+    the cut would leave it shorter than ``minimum``. ``mean`` 0: one document of ``tokens``.
+
+    Args:
+        tokens: the row's length.
+        mean: mean document length (0: one document per row).
+        minimum: shortest document (``mean`` >= ``minimum`` >= 1 where ``mean`` > 0).
+        generator: the seeded CPU generator the lengths come from.
+
+    Returns:
+        The lengths in row order; they add up to ``tokens``.
+    """
+    if mean <= 0 or mean >= tokens:
+        return [tokens]
+    sizes: list[int] = []
+    left = tokens
+    scale = float(mean - minimum)
+    while left > 0:
+        extra = torch.empty(1).exponential_(1.0, generator=generator).item() * scale
+        n = min(left, minimum + int(round(extra)))
+        if n < minimum and sizes:
+            sizes[-1] += n
+        else:
+            sizes.append(n)
+        left -= n
+    return sizes
+
+
+def layer_step(model, shape: Shape, tokens: int, device: torch.device, doc_mean: int = 0,
+               doc_min: int = 1, seed: int = 0, stats: dict | None = None, doc_maps: int = 4):
     """``(prepare, run)`` of one training step: fresh random tokens and document map, then the
-    forward and backward of the mean LM loss (the layout is built inside, as in training)."""
+    forward and backward of the mean LM loss (the layout is built inside, as in training).
+
+    ``doc_mean`` > 0: the row is packed with documents of :func:`packed_lengths` (mean
+    ``doc_mean``, at least ``doc_min`` tokens): ``doc_maps`` length lists drawn from a generator
+    seeded with ``seed`` (every case of a run sees the same ones), used in turn, one per step,
+    each as a new document-map tensor (so the layout is rebuilt every step, as in training).
+    Cycling a few maps measures the steady state of training, where every padded document
+    length has been planned by cuDNN once (a first plan costs about 120 ms on the H200); the
+    caller warms up at least ``doc_maps`` steps. ``stats["documents"]`` collects the documents
+    per step.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    maps = [packed_lengths(tokens, doc_mean, doc_min, generator) for _ in range(doc_maps)]
+    step = 0
 
     def prepare() -> dict:
+        nonlocal step
         text = torch.randint(1, shape.vocab, (1, tokens), device=device)
+        sizes = maps[step % len(maps)]
+        step += 1
+        if stats is not None:
+            stats.setdefault("documents", []).append(len(sizes))
+        lengths = torch.tensor(sizes)
+        ids = torch.repeat_interleave(torch.arange(1, len(sizes) + 1), lengths)
+        starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
         return {
-            "ids": torch.ones(1, tokens, dtype=torch.int64, device=device),  # one document
+            "ids": ids.view(1, tokens).to(device),
             "text": text,
             "labels": text.roll(-1, dims=1),
-            "positions": torch.arange(tokens, device=device).unsqueeze(0),
+            "positions": (torch.arange(tokens) - starts).view(1, tokens).to(device),
         }
 
     def run(x: dict) -> None:

@@ -59,3 +59,47 @@ def test_bad_arguments_fail_before_anything_is_built(tmp_path):
     proc = _run(tmp_path, "--tokens", "100")
     assert proc.returncode != 0 and "multiples of the block size 16" in proc.stderr
     assert not (tmp_path / "layer.json").exists()
+
+
+def test_packed_rows_and_two_layers(tmp_path):
+    # One row per N and N:MEAN entry; dense and MSA see the same seeded document maps.
+    proc = _run(tmp_path, "--tokens", "128,256:64", "--cases", "dense,msa_sparse_loss",
+                "--layers", "2", "--no-attention-rows", "--seed", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "layer.json").read_text())
+    assert result["layers"] == 2 and "(seed 3)" in result["documents"]
+    rows = {(r["tokens"], r["doc_mean"], r["case"]): r for r in result["rows"]}
+    assert set(rows) == {(t, m, c) for t, m in ((128, 0), (256, 64))
+                         for c in ("dense", "msa_sparse_loss")}
+    for (_, mean, _), row in rows.items():
+        assert row["status"] == "ok" and row["layers"] == 2, row
+        assert row["step_ms"] > 0 and math.isfinite(row["step_ms"]), row
+        if mean == 0:
+            assert row["docs"] == 1, row
+        else:  # 256 tokens of documents of at least 16 (the tiny --doc-min)
+            assert 1 < row["docs"] <= 256 / 16, row
+            # The warm-up covers the 4 document maps before the timed step.
+            assert row["doc_maps"] == 4 and len(row["warmup_ms"]) == 4, row
+    assert rows[(256, 64, "dense")]["docs"] == rows[(256, 64, "msa_sparse_loss")]["docs"]
+
+
+def test_packed_lengths_fill_the_row_with_the_stated_distribution():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import torch
+    from layer_bench.steps import packed_lengths
+
+    generator = torch.Generator().manual_seed(0)
+    drawn = [packed_lengths(32768, 4096, 256, generator) for _ in range(200)]
+    assert all(sum(sizes) == 32768 and min(sizes) >= 256 for sizes in drawn)
+    inner = [n for sizes in drawn for n in sizes[:-1]]  # the last one is cut
+    assert 3600 < sum(inner) / len(inner) < 4600
+    assert packed_lengths(8192, 0, 256, generator) == [8192]
+    again = torch.Generator().manual_seed(0)
+    assert packed_lengths(32768, 4096, 256, again) == drawn[0]
+
+
+def test_bad_row_arguments(tmp_path):
+    proc = _run(tmp_path, "--tokens", "128:x")
+    assert proc.returncode != 0 and "'128:x' is not N or N:MEAN" in proc.stderr
+    proc = _run(tmp_path, "--tokens", "128:8")
+    assert proc.returncode != 0 and "expected 0 or a mean >= --doc-min=16" in proc.stderr
