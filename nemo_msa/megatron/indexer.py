@@ -20,7 +20,6 @@ import copy
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import (
