@@ -18,6 +18,10 @@ parallelism: local queries against the gathered keys) both devices take
 :func:`dense_document_attention_queries`: one SDPA per run of consecutive local queries of one
 document, against that document's keys up to the run's last query, with the causal diagonal
 aligned to the lower right (``causal_lower_right``), so no [s, s] mask either.
+Every path runs the SDPA kernels on finite K and V and sets to NaN afterwards the rows that
+attend a non-finite key or value (:mod:`nemo_msa.attention.finite`): the kernels multiply
+masked zero probabilities with values the query does not see, so a NaN would otherwise reach
+other rows and documents (ADR 0025).
 See docs/adr/0012-dense-document-attention.md and 0020-context-parallelism.md.
 """
 
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from nemo_msa.attention.finite import finite_keys_and_values, mark_attending_rows
 from nemo_msa.layout import MSAMicrobatch, validate_queries
 from nemo_msa.tensor_memo import TensorMemo
 
@@ -204,6 +209,7 @@ def dense_document_attention_per_document(
         ValueError: shapes that disagree with each other or with the layout.
     """
     validate_qkv(q, k, v, msa)
+    k, v, reached = finite_keys_and_values(k, v, msa)
     heads_q, heads_kv, dim = q.shape[1], k.shape[1], q.shape[2]
     outputs = []
     with _backend_preference(backends):
@@ -226,7 +232,9 @@ def dense_document_attention_per_document(
             )
             out = out.transpose(1, 2)[:, : run.length]
             outputs.append(out.reshape(run.count * run.length, heads_q, dim))
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+    return mark_attending_rows(
+        outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0), reached
+    )
 
 
 def document_causal_row_mask(msa: MSAMicrobatch) -> torch.Tensor:
@@ -277,6 +285,7 @@ def dense_document_attention_rows(
         ValueError: shapes that disagree with each other or with the layout.
     """
     validate_qkv(q, k, v, msa)
+    k, v, reached = finite_keys_and_values(k, v, msa)
     group = q.shape[1] // k.shape[1]
     # [T, H, d] -> [b, H, s, d]; query head hq reads KV head hq // group (Megatron's order).
     qb = msa.unpack(q).permute(0, 2, 1, 3)
@@ -285,7 +294,7 @@ def dense_document_attention_rows(
     out = F.scaled_dot_product_attention(
         qb, kb, vb, attn_mask=document_causal_row_mask(msa), scale=softmax_scale
     )
-    return msa.pack(out.permute(0, 2, 1, 3))
+    return mark_attending_rows(msa.pack(out.permute(0, 2, 1, 3)), reached)
 
 
 def dense_document_attention(
@@ -406,6 +415,7 @@ def dense_document_attention_queries(
         [Tq, Hq, d] in q's dtype.
     """
     heads_q, heads_kv = q.shape[1], k.shape[1]
+    k, v, reached = finite_keys_and_values(k, v, msa, queries)
     outputs = []
     with _backend_preference(backends):
         for run in query_runs(msa, queries):
@@ -419,7 +429,9 @@ def dense_document_attention_queries(
             outputs.append(out[0].transpose(0, 1))
     if not outputs:
         return q.new_zeros(q.shape)
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+    return mark_attending_rows(
+        outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0), reached
+    )
 
 
 def validate_qkv(
