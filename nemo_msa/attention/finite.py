@@ -36,8 +36,9 @@ def finite_keys_and_values(
 
     Returns:
         ``(k, v, reached)``: k and v in their dtypes, copies with 0 in every (token, KV head)
-        row of K or V that holds a non-finite entry (gradient 0 there) and bool [Tq, Hkv]: the query row sees, in its document at a
-        position <= its own, a key or value of that KV head that is not finite.
+        row of K or V that holds a non-finite entry (gradient 0 there), and bool [Tq, Hkv]:
+        the query row sees, in its document at a position <= its own, a key or value of that
+        KV head that is not finite.
     """
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [T, Hkv]
     seen = torch.cumsum(bad.to(torch.int32), dim=0)  # non-finite rows at compact rows <= t

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
+from nemo_msa.triton.guards import dq_tile_masked, finite_delta
 from nemo_msa.triton.kernel_layout import (
     INTERPRET,
     KernelLayout,
@@ -60,7 +61,6 @@ from nemo_msa.triton.tiles import (
     union_full_blocks,
     union_tile_rows,
 )
-from nemo_msa.triton.guards import dq_tile_masked, finite_delta
 
 
 @triton.jit

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
+from nemo_msa.triton.guards import finite_values, poison_rows
 from nemo_msa.triton.kernel_layout import (
     INTERPRET,
     check_attention_inputs,
@@ -60,7 +61,6 @@ from nemo_msa.triton.tiles import (
     union_masked_end,
     union_tile_rows,
 )
-from nemo_msa.triton.guards import finite_values, poison_rows
 
 
 @triton.jit

@@ -121,3 +121,28 @@ def test_dense_query_runs_contain_a_non_finite_key_or_value(which, value, where)
     run = lambda q_, k_, v_: dense_document_attention_queries(q_, k_, v_, msa, scale, queries)  # noqa: E731
     check_containment(run, q, k, v, dout, visible_pairs(msa, BS, queries=queries, kv_heads=HKV),
                       scale, which, *BAD[where], value, tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which,value", [("v", math.nan), ("k", math.nan), ("v", math.inf)])
+def test_gpu_dense_attention_contains_a_non_finite_key_or_value(which, value):
+    """The GPU's dense path (cuDNN, else flash SDPA per run of equal-length documents, bf16,
+    padded lengths) at the production head shape: the SDPA kernels mix masked columns of the
+    diagonal tile, so this checks the containment around them."""
+    from nemo_msa.attention.dense import dense_document_attention
+
+    rows, seq, hq, hkv, d = [[300, 77, 128], [128, 128, 100]], 512, 16, 1, 128
+    msa = MSAMicrobatch.from_document_map(document_map_from_lengths(rows, seq), block_size=128)
+    gen = torch.Generator().manual_seed(5)
+    t = msa.num_tokens
+    q, dout = (torch.randn((t, hq, d), generator=gen).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn((t, hkv, d), generator=gen).to(torch.bfloat16) for _ in range(2))
+    dmsa = MSAMicrobatch.from_document_map(document_map_from_lengths(rows, seq, "cuda"),
+                                           block_size=128)
+    scale = 1.0 / math.sqrt(d)
+    run = lambda q_, k_, v_: dense_document_attention(q_, k_, v_, dmsa, scale)  # noqa: E731
+    visible = visible_pairs(msa, 128, kv_heads=hkv)
+    # The last token of a full 128-token document, and one inside the 300-token document.
+    for token in (300 + 77 + 127, 200):
+        check_containment(run, q, k, v, dout, visible, scale, which, token, 0, value, tol=1e-2,
+                          device="cuda")

@@ -23,10 +23,12 @@ from _msa_support import (
 
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
+from nemo_msa.indexer_loss import compute_indexer_loss, dense_indexer_loss_triton
 from nemo_msa.selection.naive import select_blocks_reference
 from nemo_msa.selection.triton_select import triton_select_blocks
 from nemo_msa.testing.containment import check_containment
 from nemo_msa.testing.nonfinite import visible_pairs
+from nemo_msa.testing.oracle import rel_err
 
 BS, HQ, HKV, D, TOP_K = 16, 8, 2, 16, 2
 ROWS, SEQ = [[70, 9], [33, 16, 1]], 80
@@ -114,3 +116,79 @@ def test_selection_ignores_an_index_key_a_query_cannot_see(backend, score, value
         for a, b in zip(got, clean, strict=True):
             same = (a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b
             assert same[:, ~sees].all(), f"token {token}: selection of unseeing queries changed"
+
+
+def _dense_loss(backend, iq, ik, q, k, msa, dmsa):
+    """d index_q [T, G, di] and d index_k [T, di] of the dense indexer loss (fp32, host)."""
+    if backend == "triton":
+        iq, ik, q, k = (x.clone() for x in on_kernel_device(iq, ik, q, k))
+        iq, ik = iq.requires_grad_(True), ik.requires_grad_(True)
+        loss, _ = dense_indexer_loss_triton(iq, ik, q, k, dmsa, softmax_scale=0.3,
+                                            num_index_heads_total=iq.shape[1], loss_coeff=1.0)
+    else:
+        iq, ik, q, k = (x.double() for x in (iq, ik, q, k))
+        iq, ik = iq.requires_grad_(True), ik.requires_grad_(True)
+        loss, _ = compute_indexer_loss(iq, ik, q, k, msa, softmax_scale=0.3,
+                                       num_index_heads_total=iq.shape[1], loss_coeff=1.0,
+                                       score_type="max", query_chunk=32)
+    loss.backward()
+    return iq.grad.float().cpu(), ik.grad.float().cpu()
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("which", ["key", "index_k"])
+def test_dense_indexer_loss_contains_a_nan_key(backend, which):
+    """A NaN attention key (one KV group) or index key changes no gradient of the rows that do
+    not see it: d index_q of every other (token, head) and d index_k of every key no affected
+    row sees equal those of the clean inputs, finite."""
+    gen = torch.Generator().manual_seed(11)
+    msa = make_layout(ROWS, SEQ, BS)
+    t, heads, group = msa.num_tokens, HKV, 2
+    iq = torch.randn(t, heads, D, generator=gen).to(torch.bfloat16)
+    ik = torch.randn(t, D, generator=gen).to(torch.bfloat16)
+    q = torch.randn(t, heads * group, D, generator=gen).to(torch.bfloat16)
+    k = torch.randn(t, heads, D, generator=gen).to(torch.bfloat16)
+    dmsa = layout_on_kernel_device(msa)
+    clean_dq, clean_dk = _dense_loss(backend, iq, ik, q, k, msa, dmsa)
+    token, head = BAD["last_of_block"]
+    bad_k, bad_ik = k.clone(), ik.clone()
+    if which == "key":
+        bad_k[token, head] = float("nan")
+    else:
+        bad_ik[token] = float("nan")
+    dq, dk = _dense_loss(backend, iq, bad_ik, q, bad_k, msa, dmsa)
+    visible = visible_pairs(msa, BS, kv_heads=heads)
+    affected = visible[:, :, token].t().clone()  # [T, G]: the (token, head) rows that see it
+    if which == "key":
+        affected[:, 1 - head] = False
+    keys = ~(visible & affected.t()[:, :, None]).any(1).any(0)  # no affected row sees them
+    keys[token] = False
+    assert affected.any() and (~affected).any() and keys.any()
+    assert torch.isfinite(dq[~affected]).all() and torch.isfinite(dk[keys]).all()
+    assert rel_err(dq[~affected], clean_dq[~affected]) < 1e-6
+    assert rel_err(dk[keys], clean_dk[keys]) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which,value", [("v", math.nan), ("k", math.nan), ("v", math.inf)])
+def test_gpu_sparse_attention_contains_at_the_production_block_and_head_shape(which, value):
+    """The default launch (hybrid union / per-token forward and dq, TMA whole blocks) at block
+    128, d 128 and GQA 16, compiled, through the public op."""
+    from nemo_msa.ops import sparse_attention
+
+    rows, seq, bs, hq, hkv, d = [[400, 40], [256, 130]], 512, 128, 16, 1, 128
+    gen = torch.Generator().manual_seed(9)
+    msa = make_layout(rows, seq, bs)
+    t = msa.num_tokens
+    q, dout = (torch.randn((t, hq, d), generator=gen).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn((t, hkv, d), generator=gen).to(torch.bfloat16) for _ in range(2))
+    q2k = random_q2k(msa, hkv, 3, bs, gen, drop_own=True)
+    dmsa = layout_on_kernel_device(msa)
+    dq2k = on_kernel_device(q2k)
+    scale = 1.0 / math.sqrt(d)
+    run = lambda q_, k_, v_: sparse_attention(q_, k_, v_, dq2k, dmsa, softmax_scale=scale,  # noqa: E731
+                                              backend="triton")
+    visible = visible_pairs(msa, bs, q2k)
+    for token in (127, 440 + 200):  # the last token of block 0; one inside block 1
+        check_containment(run, q, k, v, dout, visible, scale, which, token, 0, value, tol=1e-2,
+                          device=KERNEL_DEVICE)
