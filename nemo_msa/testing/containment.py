@@ -46,7 +46,7 @@ def check_containment(run: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.
     """
     bad_k, bad_v = k.clone(), v.clone()
     (bad_k if which == "k" else bad_v)[token, kv_head] = value
-    inputs = [x.to(device).requires_grad_(True) for x in (q, bad_k, bad_v)]
+    inputs = [x.detach().to(device).clone().requires_grad_(True) for x in (q, bad_k, bad_v)]
     out = run(*inputs)
     out.backward(dout.to(device))
     out = out.detach().cpu()

@@ -94,9 +94,11 @@ def contained_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             visible: torch.Tensor, scale: float | None = None):
     """Attention in float64 where only visible pairs enter a product.
 
-    ``out(i, h) = sum_{j visible} softmax_j(q(i, h) . k(j, g) * scale) v(j, g)``, g = h // G,
-    with every product of a pair that is not visible replaced by an exact 0 *before* the sums
-    (a masked NaN or Inf never meets a zero probability). Differentiable.
+    ``out(i, h) = sum_{j visible} softmax_j(q(i, h) . k(j, g) * scale) v(j, g)``, g = h // G.
+    A score q . k involves one key only, so Q K^T is exact per pair; the sum over keys is
+    where a hidden pair would meet a non-finite value (0 * NaN), so P V runs on V with its
+    non-finite rows zeroed and each such row is added back only where it is visible.
+    Differentiable (through finite inputs). Memory O(Tq x T) per head.
 
     Args:
         q: [Tq, Hq, d] float; k, v: [T, Hkv, d] float.
@@ -116,13 +118,14 @@ def contained_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         g = h // group
         vis = visible[g].to(q.device)  # [Tq, T]
         qh, kh, vh = q[:, h].double(), k[:, g].double(), v[:, g].double()
-        prod = qh[:, None, :] * kh[None, :, :]  # [Tq, T, d]
-        sc = torch.where(vis[..., None], prod, 0.0).sum(-1) * scale
-        sc = sc.masked_fill(~vis, -math.inf)
+        sc = (qh @ kh.t() * scale).masked_fill(~vis, -math.inf)
         lse = torch.logsumexp(sc, dim=-1)  # -inf for a row without a visible key
         shift = torch.where(torch.isneginf(lse), 0.0, lse)
         pr = torch.where(vis, torch.exp(sc - shift[:, None]), 0.0)
-        out = torch.where(vis[..., None], pr[..., None] * vh[None, :, :], 0.0).sum(1)
+        bad = ~torch.isfinite(vh).all(-1)  # [T]
+        out = pr @ vh.masked_fill(bad[:, None], 0.0)
+        for j in bad.nonzero().flatten().tolist():
+            out = out + torch.where(vis[:, j, None], pr[:, j, None] * vh[j], 0.0)
         outs.append(out)
         lses.append(lse)
     return torch.stack(outs, 1), torch.stack(lses, 0)
