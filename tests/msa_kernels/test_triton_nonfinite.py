@@ -48,18 +48,19 @@ SCHEDULES = {
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q2k, msa, scale):
-        out, lse = triton_attention_forward(q, k, v, q2k, msa, scale, block_size=BS)
+    def forward(ctx, q, k, v, q2k, msa, scale, queries=None):
+        out, lse = triton_attention_forward(q, k, v, q2k, msa, scale, block_size=BS,
+                                            queries=queries)
         ctx.save_for_backward(q, k, v, q2k, out, lse)
-        ctx.msa, ctx.scale = msa, scale
+        ctx.msa, ctx.scale, ctx.queries = msa, scale, queries
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, q2k, out, lse = ctx.saved_tensors
         grads = triton_attention_backward(dout.contiguous(), q, k, v, out, lse, q2k, ctx.msa,
-                                          ctx.scale, block_size=BS)
-        return (*grads, None, None, None)
+                                          ctx.scale, block_size=BS, queries=ctx.queries)
+        return (*grads, None, None, None, None)
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
@@ -82,6 +83,27 @@ def test_sparse_attention_kernels_contain_a_non_finite_key_or_value(set_launch, 
     run = lambda q_, k_, v_: _Attention.apply(q_, k_, v_, dq2k, dmsa, scale)  # noqa: E731
     check_containment(run, q, k, v, dout, visible_pairs(msa, BS, q2k), scale, which,
                       *BAD[where], value, tol=1e-2, device=KERNEL_DEVICE)
+
+
+@pytest.mark.parametrize("which,value", [("v", math.nan), ("k", math.inf)])
+def test_sparse_attention_kernels_contain_with_a_query_subset(set_launch, which, value):
+    """Context parallelism's launch (local queries against every token's keys, ADR 0021), union
+    schedule: the same rule on the local rows."""
+    set_launch(SCHEDULES["union"])
+    gen = torch.Generator().manual_seed(17)
+    msa = make_layout(ROWS, SEQ, BS)
+    t = msa.num_tokens
+    queries = torch.arange(1, t, 2)
+    q, dout = (torch.randn((queries.numel(), HQ, D), generator=gen).to(torch.bfloat16)
+               for _ in range(2))
+    k, v = (torch.randn((t, HKV, D), generator=gen).to(torch.bfloat16) for _ in range(2))
+    q2k = random_q2k(msa, HKV, TOP_K, BS, gen, drop_own=True)[:, queries]
+    dmsa = layout_on_kernel_device(msa)
+    dq2k, dqueries = on_kernel_device(q2k, queries)
+    scale = 1.0 / math.sqrt(D)
+    run = lambda q_, k_, v_: _Attention.apply(q_, k_, v_, dq2k, dmsa, scale, dqueries)  # noqa: E731
+    check_containment(run, q, k, v, dout, visible_pairs(msa, BS, q2k, queries), scale, which,
+                      *BAD["last_of_block"], value, tol=1e-2, device=KERNEL_DEVICE)
 
 
 SELECTIONS = {"triton": ("max",), "reference": ("max", "lse")}
