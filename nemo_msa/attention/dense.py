@@ -18,6 +18,10 @@ parallelism: local queries against the gathered keys) both devices take
 :func:`dense_document_attention_queries`: one SDPA per run of consecutive local queries of one
 document, against that document's keys up to the run's last query, with the causal diagonal
 aligned to the lower right (``causal_lower_right``), so no [s, s] mask either.
+Every path runs the SDPA kernels on finite K and V and sets to NaN afterwards the rows that
+attend a non-finite key or value (:mod:`nemo_msa.attention.finite`): the kernels multiply
+masked zero probabilities with values the query does not see, so a NaN would otherwise reach
+other rows and documents (ADR 0025).
 See docs/adr/0012-dense-document-attention.md and 0020-context-parallelism.md.
 """
 
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from nemo_msa.attention.finite import finite_keys_and_values, mark_attending_rows
 from nemo_msa.layout import MSAMicrobatch, validate_queries
 from nemo_msa.limits import require_float_tensor, require_softmax_scale
 from nemo_msa.tensor_memo import TensorMemo
@@ -206,7 +211,10 @@ def dense_document_attention_per_document(
         ValueError: shapes that disagree with each other or with the layout.
     """
     validate_qkv(q, k, v, msa, softmax_scale=softmax_scale)
-    return dense_attention_runs(q, k, v, document_runs(msa), softmax_scale, backends, pad_to)
+    # SDPA runs on finite K and V; the rows that attend a non-finite one are marked after.
+    k, v, reached = finite_keys_and_values(k, v, msa)
+    out = dense_attention_runs(q, k, v, document_runs(msa), softmax_scale, backends, pad_to)
+    return mark_attending_rows(out, reached)
 
 
 def dense_attention_runs(
@@ -232,7 +240,8 @@ def dense_attention_runs(
         pad_to: the padded length of a document of a given length, or None for none.
 
     Returns:
-        [T, Hq, d] in q's dtype.
+        [T, Hq, d] in q's dtype. K and V must be finite (callers contain non-finite ones
+        with :mod:`nemo_msa.attention.finite`): SDPA multiplies masked probabilities with them.
     """
     heads_q, heads_kv, dim = q.shape[1], k.shape[1], q.shape[2]
     outputs = []
@@ -307,6 +316,7 @@ def dense_document_attention_rows(
         ValueError: shapes that disagree with each other or with the layout.
     """
     validate_qkv(q, k, v, msa, softmax_scale=softmax_scale)
+    k, v, reached = finite_keys_and_values(k, v, msa)
     group = q.shape[1] // k.shape[1]
     # [T, H, d] -> [b, H, s, d]; query head hq reads KV head hq // group (Megatron's order).
     qb = msa.unpack(q).permute(0, 2, 1, 3)
@@ -315,7 +325,7 @@ def dense_document_attention_rows(
     out = F.scaled_dot_product_attention(
         qb, kb, vb, attn_mask=document_causal_row_mask(msa), scale=softmax_scale
     )
-    return msa.pack(out.permute(0, 2, 1, 3))
+    return mark_attending_rows(msa.pack(out.permute(0, 2, 1, 3)), reached)
 
 
 def dense_document_attention(
@@ -436,6 +446,7 @@ def dense_document_attention_queries(
         [Tq, Hq, d] in q's dtype.
     """
     heads_q, heads_kv = q.shape[1], k.shape[1]
+    k, v, reached = finite_keys_and_values(k, v, msa, queries)
     outputs = []
     with _backend_preference(backends):
         for run in query_runs(msa, queries):
@@ -449,7 +460,9 @@ def dense_document_attention_queries(
             outputs.append(out[0].transpose(0, 1))
     if not outputs:
         return q.new_zeros(q.shape)
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+    return mark_attending_rows(
+        outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0), reached
+    )
 
 
 def validate_qkv(

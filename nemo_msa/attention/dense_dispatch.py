@@ -22,6 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from nemo_msa.attention.dense import DocumentRun, dense_attention_runs, padded_length
+from nemo_msa.attention.finite import (
+    finite_keys_and_values_of_documents,
+    mark_attending_rows,
+)
 from nemo_msa.layout import MSAMicrobatch
 from nemo_msa.triton.kernel_layout import query_subset
 
@@ -221,6 +225,13 @@ class _MergeRows(torch.autograd.Function):
 SparseRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], object]
 
 
+def _prefix_first_rows(runs: tuple[DocumentRun, ...], device: torch.device) -> torch.Tensor:
+    """int64 [Td]: each gathered prefix row's first row (the runs cover the rows in order)."""
+    parts = [run.start + torch.arange(run.count * run.length, device=device) // run.length
+             * run.length for run in runs]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 def dispatched_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -254,10 +265,14 @@ def dispatched_attention(
     # A prefix query sees only its prefix's keys, so the gathered prefixes are documents.
     dense_k = key[: plan.num_dense] if plan.in_order else key.index_select(0, plan.dense_rows)
     dense_v = value[: plan.num_dense] if plan.in_order else value.index_select(0, plan.dense_rows)
-    out = dense_attention_runs(
+    # SDPA multiplies masked probabilities with K and V: it runs on finite copies, and the
+    # prefix rows that attend a non-finite key or value are marked after (ADR 0025).
+    dense_k, dense_v, reached = finite_keys_and_values_of_documents(
+        dense_k, dense_v, _prefix_first_rows(plan.dense_runs, dense_k.device))
+    out = mark_attending_rows(dense_attention_runs(
         dense_q, dense_k, dense_v, plan.dense_runs, softmax_scale,
         pad_to=padded_length if query.is_cuda else None,
-    )
+    ), reached)
     mass = None
     if return_block_mass:
         with torch.no_grad():

@@ -50,7 +50,8 @@ def _gather_blocks(
             :func:`_workspace_blocks`).
 
     Returns:
-        ``(k, v, visible, rows)``: k and v [C, Hkv, top_k * B, d], visible bool
+        ``(k, v, visible, rows)``: k and v [C, Hkv, top_k * B, d] (0 at the keys a query
+        does not see), visible bool
         [C, Hkv, top_k * B], rows int64 [C, Hkv, top_k] (rows of ``k_blocks``; meaningful where
         a block is selected).
     """
@@ -67,7 +68,11 @@ def _gather_blocks(
     positions = query_rows(msa.document_positions, queries)[start:stop].long()
     key_positions = selected[..., None] * block + torch.arange(block, device=q2k.device)
     visible = (selected[..., None] >= 0) & (key_positions <= positions[:, None, None, None])
-    return k, v, visible.reshape(chunk, kv_heads, top_k * block), rows
+    visible = visible.reshape(chunk, kv_heads, top_k * block)
+    # Each query has its own gathered copy, so zeroing the keys it does not see is exact: a
+    # NaN/Inf there would otherwise meet a zero probability (0 * NaN) in P V, dS K or dO V^T.
+    hidden = ~visible[..., None]
+    return k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0), visible, rows
 
 
 def _workspace_blocks(msa: MSAMicrobatch, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -205,7 +210,11 @@ def sparse_attention_backward_reference(
         probs = torch.exp(scores - lse_c[..., None].nan_to_num(neginf=0.0))
         dprobs = torch.matmul(doc, vc.transpose(-1, -2))
         delta_c = delta[start:stop].view(count, kv_heads, group, 1)
-        dscores = probs * (dprobs - delta_c) * softmax_scale
+        # A hidden pair has probability 0 but the row's delta may be NaN (a row that attends
+        # a NaN): 0 * NaN must not reach the dk of a key the row does not see.
+        dscores = torch.where(
+            visible[:, :, None, :], probs * (dprobs - delta_c) * softmax_scale, 0.0
+        )
         dq[start:stop] = torch.matmul(dscores, kc).reshape(count, q_heads, dim).to(q.dtype)
         dk_c = torch.matmul(dscores.transpose(-1, -2), qc)  # [C, Hkv, n, d]
         dv_c = torch.matmul(probs.transpose(-1, -2), doc)

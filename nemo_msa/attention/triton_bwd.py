@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
+from nemo_msa.triton.guards import dq_tile_masked, finite_delta
 from nemo_msa.triton.kernel_layout import (
     INTERPRET,
     KernelLayout,
@@ -194,7 +195,9 @@ def _dq_union_kernel(
             k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
                                       stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
                                       FP32_DOT, TMA)
-            dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
+            # Rows that did not select the block keep their sum (0 * NaN, ADR 0025).
+            dq = tl.where(sel[:, None], dq + dq_tile_rows(q, do, k, v, sel, lse2, delta,
+                                                           scale_log2), dq)
     for u in range(full, count):
         b = tl.load(urow + u)
         sel = rows_selecting(selection, b) & rmask
@@ -202,7 +205,7 @@ def _dq_union_kernel(
             k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length,
                                                pos, sel, g, stride_kt, stride_kh, stride_vt,
                                                stride_vh, D, FP32_DOT)
-            dq += dq_tile(q, do, k, v, vis, lse2, delta, scale_log2)
+            dq += dq_tile_masked(q, do, k, v, vis, lse2, delta, scale_log2)
     dq = dq * scale
     tl.store(dq_ptr + tok[:, None] * stride_dqt + heads[:, None] * stride_dqh + dd[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -219,6 +222,7 @@ def _dkdv_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, tok, heads, rmask, stride_qt, 
     if FP32_DOT:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
+    lse2, delta = finite_delta(lse2, delta)
     return q, do, lse2, delta
 
 

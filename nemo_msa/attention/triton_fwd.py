@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
+from nemo_msa.triton.guards import finite_values, poison_rows
 from nemo_msa.triton.kernel_layout import (
     INTERPRET,
     check_attention_inputs,
@@ -224,6 +225,7 @@ def _fwd_union_kernel(
     # With OWN_TMA the loop is not pipelined: it is mostly the one own block, whose stage
     # buffers would add to the whole-block loop's in shared memory rather than reuse them.
     last = union_masked_end(urow, count, own, UW, OWN_TMA)
+    poisoned = rmask != rmask  # rows that see a NaN/Inf value in a masked tile
     for u in tl.range(full, last, num_stages=1 if OWN_TMA else None):
         b = tl.load(urow + u)
         sel = rows_selecting(selection, b) & rmask
@@ -237,10 +239,13 @@ def _fwd_union_kernel(
                                                    stride_vh, D, FP32_DOT)
             sc = tl.dot(q, tl.trans(k)) * scale_log2
             sc = tl.where(vis, sc, float("-inf"))
+            # A masked pair's probability is 0: a NaN/Inf value must not meet it in P V.
+            v, poisoned = finite_values(v, vis, poisoned)
             m_i, l_i, acc, alpha, psum = online_softmax_step(sc, v, m_i, l_i, acc)
             if EMIT:
                 mass = fold_block_mass(mass, alpha, psum, selection == b)
     out, lse = finish_softmax(m_i, l_i, acc)
+    out = poison_rows(out, poisoned)
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + dd[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
     tl.store(lse_ptr + heads * stride_lh + tok, lse, mask=rmask)

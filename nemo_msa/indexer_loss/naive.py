@@ -47,7 +47,13 @@ def _index_block_log_probs(
 ) -> torch.Tensor:
     """log Q [C, H, NB] for a query chunk; -inf on blocks that hold no visible key."""
     work = accumulation_dtype(index_q)
-    scores = torch.einsum("chd,wd->chw", index_q.to(work), index_k_ws.to(work)) * index_scale
+    # The chunk's queries share the window's keys: a NaN/Inf key would reach the d index_q of
+    # queries that do not see it (0 * NaN in the einsum's backward). The product runs on finite
+    # keys and the pairs that see a non-finite key get NaN scores.
+    finite = torch.isfinite(index_k_ws).all(-1)  # [W]
+    keys = index_k_ws.masked_fill(~finite[:, None], 0.0).to(work)
+    scores = torch.einsum("chd,wd->chw", index_q.to(work), keys) * index_scale
+    scores = scores.masked_fill((visible & ~finite[None, :])[:, None, :], math.nan)
     scores = scores.masked_fill(~visible[:, None, :], -math.inf)
     chunk, heads, width = scores.shape
     blocks = scores.view(chunk, heads, width // block_size, block_size)
@@ -228,6 +234,8 @@ def _sparse_chunk_kl(
     count, heads, top_k, block = rows.shape
     work = accumulation_dtype(index_q)
     keys = index_k_ws[rows.reshape(count, heads, top_k * block)].to(work)  # [C, H, K*B, d]
+    # Each query has its own gathered keys: zeroing those it does not see is exact (no 0 * NaN).
+    keys = keys.masked_fill(~visible.reshape(count, heads, top_k * block, 1), 0.0)
     scores = torch.einsum("chd,chnd->chn", index_q.to(work), keys) * index_scale
     scores = scores.view(count, heads, top_k, block).masked_fill(~visible, -math.inf)
     if score_type == "max":

@@ -200,7 +200,9 @@ def rows_selecting(lists, b):
 def online_softmax_rows(sc, v, sel, m_i, l_i, acc, scale_log2):
     """:func:`online_softmax_step` for a key tile every key of which is visible to a selected
     row: no per-element mask. Rows with ``sel`` False leave the tile out; they subtract +inf,
-    so the exponent and the scale are one fused multiply-add per score.
+    so the exponent and the scale are one fused multiply-add per score, and keep their sums
+    (one select per row and output element: a NaN/Inf in the tile's K or V would otherwise
+    reach them through 0 * NaN, ADR 0025).
 
     Args:
         sc: fp32 [M, N] unscaled scores q k^T; sel: bool [M] rows that selected the block.
@@ -211,8 +213,8 @@ def online_softmax_rows(sc, v, sel, m_i, l_i, acc, scale_log2):
     alpha = tl.exp2(m_i - m_use)
     pr = tl.exp2(sc * scale_log2 - tl.where(sel, m_use, float("inf"))[:, None])
     psum = tl.sum(pr, axis=1)
-    l_i = l_i * alpha + psum
-    acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+    l_i = tl.where(sel, l_i * alpha + psum, l_i)
+    acc = tl.where(sel[:, None], acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v), acc)
     return m_new, l_i, acc, alpha, psum
 
 

@@ -1,0 +1,76 @@
+"""NaN/Inf containment around attention kernels that cannot mask a product themselves.
+
+A non-finite key or value must reach exactly the queries that attend to it (issue 29; the
+float64 rule is nemo_msa.testing.nonfinite's). SDPA kernels (torch's masked math path, its CPU
+flash kernel, and on the GPU the flash / cuDNN tiles on the causal diagonal) multiply a masked
+probability of 0 with the value of a key the query does not see, and 0 * NaN = NaN. The dense
+document paths (nemo_msa.attention.dense) therefore run them on finite K and V
+(:func:`finite_keys_and_values`) and set to NaN afterwards the rows that really attend a
+non-finite entry (:func:`mark_attending_rows`). See docs/adr/0025-nan-containment.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_msa.layout import MSAMicrobatch
+
+__all__ = ["finite_keys_and_values", "finite_keys_and_values_of_documents", "mark_attending_rows"]
+
+
+def finite_keys_and_values(
+    k: torch.Tensor, v: torch.Tensor, msa: MSAMicrobatch, queries: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K and V with every non-finite entry replaced by 0, and the query rows that attend one.
+
+    Causal attention within documents: query row i attends the keys of its document at
+    positions <= its own, so the rows reached by a non-finite (token, KV head) are found by a
+    running count of non-finite rows minus the count before the document's first row. No host
+    synchronization; the cost is elementwise passes over K and V (ADR 0025).
+
+    Args:
+        k: [T, Hkv, d] compact keys.
+        v: [T, Hkv, d] compact values.
+        msa: the layout.
+        queries: optional int64 [Tq] global compact rows of the queries.
+
+    Returns:
+        ``(k, v, reached)``: k and v in their dtypes, copies with 0 in every (token, KV head)
+        row of K or V that holds a non-finite entry (gradient 0 there), and bool [Tq, Hkv]:
+        the query row sees, in its document at a position <= its own, a key or value of that
+        KV head that is not finite.
+    """
+    first = msa.cu_seqlens.long()[msa.token_documents.long()]  # the document's first row
+    return finite_keys_and_values_of_documents(k, v, first, queries)
+
+
+def finite_keys_and_values_of_documents(
+    k: torch.Tensor, v: torch.Tensor, first: torch.Tensor, queries: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`finite_keys_and_values` for documents given by each row's first row.
+
+    Args:
+        k: [T, Hkv, d] keys, documents contiguous.
+        v: [T, Hkv, d] values.
+        first: int64 [T], the row of each row's document's first token.
+        queries: optional int64 [Tq] rows of the queries.
+
+    Returns:
+        As :func:`finite_keys_and_values`.
+    """
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [T, Hkv]
+    seen = torch.cumsum(bad.to(torch.int32), dim=0)  # non-finite rows at rows <= t
+    reached = (seen - seen[first] + bad[first].to(torch.int32)) > 0
+    if queries is not None:
+        reached = reached[queries]
+    # Whole (token, head) rows are zeroed: their attenders are NaN anyway, and autograd keeps
+    # a [T, Hkv, 1] mask rather than one of K's size.
+    hidden = bad[..., None]
+    return k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0), reached
+
+
+def mark_attending_rows(out: torch.Tensor, reached: torch.Tensor) -> torch.Tensor:
+    """``out`` [Tq, Hq, d] with NaN in the rows of ``reached`` bool [Tq, Hkv] (query head h
+    reads KV head h // (Hq / Hkv)); their gradient is 0 (a constant NaN)."""
+    group = out.shape[1] // reached.shape[1]
+    return out.masked_fill(reached.repeat_interleave(group, dim=1)[..., None], float("nan"))

@@ -1,0 +1,171 @@
+"""NaN/Inf containment (issue 29) of the reference sparse op and the dense document paths.
+
+A NaN or Inf in one (token, KV head) row of K or V must reach exactly the query rows that
+attend to it (same document, causally visible, selected): nemo_msa.testing.nonfinite's float64
+rule, checked by nemo_msa.testing.containment. Forward and backward, on packed rows of
+documents of several lengths (the bad token is the last of a full block, the issue's case, or
+in the middle of a block).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nemo_msa import MSAMicrobatch
+from nemo_msa.attention.dense import (
+    dense_document_attention_per_document,
+    dense_document_attention_queries,
+    dense_document_attention_rows,
+)
+from nemo_msa.ops import sparse_attention
+from nemo_msa.testing.containment import check_containment
+from nemo_msa.testing.nonfinite import visible_pairs
+from nemo_msa.testing.packs import document_map_from_lengths
+
+BS = 16
+ROWS = [[37, 11, 16], [32, 1, 20]]  # documents 0..2 in row 0, 3..5 in row 1
+SEQ = 64
+HQ, HKV, D, TOP_K = 4, 2, 16, 2
+# (compact row, KV head): the last token of a full block of a 32-token document (the issue's
+# case: the earlier rows of its block must stay finite), and a token in the middle of a block.
+BAD = {"last_of_block": (64 + 15, 1), "mid_block": (20, 0)}
+CASES = [(w, val, where) for w in ("k", "v") for val in (math.nan, math.inf)
+         for where in BAD]
+
+
+def _layout() -> MSAMicrobatch:
+    return MSAMicrobatch.from_document_map(document_map_from_lengths(ROWS, SEQ), block_size=BS)
+
+
+def _inputs(msa, dtype, seed=0, tq=None):
+    gen = torch.Generator().manual_seed(seed)
+    t = msa.num_tokens
+    tq = t if tq is None else tq
+    q, dout = (torch.randn((tq, HQ, D), generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn((t, HKV, D), generator=gen).to(dtype) for _ in range(2))
+    return q, k, v, dout
+
+
+def _q2k(msa, seed=1):
+    """A selection per (KV head, token): the own block and one random earlier block (or none),
+    so rows of one tile select different blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    pos = msa.document_positions.tolist()
+    q2k = torch.full((HKV, msa.num_tokens, TOP_K), -1, dtype=torch.int32)
+    for g in range(HKV):
+        for i, p in enumerate(pos):
+            own = p // BS
+            pick = int(torch.randint(0, own + 1, (1,), generator=gen)) if own else own
+            q2k[g, i, : len({pick, own})] = torch.tensor(sorted({pick, own}), dtype=torch.int32)
+    return q2k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("which,value,where", CASES)
+def test_reference_sparse_attention_contains_a_non_finite_key_or_value(dtype, which, value,
+                                                                        where):
+    msa = _layout()
+    q, k, v, dout = _inputs(msa, dtype)
+    q2k = _q2k(msa)
+    scale = 1.0 / math.sqrt(D)
+    run = lambda q_, k_, v_: sparse_attention(q_, k_, v_, q2k, msa, softmax_scale=scale,  # noqa: E731
+                                              backend="reference")
+    check_containment(run, q, k, v, dout, visible_pairs(msa, BS, q2k), scale, which,
+                      *BAD[where], value, tol=1e-5)
+
+
+@pytest.mark.parametrize("which,value,where", CASES)
+def test_reference_sparse_attention_query_subset_contains(which, value, where):
+    msa = _layout()
+    queries = torch.arange(0, msa.num_tokens, 3)
+    q, k, v, dout = _inputs(msa, torch.float32, tq=queries.numel())
+    q2k = _q2k(msa)[:, queries]
+    scale = 1.0 / math.sqrt(D)
+    run = lambda q_, k_, v_: sparse_attention(q_, k_, v_, q2k, msa, softmax_scale=scale,  # noqa: E731
+                                              backend="reference", queries=queries)
+    check_containment(run, q, k, v, dout, visible_pairs(msa, BS, q2k, queries), scale, which,
+                      *BAD[where], value, tol=1e-5)
+
+
+DENSE_PATHS = {
+    "rows": dense_document_attention_rows,
+    "per_document": dense_document_attention_per_document,
+}
+
+
+@pytest.mark.parametrize("path", sorted(DENSE_PATHS))
+@pytest.mark.parametrize("which,value,where", CASES)
+def test_dense_document_attention_contains_a_non_finite_key_or_value(path, which, value,
+                                                                      where):
+    """The CPU's fp32 dense path (per packed row, masked SDPA: one NaN used to reach every row
+    of its packed row) and the per-document path (the GPU's cuDNN path, here on torch's CPU
+    kernel)."""
+    msa = _layout()
+    q, k, v, dout = _inputs(msa, torch.float32)
+    scale = 1.0 / math.sqrt(D)
+    fn = DENSE_PATHS[path]
+    run = lambda q_, k_, v_: fn(q_, k_, v_, msa, scale)  # noqa: E731
+    check_containment(run, q, k, v, dout, visible_pairs(msa, BS, kv_heads=HKV), scale, which,
+                      *BAD[where], value, tol=1e-5)
+
+
+@pytest.mark.parametrize("which,value,where", CASES)
+def test_dense_query_runs_contain_a_non_finite_key_or_value(which, value, where):
+    msa = _layout()
+    queries = torch.arange(1, msa.num_tokens, 2)
+    q, k, v, dout = _inputs(msa, torch.float32, tq=queries.numel())
+    scale = 1.0 / math.sqrt(D)
+    run = lambda q_, k_, v_: dense_document_attention_queries(q_, k_, v_, msa, scale, queries)  # noqa: E731
+    check_containment(run, q, k, v, dout, visible_pairs(msa, BS, queries=queries, kv_heads=HKV),
+                      scale, which, *BAD[where], value, tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which,value", [("v", math.nan), ("k", math.nan), ("v", math.inf)])
+def test_gpu_dense_attention_contains_a_non_finite_key_or_value(which, value):
+    """The GPU's dense path (cuDNN, else flash SDPA per run of equal-length documents, bf16,
+    padded lengths) at the production head shape: the SDPA kernels mix masked columns of the
+    diagonal tile, so this checks the containment around them."""
+    from nemo_msa.attention.dense import dense_document_attention
+
+    rows, seq, hq, hkv, d = [[300, 77, 128], [128, 128, 100]], 512, 16, 1, 128
+    msa = MSAMicrobatch.from_document_map(document_map_from_lengths(rows, seq), block_size=128)
+    gen = torch.Generator().manual_seed(5)
+    t = msa.num_tokens
+    q, dout = (torch.randn((t, hq, d), generator=gen).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn((t, hkv, d), generator=gen).to(torch.bfloat16) for _ in range(2))
+    dmsa = MSAMicrobatch.from_document_map(document_map_from_lengths(rows, seq, "cuda"),
+                                           block_size=128)
+    scale = 1.0 / math.sqrt(d)
+    run = lambda q_, k_, v_: dense_document_attention(q_, k_, v_, dmsa, scale)  # noqa: E731
+    visible = visible_pairs(msa, 128, kv_heads=hkv)
+    # The last token of a full 128-token document, and one inside the 300-token document.
+    for token in (300 + 77 + 127, 200):
+        check_containment(run, q, k, v, dout, visible, scale, which, token, 0, value, tol=1e-2,
+                          device="cuda")
+
+
+@pytest.mark.parametrize("which,value,where", CASES)
+def test_dense_dispatch_contains_a_non_finite_key_or_value(which, value, where):
+    """The layer's path with a real selection: the document prefixes run on the dense path
+    (ADR 0026), the rest sparse; both halves keep a bad key or value to its attenders."""
+    from unittest import mock
+
+    from nemo_msa import ops, select_blocks
+
+    msa = _layout()
+    q, k, v, dout = _inputs(msa, torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    iq = torch.randn(msa.num_tokens, HKV, D, generator=gen)
+    ik = torch.randn(msa.num_tokens, D, generator=gen)
+    q2k = select_blocks(iq, ik, msa, top_k=TOP_K, backend="reference")
+    scale = 1.0 / math.sqrt(D)
+    run = lambda q_, k_, v_: ops.document_attention(  # noqa: E731
+        q_, k_, v_, msa, softmax_scale=scale, q2k=q2k, backend="reference")
+    with mock.patch.object(ops, "dispatched_attention", wraps=ops.dispatched_attention) as spy:
+        check_containment(run, q, k, v, dout, visible_pairs(msa, BS, q2k), scale, which,
+                          *BAD[where], value, tol=1e-5)
+    assert spy.call_count > 0  # the dispatch ran (prefixes dominate these short documents)
