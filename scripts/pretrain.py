@@ -13,7 +13,8 @@ dataset, checkpoint, logger, ddp, dist); values are parsed as YAML. A bad key or
 run before anything is built, with one ``error:`` line naming it (exit code 2). A checkpoint that
 cannot be resumed from, a checkpoint directory another run holds (its lock file), a save that
 fails (disk full: the path and the cause) and a non-finite loss are one ``error:`` line too
-(exit code 1). SIGTERM ends the run like SIGINT (exit code 143), releasing the checkpoint lock.
+(exit code 1), and so is running out of memory (naming the sizes that decide it). SIGTERM ends
+the run like SIGINT (exit code 143), releasing the checkpoint lock.
 """
 
 from __future__ import annotations
@@ -52,6 +53,27 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def _is_out_of_memory(err: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, Python's MemoryError, or the CPU allocator's RuntimeError."""
+    text = str(err)
+    return isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError" or (
+        isinstance(err, RuntimeError)
+        and ("can't allocate memory" in text or "out of memory" in text.lower()))
+
+
+def _memory_advice(recipe) -> str:
+    """The recipe's sizes that decide memory, to name in the out-of-memory line."""
+    if recipe is None:
+        return ""
+    model, gpt, train = recipe.model, recipe.gpt, recipe.train
+    return (f" with model.hidden_size={model.get('hidden_size')}, "
+            f"model.ffn_hidden_size={model.get('ffn_hidden_size')}, "
+            f"model.num_layers={model.get('num_layers')}, model.seq_length={gpt.seq_length}, "
+            f"train.micro_batch_size={train.micro_batch_size}; expected a model, sequence and "
+            "micro batch that fit this machine's memory (make them smaller, or split the model "
+            "with tensor/pipeline/context parallelism over more devices)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, train, and return the process exit code."""
     parser = argparse.ArgumentParser(
@@ -68,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_msa.training.recipe import RecipeError, load_recipe
     from nemo_msa.training.trainer import pretrain, teardown
 
+    recipe = None
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         pretrain(recipe)
@@ -78,6 +101,16 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank reaches the same verdict (the loss is all-reduced); one line from rank 0.
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {_one_line(err)}", file=sys.stderr, flush=True)
+        return 1
+    except (MemoryError, RuntimeError) as err:
+        if not _is_out_of_memory(err):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            cause = _one_line(err)
+            if len(cause) > 240:  # the allocator's text runs on into the failing module's repr
+                cause = cause[:240].rsplit(" ", 1)[0] + " ..."
+            print(f"error: out of memory ({cause}){_memory_advice(recipe)}", file=sys.stderr,
+                  flush=True)
         return 1
     finally:
         teardown()

@@ -145,6 +145,22 @@ def test_cli_reports_bad_key_and_exits_2():
     assert "error: recipe key 'model.hiden_size' is unknown" in proc.stderr
 
 
+def test_cli_out_of_memory_is_one_line_naming_the_sizes_and_exits_1(tmp_path):
+    # A feed-forward of 2**40 channels: the CPU allocator refuses its first weight at once.
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "pretrain.py"),
+         "model.ffn_hidden_size=1099511627776", f"logger.output_dir={tmp_path}",
+         "logger.progress_bar=false"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert errors[0].startswith("error: out of memory (") and "can't allocate memory" in errors[0]
+    assert "model.ffn_hidden_size=1099511627776" in errors[0]
+    assert "expected a model, sequence and micro batch that fit" in errors[0]
+
+
 @pytest.mark.parametrize("override, message", [
     ("train.train_iters=3.5", r"'train.train_iters' = 3.5: expected an integer \(int\), got float"),
     ("train.train_iters=abc", r"'train.train_iters' = 'abc': expected an integer \(int\), got str"),
