@@ -70,6 +70,8 @@ class DenseDispatch:
             ``order`` is the identity and the split and merge are slices and a concatenation.
         dense_tiles: per tile size ``qt`` (powers of two up to the block size), the number of
             ``qt``-token tiles of the full launch that hold a dense row (host ints).
+        dense_first_rows: int64 [Td]: each gathered dense row's first row among the gathered
+            rows (its prefix's start), for the NaN/Inf containment of the dense call.
         sparse_tiles: the same for the sparse rows.
     """
 
@@ -84,6 +86,14 @@ class DenseDispatch:
     in_order: bool
     dense_tiles: dict[int, int]
     sparse_tiles: dict[int, int]
+    dense_first_rows: torch.Tensor
+
+
+def _prefix_first_rows(runs: tuple[DocumentRun, ...], device: torch.device) -> torch.Tensor:
+    """int64 [Td]: each gathered prefix row's first row (the runs cover the rows in order)."""
+    parts = [run.start + torch.arange(run.count * run.length, device=device) // run.length
+             * run.length for run in runs]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _tile_counts(lengths: tuple[int, ...], limit: int, block: int) -> tuple[dict, dict]:
@@ -154,6 +164,7 @@ def dense_dispatch(
             num_dense=num_dense, num_sparse=msa.num_tokens - num_dense,
             in_order=all(n <= limit for n in lengths[:-1]),
             dense_tiles=dense_tiles, sparse_tiles=sparse_tiles,
+            dense_first_rows=_prefix_first_rows(tuple(runs), msa.device),
         )
         # The kernels' query-subset views of both sides, built here from the host tile counts
         # (their own build would read the counts from the device: a synchronization).
@@ -225,13 +236,6 @@ class _MergeRows(torch.autograd.Function):
 SparseRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], object]
 
 
-def _prefix_first_rows(runs: tuple[DocumentRun, ...], device: torch.device) -> torch.Tensor:
-    """int64 [Td]: each gathered prefix row's first row (the runs cover the rows in order)."""
-    parts = [run.start + torch.arange(run.count * run.length, device=device) // run.length
-             * run.length for run in runs]
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
 def dispatched_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -268,7 +272,7 @@ def dispatched_attention(
     # SDPA multiplies masked probabilities with K and V: it runs on finite copies, and the
     # prefix rows that attend a non-finite key or value are marked after (ADR 0025).
     dense_k, dense_v, reached = finite_keys_and_values_of_documents(
-        dense_k, dense_v, _prefix_first_rows(plan.dense_runs, dense_k.device))
+        dense_k, dense_v, plan.dense_first_rows)
     out = mark_attending_rows(dense_attention_runs(
         dense_q, dense_k, dense_v, plan.dense_runs, softmax_scale,
         pad_to=padded_length if query.is_cuda else None,
