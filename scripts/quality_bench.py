@@ -119,6 +119,18 @@ def interpolate(curve: list[tuple[int, float, float]], t: float) -> float:
     return math.nan
 
 
+def _gaps(loss: dict[str, float], suffix: str) -> dict[str, float]:
+    """``msa_minus_dense<suffix>`` and ``control_minus_best<suffix>`` (control minus the better
+    of MSA and dense) of one loss per arm, for the arms present."""
+    out = {}
+    if {"msa", "dense"} <= loss.keys():
+        out[f"msa_minus_dense{suffix}"] = loss["msa"] - loss["dense"]
+    if "control" in loss and {"msa", "dense"} & loss.keys():
+        best = min(loss[a] for a in ("msa", "dense") if a in loss)
+        out[f"control_minus_best{suffix}"] = loss["control"] - best
+    return out
+
+
 def compare(runs: dict[str, dict]) -> dict:
     """Equal-step and equal-time validation losses of the arms of one sequence length."""
     steps_sets = [{it for it, _, _ in r["val_curve"]} for r in runs.values()]
@@ -135,19 +147,10 @@ def compare(runs: dict[str, dict]) -> dict:
             out["arms"][arm]["copy_loss_at_equal_step"] = next(
                 (v for it, _, v in r["copy_curve"] if it == eq_step), math.nan)
     arms = out["arms"]
-    if all("copy_loss_at_equal_step" in a for a in arms.values()) and arms:
-        rec = {arm: a["copy_loss_at_equal_step"] for arm, a in arms.items()}
-        if {"msa", "dense"} <= rec.keys():
-            out["msa_minus_dense_copy"] = rec["msa"] - rec["dense"]
-        if "control" in rec and {"msa", "dense"} & rec.keys():
-            best = min(rec[a] for a in ("msa", "dense") if a in rec)
-            out["control_minus_best_copy"] = rec["control"] - best
-    if {"msa", "dense"} <= arms.keys():
-        out["msa_minus_dense"] = (arms["msa"]["val_loss_at_equal_step"]
-                                  - arms["dense"]["val_loss_at_equal_step"])
-    if "control" in arms and {"msa", "dense"} & arms.keys():
-        best = min(arms[a]["val_loss_at_equal_step"] for a in ("msa", "dense") if a in arms)
-        out["control_minus_best"] = arms["control"]["val_loss_at_equal_step"] - best
+    out.update(_gaps({arm: a["val_loss_at_equal_step"] for arm, a in arms.items()}, ""))
+    if arms and all("copy_loss_at_equal_step" in a for a in arms.values()):
+        out.update(_gaps({arm: a["copy_loss_at_equal_step"] for arm, a in arms.items()}, "_copy"))
+    if "control_minus_best" in out:
         out["control_worse"] = bool(out["control_minus_best"] > 0.01)
     return out
 
