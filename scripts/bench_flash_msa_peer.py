@@ -67,6 +67,7 @@ from msa_bench.flash_msa_peer import (  # noqa: E402
     peer_kl_grad_rows_f64,
     peer_out_to_thd,
     peer_top_k,
+    prepare_extension_build,
     proxy_tensors,
     row_agreement,
     semantic_notes,
@@ -398,6 +399,8 @@ def main(argv=None):
     def build_extension():
         from flash_msa.reverse_index_cuda import _load_ext
 
+        payload["env"]["extension_build"] = prepare_extension_build()
+        log(f"[peer] extension build settings {payload['env']['extension_build']}")
         return _load_ext() is not None
 
     save()  # an outer timeout during the extension's build still leaves the environment

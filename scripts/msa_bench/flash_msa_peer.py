@@ -96,6 +96,46 @@ def import_peer(site_dirs=()):
     return importlib.import_module(PEER_MODULES[0])
 
 
+def prepare_extension_build(candidates=("/usr/local/cuda",)) -> dict:
+    """Makes flash-msa's JIT-compiled CUDA extension (``torch.utils.cpp_extension.load`` of its
+    ``csrc/reverse_index_cuda.cu``) buildable where torch's guesses fall short; returns what it
+    set.
+
+    - CUDA_HOME: torch takes the parent of the ``bin/`` holding the first ``nvcc`` on PATH; where
+      that is a wrapper script (``/usr/local/bin/nvcc`` on this project's CPU machine) the guess
+      has no headers. The first of ``$CUDA_HOME``, ``$CUDA_PATH``, torch's guess and
+      ``candidates`` with ``include/cuda_runtime.h`` and ``bin/nvcc`` is used.
+    - Headers: ATen's CUDAContext.h includes cusparse.h / cublas_v2.h / cusolverDn.h; a toolkit
+      installed without the math libraries' headers gets the include directories of torch's pip
+      CUDA wheels (``nvidia/*/include``) on CPLUS_INCLUDE_PATH, searched after the toolkit's.
+    """
+    import os
+
+    import torch.utils.cpp_extension as cpp_ext
+
+    done = {}
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), cpp_ext.CUDA_HOME,
+             *candidates]
+    home = next((h for h in homes if h and Path(h, "include", "cuda_runtime.h").is_file()
+                 and Path(h, "bin", "nvcc").is_file()), None)
+    if home is not None and home != cpp_ext.CUDA_HOME:
+        cpp_ext.CUDA_HOME = home  # read by load() at call time
+        os.environ["CUDA_HOME"] = home
+        done["cuda_home"] = home
+    if not Path(home or cpp_ext.CUDA_HOME or "/", "include", "cusparse.h").is_file():
+        try:
+            import nvidia
+        except ImportError:
+            return done
+        dirs = sorted(str(p) for base in nvidia.__path__ for p in Path(base).glob("*/include")
+                      if (p / "cusparse.h").is_file() or (p / "cublas_v2.h").is_file())
+        if dirs:
+            old = [d for d in os.environ.get("CPLUS_INCLUDE_PATH", "").split(os.pathsep) if d]
+            os.environ["CPLUS_INCLUDE_PATH"] = os.pathsep.join(old + dirs)
+            done["cplus_include_path"] = dirs
+    return done
+
+
 # ------------------------------------------------------------------------------- layouts
 
 

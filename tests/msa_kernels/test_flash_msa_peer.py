@@ -167,6 +167,34 @@ def test_site_dirs_process_pth_files(monkeypatch, tmp_path):
     assert peer.import_peer([str(site_dir), str(tmp_path / "absent")]).VALUE == 7
 
 
+def test_extension_build_finds_a_toolkit_with_headers(monkeypatch, tmp_path):
+    """torch's CUDA_HOME guess without headers is replaced by a toolkit that has them; a toolkit
+    without cusparse.h gets the pip CUDA wheels' include dirs after any earlier ones."""
+    import torch.utils.cpp_extension as cpp_ext
+
+    nvidia = pytest.importorskip("nvidia", reason="torch's pip CUDA wheels are not installed")
+    toolkit = tmp_path / "cuda"
+    (toolkit / "include").mkdir(parents=True)
+    (toolkit / "bin").mkdir()
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    (toolkit / "bin" / "nvcc").write_text("")
+    for name in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CPLUS_INCLUDE_PATH", "/earlier")
+    monkeypatch.setattr(cpp_ext, "CUDA_HOME", str(tmp_path / "no-headers-here"))
+    done = peer.prepare_extension_build(candidates=(str(toolkit),))
+    assert done["cuda_home"] == str(toolkit) == cpp_ext.CUDA_HOME == os.environ["CUDA_HOME"]
+    wheels = [str(p) for b in nvidia.__path__ for p in Path(b).glob("*/include")
+              if (p / "cusparse.h").is_file()]
+    if wheels:
+        parts = os.environ["CPLUS_INCLUDE_PATH"].split(os.pathsep)
+        assert parts[0] == "/earlier" and set(wheels) <= set(parts[1:])
+    (toolkit / "include" / "cusparse.h").write_text("")
+    monkeypatch.setenv("CPLUS_INCLUDE_PATH", "/earlier")
+    assert peer.prepare_extension_build(candidates=(str(toolkit),)) == {}
+    assert os.environ["CPLUS_INCLUDE_PATH"] == "/earlier"
+
+
 def test_table_and_json_keep_failures_visible(tmp_path):
     ok = {"case": "doc32768x1-coherent", "tokens": 32768, "sel_agree": 0.9876,
           "flash_fwd_ms": 10.0, "ours_fwd_ms": 5.0, "dense_fwd_ms": 29.3,
