@@ -288,7 +288,8 @@ def run_case(seq_len, kind, args, gen, fm, deadline, dense_cache) -> dict:
     scale = 1.0 / math.sqrt(D)
     case = make_case(r["case"], [[seq_len]] * args.batch, seq_len, args.device)
     msa = case["msa"]
-    r["dense_dispatch"] = dense_dispatch(msa, TOPK) is not None
+    r["dense_dispatch"] = steps("dense_dispatch_plan",
+                                lambda: dense_dispatch(msa, TOPK) is not None)
     sets = steps("inputs", lambda: [fresh_inputs(t, args.device, gen, kind == "coherent")
                                     for _ in range(args.sets)])
     if not sets:

@@ -21,7 +21,7 @@
 # half the documents are long-range copy documents, "--copy-fraction 0.5 --copy-kb 2",
 # whose second copies the bench scores with --copy-marker 0).
 # "peer" runs scripts/bench_flash_msa_peer.py (poolside's flash-msa beside our MSA op and cuDNN,
-# same inputs; docs/adr/0029) within PEER_S seconds (default 540), writing $OUT/peer.log and
+# same inputs; docs/adr/0029) within PEER_S seconds (default 520), writing $OUT/peer.log and
 # $OUT/peer.json; flash-msa and its wheels must already be installed with pip --target in
 # PEER_SITE (default /tmp/fm_site; /tmp/site is tried too); PEER_ARGS adds arguments.
 set -uo pipefail
@@ -121,7 +121,7 @@ tail -n 5 "$OUT/quality.log"
 fi
 
 if [[ " $STAGES " == *" peer "* ]]; then
-peer_s="${PEER_S:-540}"
+peer_s="${PEER_S:-520}"
 echo "== peer: scripts/bench_flash_msa_peer.py ${PEER_ARGS:-}" | tee "$OUT/peer.log"
 # shellcheck disable=SC2086  # the argument list is split on purpose
 timeout "$peer_s" python3 scripts/bench_flash_msa_peer.py --site "${PEER_SITE:-/tmp/fm_site}" \
