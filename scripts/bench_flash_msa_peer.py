@@ -225,10 +225,19 @@ def check(r, steps, s, msa, scale, args, gen, ours_grad, flash_grad, fm):
     p = s["peer"]
     ids = steps("flash_selection", lambda: fm.msa_select_cutedsl.select_blocks(
         p["qp"], p["kp"], scale=scale, num_blocks=p["q"].shape[2] // BS, top_k_blocks=TOPK))
+    q2k_f = None if ids is None else flash_ids_to_q2k(ids)
+
+    def agreement():
+        if ours is not None:
+            r["sel_agree"] = row_agreement(q2k_f, ours[2]).float().mean().item()
+        if ref_sel is not None:
+            r["flash_sel_f64_agree"] = (q2k_f[:, rows] == ref_sel).all(-1).float().mean().item()
+
+    if q2k_f is not None:
+        steps("selection_agreement", agreement)
     flash = steps("flash_outputs", lambda: flash_grad(s))
-    if ids is None or flash is None:
+    if q2k_f is None or flash is None:
         return
-    q2k_f = flash_ids_to_q2k(ids)
 
     def flash_errors():
         out_f = peer_out_to_thd(flash[0], HQ)
@@ -241,11 +250,8 @@ def check(r, steps, s, msa, scale, args, gen, ours_grad, flash_grad, fm):
         diq_ref = peer_kl_grad_rows_f64(s["iq"], s["ik"], s["q"], s["k"], q2k_f, msa, rows,
                                         scale, BS)
         r["flash_diq_err"] = rel_err(diq[rows], diq_ref)
-        if ref_sel is not None:
-            r["flash_sel_f64_agree"] = (q2k_f[:, rows] == ref_sel).all(-1).float().mean().item()
         if ours is not None:
             agree = row_agreement(q2k_f, ours[2])  # [Hkv, T]
-            r["sel_agree"] = agree.float().mean().item()
             mask = agree.t()[:, :, None].expand(t, HKV, HQ // HKV)  # [T, Hkv, G]
             shape = (t, HKV, HQ // HKV, D)
             if mask.any():

@@ -294,6 +294,20 @@ def test_case_logic_runs_on_the_cpu_with_an_eager_peer(monkeypatch):
     skipped = cli.run_case(512, "random", args, torch.Generator(), _eager_peer(), 0.0, {})
     assert skipped["errors"]["inputs"].startswith("skipped: the --budget-s")
 
+    def boom(*_args):
+        raise RuntimeError("peer kernel failed")
+
+    broken = _eager_peer()
+    broken.flash_msa_func = boom
+    row = cli.run_case(512, "random", args, torch.Generator().manual_seed(1), broken,
+                       time.monotonic() + 600, {})
+    flash_steps = {"flash_first_calls", "flash_fwd", "flash_fwdbwd", "flash_outputs"}
+    assert set(row["errors"]) == flash_steps
+    assert all(row["errors"][k] == "RuntimeError: peer kernel failed" for k in flash_steps)
+    assert row["ours_fwdbwd_ms"] == 1.0 and row["ours_out_err"] < 2e-2
+    assert row["sel_agree"] > 0.99 and row["flash_sel_ms"] == 1.0  # its selection still ran
+    assert "flash_out_err" not in row and "flash_over_ours_fwdbwd" not in row
+
 
 @pytest.mark.gpu
 def test_peer_runs_beside_ours_on_a_small_case(tmp_path):
