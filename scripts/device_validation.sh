@@ -23,6 +23,10 @@
 # replaces the corpus options (default:
 # half the documents are long-range copy documents, "--copy-fraction 0.5 --copy-kb 2",
 # whose second copies the bench scores with --copy-marker 0).
+# "peer" runs scripts/bench_flash_msa_peer.py (poolside's flash-msa beside our MSA op and cuDNN,
+# same inputs; docs/adr/0029) within PEER_S seconds (default 520), writing $OUT/peer.log and
+# $OUT/peer.json; flash-msa and its wheels must already be installed with pip --target in
+# PEER_SITE (default /tmp/fm_site; /tmp/site is tried too); PEER_ARGS adds arguments.
 set -uo pipefail
 OUT="${OUT:-runs/device}"
 mkdir -p "$OUT"
@@ -118,4 +122,21 @@ timeout $(( ${QUALITY_S:-490} + 60 )) python3 scripts/quality_bench.py \
 echo "rc $?" >> "$OUT/quality.log"
 sed -n '/^# MSA vs dense/,$p' "$OUT/quality.log"
 tail -n 5 "$OUT/quality.log"
+fi
+
+if [[ " $STAGES " == *" peer "* ]]; then
+peer_s="${PEER_S:-520}"
+echo "== peer: scripts/bench_flash_msa_peer.py ${PEER_ARGS:-}" | tee "$OUT/peer.log"
+# shellcheck disable=SC2086  # the argument list is split on purpose
+timeout "$peer_s" python3 scripts/bench_flash_msa_peer.py --site "${PEER_SITE:-/tmp/fm_site}" \
+  --site /tmp/site --budget-s $(( peer_s - 90 )) --json "$OUT/peer.json" ${PEER_ARGS:-} \
+  >> "$OUT/peer.log" 2>&1
+echo "rc $?" >> "$OUT/peer.log"
+# The table and its notes, or the end of the log on a failure.
+if grep -q "^| case | tokens | sel agree" "$OUT/peer.log"; then
+  sed -n '/^| case | tokens | sel agree/,$p' "$OUT/peer.log"
+else
+  grep -E "FAILED|cannot import|^rc " "$OUT/peer.log" | cut -c1-300
+  tail -n 15 "$OUT/peer.log"
+fi
 fi
