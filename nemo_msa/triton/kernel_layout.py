@@ -340,13 +340,20 @@ def build_query_subset(
     bs = view.block_size
     sizes = [1 << i for i in range(bs.bit_length()) if (1 << i) <= bs]
     q = queries.clamp(0, max(t - 1, 0))
-    pos = view.token_pos[q].to(torch.int64) if t else q
-    blk = view.token_first_block[q] + pos // bs if t else q
-    tile_ids = [blk * (bs // qt) + (pos % bs) // qt for qt in sizes]
+    pos32 = view.token_pos[q] if t else q.to(torch.int32)
+    first = view.token_first_block[q] if t else q
+    # A query's tile of size qt in the full launch is block * (bs // qt) + (pos % bs) // qt,
+    # i.e. (block * bs + pos % bs) // qt = (first * bs + pos) >> log2(qt): every size's ids in
+    # one [sizes, Tq] tensor, so the subset costs a handful of kernels whatever the block size
+    # (one set per size was ~11 kernels each, 88 per subset at blocks of 128: issue #28).
+    start = first * bs + pos32
+    shift = torch.arange(len(sizes), dtype=torch.int64, device=queries.device)
+    tile_ids = start.unsqueeze(0) >> shift.unsqueeze(1)  # [S, Tq] int64
+    change = tile_ids[:, 1:] != tile_ids[:, :-1]  # [S, Tq - 1]
     if tile_counts is not None:
         host = [int(tile_counts[qt]) for qt in sizes] + [0, 0]
     elif tq:
-        steps = torch.stack([(ids[1:] != ids[:-1]).sum() + 1 for ids in tile_ids])
+        steps = change.sum(1) + 1
         bad = torch.stack([(queries < 0).any() | (queries >= t).any(),
                            (queries[1:] <= queries[:-1]).any()]).to(torch.int64)
         host = torch.cat([steps, bad]).tolist()
@@ -358,21 +365,23 @@ def build_query_subset(
     if host[-1]:
         raise ValueError("queries must be strictly ascending (unique global compact rows in the "
                          "layout's order)")
-    tiles = {}
-    for qt, ids, n in zip(sizes, tile_ids, host, strict=False):
-        # Tile ids are non-decreasing along the queries: a tile's slot is the count of changes
-        # before it; every query of a tile writes the same id to the same slot.
-        slot = torch.cumsum((ids[1:] != ids[:-1]).to(torch.int64), 0) if tq else ids
-        slot = torch.cat([slot.new_zeros(min(tq, 1)), slot])
-        out = torch.zeros(n, dtype=torch.int32, device=queries.device)
-        tiles[qt] = out.scatter_(0, slot, ids.to(torch.int32)) if tq else out
+    counts = host[:len(sizes)]
+    # Tile ids are non-decreasing along the queries: a tile's slot is the count of changes
+    # before it; every query of a tile writes the same id to the same slot. Row s of ``lists``
+    # holds size s's list in its first counts[s] entries.
+    lists = torch.zeros(len(sizes), max(counts, default=0), dtype=torch.int32,
+                        device=queries.device)
+    if tq:
+        slot = torch.nn.functional.pad(torch.cumsum(change, 1), (1, 0))
+        lists.scatter_(1, slot, tile_ids.to(torch.int32))
+    tiles = {qt: lists[i, :n] for i, (qt, n) in enumerate(zip(sizes, counts, strict=True))}
     row = torch.full((t,), -1, dtype=torch.int32, device=queries.device)
     row[queries] = torch.arange(tq, dtype=torch.int32, device=queries.device)
     return QuerySubset(
         num_queries=tq, queries=queries, query_row=row,
         token_start=view.token_start[q].contiguous() if t else q.to(torch.int32),
-        token_pos=pos.to(torch.int32).contiguous(),
-        token_first_block=(view.token_first_block[q] if t else q).contiguous(),
+        token_pos=pos32.contiguous(),
+        token_first_block=first.contiguous(),
         tiles=tiles)
 
 
