@@ -12,13 +12,15 @@ by where they come from (the package function, or the backward node of a built-i
 difference MSA minus dense per site.
 
 The Triton backend runs under the interpreter (set ``TRITON_INTERPRET=1``; bf16) so its kernel
-launches are counted as the GPU would launch them; ``--backend reference`` counts the torch
-reference path instead (fp32).
+launches are counted as the GPU would launch them (the sampled recall takes its Triton kernel,
+as on CUDA); ``--backend reference`` counts the torch reference path instead (fp32). What the
+CPU count cannot show: torch ops that are one fused kernel on CUDA but decompose on the CPU
+(``rms_norm``: pow, mean, add, rsqrt, mul each way).
 
 Usage::
 
     TRITON_INTERPRET=1 python scripts/count_layer_ops.py [--tokens 256] [--doc-mean 0]
-    python scripts/count_layer_ops.py --backend reference
+    python scripts/count_layer_ops.py --backend reference --json counts.json
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
+import json
 import os
 import sys
 import warnings
@@ -40,6 +44,8 @@ from layer_bench.model import Shape, build_model, case_config, init_single_rank 
 from layer_bench.steps import layer_step  # noqa: E402
 
 from nemo_msa import backends  # noqa: E402
+from nemo_msa.indexer_loss import sampled_selection_recall  # noqa: E402
+from nemo_msa.megatron import msa_attention  # noqa: E402
 from nemo_msa.testing.op_count import OpCounter  # noqa: E402
 
 #: M3's proportions, small: 8 query heads per KV head, index heads = KV heads.
@@ -72,6 +78,10 @@ def count_step(case: str, tokens: int, backend: str, doc_mean: int = 0) -> OpCou
         backends._REGISTRY["triton"] = dataclasses.replace(
             record, unavailable_reason=lambda device: None
         )
+        # The layer's recall takes its Triton kernel on CUDA only; here the interpreter runs it.
+        msa_attention.sampled_selection_recall = functools.partial(
+            sampled_selection_recall, fused=True
+        )
     model = build_model(config, SMALL_M3, tokens, on_gpu=False)
     if triton:
         model = model.to(torch.bfloat16)
@@ -91,6 +101,7 @@ def main() -> None:
     ap.add_argument("--backend", choices=("triton", "reference"), default="triton")
     ap.add_argument("--cases", default="dense,msa_sparse_loss")
     ap.add_argument("--top", type=int, default=None, help="lines per case (default all)")
+    ap.add_argument("--json", default=None, help="write {case: {total, sites, syncs}} here")
     args = ap.parse_args()
     init_single_rank(on_gpu=False)
     torch.manual_seed(0)
@@ -99,6 +110,11 @@ def main() -> None:
         counts[case] = count_step(case, args.tokens, args.backend, args.doc_mean)
         print(f"== {case}: {counts[case].total} kernel-launching ops")
         print(counts[case].table(args.top))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            case: {"total": ops.total, "sites": dict(ops.by_site()), "syncs": dict(ops.syncs)}
+            for case, ops in counts.items()
+        }, indent=1))
     if "dense" in counts:
         for case, ops in counts.items():
             if case == "dense":

@@ -6,7 +6,8 @@ indexer's index_q and index_k. Megatron's unfused ``apply_rotary_pos_emb`` (bshd
 and concatenates a rotated half, and its autograd backward adds the slices' zero-filled
 gradients: about 12 kernels forward and 10 backward per tensor on the GPU (issue #28's
 profile). :func:`rope_factors` builds ``cos`` and a sign-folded ``sin`` once per layer call and
-dtype; :func:`apply_rope` applies them in one autograd function (4-5 kernels each way).
+dtype; :func:`apply_rope` applies them in one autograd function: one Triton kernel each way
+for fp16/bf16 on the GPU (:func:`nemo_msa.triton.rope.rope_triton`), else 4-5 torch kernels.
 
 The arithmetic is Megatron's, operation for operation, so the result is the same bits: with
 ``x = t[..., :rot]`` in halves ``x1, x2`` and ``c = cos(f).to(dtype)``, ``s = sin(f).to(dtype)``,
@@ -21,6 +22,9 @@ from __future__ import annotations
 
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+from nemo_msa.triton.kernel_layout import INTERPRET
+from nemo_msa.triton.rope import rope_triton
 
 __all__ = ["RopeFactors", "apply_rope", "rope_factors"]
 
@@ -51,7 +55,7 @@ class RopeFactors:
             sin = torch.sin(self.freqs).to(dtype)
             half = sin.shape[-1] // 2
             sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-            found = self._by_dtype[dtype] = (cos, sin_signed)
+            found = self._by_dtype[dtype] = (cos.contiguous(), sin_signed)
         return found
 
 
@@ -67,18 +71,36 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x2, x1), dim=-1)
 
 
+def _kernel_runs(t: torch.Tensor, cos: torch.Tensor) -> bool:
+    """The one-kernel RoPE (:func:`nemo_msa.triton.rope.rope_triton`) where it runs: fp16/bf16
+    [T, H, dim] on CUDA (or the host under the interpreter) with [T, 1, rot] factors; it
+    computes the same bits as the torch ops."""
+    return (
+        (t.is_cuda or INTERPRET)
+        and t.dtype in (torch.float16, torch.bfloat16)
+        and t.dim() == 3
+        and cos.dim() == 3
+        and cos.shape[0] == t.shape[0]
+        and cos.shape[1] == 1
+    )
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, cos, sin_signed):
+        ctx.save_for_backward(cos, sin_signed)
+        if _kernel_runs(t, cos):
+            return rope_triton(t, cos, sin_signed)
         rot = cos.shape[-1]
         x = t[..., :rot]
         y = x * cos + _swap_halves(x) * sin_signed
-        ctx.save_for_backward(cos, sin_signed)
         return torch.cat((y, t[..., rot:]), dim=-1) if rot < t.shape[-1] else y
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin_signed = ctx.saved_tensors
+        if _kernel_runs(grad, cos):
+            return rope_triton(grad, cos, sin_signed, backward=True), None, None
         rot = cos.shape[-1]
         g = grad[..., :rot]
         dx = g * cos + _swap_halves(g * sin_signed)
