@@ -17,14 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rope_triton"]
+__all__ = ["rope_triton", "round_to_input"]
 
 # Rows (token, head) per program.
 _BR = 16
 
 
 @triton.jit
-def _round(x, IS_BF16: tl.constexpr):
+def round_to_input(x, IS_BF16: tl.constexpr):
     """fp32 -> the input dtype, round to nearest even (torch's elementwise rounding). bf16 by
     integer arithmetic on the bits, so the interpreter (whose cast truncates) rounds as the GPU
     does; NaN stays NaN (a quiet NaN's payload bits survive the add)."""
@@ -59,16 +59,16 @@ def _rope_kernel(
     s2 = tl.load(sin_ptr + trig + HALF, mask=m, other=0.0)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
-    a1 = _round(x1 * c1.to(tl.float32), IS_BF16).to(tl.float32)
-    a2 = _round(x2 * c2.to(tl.float32), IS_BF16).to(tl.float32)
+    a1 = round_to_input(x1 * c1.to(tl.float32), IS_BF16).to(tl.float32)
+    a2 = round_to_input(x2 * c2.to(tl.float32), IS_BF16).to(tl.float32)
     if BACKWARD:
-        b1 = _round(x2 * s2.to(tl.float32), IS_BF16).to(tl.float32)
-        b2 = _round(x1 * s1.to(tl.float32), IS_BF16).to(tl.float32)
+        b1 = round_to_input(x2 * s2.to(tl.float32), IS_BF16).to(tl.float32)
+        b2 = round_to_input(x1 * s1.to(tl.float32), IS_BF16).to(tl.float32)
     else:
-        b1 = _round(x2 * s1.to(tl.float32), IS_BF16).to(tl.float32)
-        b2 = _round(x1 * s2.to(tl.float32), IS_BF16).to(tl.float32)
-    tl.store(dst[:, None] + c[None, :], _round(a1 + b1, IS_BF16), mask=m)
-    tl.store(dst[:, None] + HALF + c[None, :], _round(a2 + b2, IS_BF16), mask=m)
+        b1 = round_to_input(x2 * s1.to(tl.float32), IS_BF16).to(tl.float32)
+        b2 = round_to_input(x1 * s2.to(tl.float32), IS_BF16).to(tl.float32)
+    tl.store(dst[:, None] + c[None, :], round_to_input(a1 + b1, IS_BF16), mask=m)
+    tl.store(dst[:, None] + HALF + c[None, :], round_to_input(a2 + b2, IS_BF16), mask=m)
     if PASS > 0:
         p = tl.arange(0, PASS_P)
         mp = ok[:, None] & (p < PASS)[None, :]
