@@ -18,6 +18,7 @@ Nothing here reads a tensor's value on the host.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -226,6 +227,28 @@ class BlockQueryCSR:
     order: torch.Tensor
 
 
+#: Per rows object (a layout's kernel view or a query subset, both built once per microbatch):
+#: the terms of :func:`block_query_csr` that depend on the layout only, shared by every layer.
+_CSR_TERMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _csr_terms(rows, hkv: int, bound: int, bs: int, idx: torch.dtype):
+    """``(own [1, T, 1], base [Hkv, T, 1], seg [Hkv * bound + 1])`` in ``idx``: each query's
+    own block, its (head, document block 0) sort key base, and the segment ids."""
+    per_rows = _CSR_TERMS.setdefault(rows, {})
+    key = (hkv, bound, bs, idx)
+    found = per_rows.get(key)
+    if found is None:
+        t = rows.token_pos.shape[0]
+        device = rows.token_pos.device
+        own = (rows.token_pos // bs).to(idx).view(1, t, 1)
+        head = torch.arange(hkv, device=device, dtype=idx).view(hkv, 1, 1)
+        base = head * bound + rows.token_first_block.to(idx).view(1, t, 1)
+        seg = torch.arange(hkv * bound + 1, device=device, dtype=idx)
+        found = per_rows[key] = (own, base, seg)
+    return found
+
+
 def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout,
                     subset: QuerySubset | None = None) -> BlockQueryCSR:
     """Inverts ``q2k`` into the block -> queries CSR used by the KV-outer dk/dv kernel.
@@ -246,7 +269,6 @@ def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout,
     """
     hkv, t, top_k = q2k.shape
     bound = blocks.num_blocks_bound
-    device = q2k.device
     bs = blocks.block_size
     # 32-bit keys and entry ids whenever they fit (always, short of 2^31 entries): the sort's
     # temporaries are most of the backward's extra memory.
@@ -254,16 +276,12 @@ def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout,
     idx = torch.int64 if wide else torch.int32
     b = q2k.to(idx)
     rows = blocks if subset is None else subset
-    own = (rows.token_pos // bs).to(idx).view(1, t, 1)
-    first = rows.token_first_block.to(idx).view(1, t, 1)
-    head = torch.arange(hkv, device=device, dtype=idx).view(hkv, 1, 1)
-    valid = (b >= 0) & (b <= own)
-    key = torch.where(valid, head * bound + first + b, hkv * bound)
+    own, base, seg = _csr_terms(rows, hkv, bound, bs, idx)
+    key = torch.where((b >= 0) & (b <= own), base + b, hkv * bound)
     sorted_keys, order = torch.sort(key.reshape(-1), stable=True)
-    del key, valid, b
-    tokens = ((order.to(idx) // top_k) % max(t, 1)).to(torch.int32)
+    del key, b
+    tokens = (order // top_k % max(t, 1)).to(torch.int32)
     del order
-    seg = torch.arange(hkv * bound + 1, device=device, dtype=idx)
     offsets = torch.searchsorted(sorted_keys, seg)
     sizes = offsets[1:] - offsets[:-1]
     seg_order = torch.sort(sizes, descending=True, stable=True).indices.to(torch.int32)
