@@ -53,7 +53,8 @@ SMALL_M3 = Shape(hidden=256, ffn=256, heads=16, groups=2, head_dim=32, index_hea
                  index_dim=32, block=16, topk=4, vocab=256)
 
 
-def count_step(case: str, tokens: int, backend: str, doc_mean: int = 0) -> OpCounter:
+def count_step(case: str, tokens: int, backend: str, doc_mean: int = 0,
+               layers: int = 1) -> OpCounter:
     """One warm-up step, then one counted step of ``case`` (see ``layer_bench.model.CASES``).
 
     Args:
@@ -61,6 +62,8 @@ def count_step(case: str, tokens: int, backend: str, doc_mean: int = 0) -> OpCou
         tokens: the row length (a multiple of 16).
         backend: ``triton`` (needs ``TRITON_INTERPRET=1``) or ``reference``.
         doc_mean: packed documents of this mean length (0: one document).
+        layers: transformer layers of the case's kind (what each layer after the first adds is
+            the per-layer cost; the first also pays the microbatch's layout).
 
     Returns:
         The counter of the counted step.
@@ -68,7 +71,7 @@ def count_step(case: str, tokens: int, backend: str, doc_mean: int = 0) -> OpCou
     triton = backend == "triton"
     if triton and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--backend triton counts under the interpreter: set TRITON_INTERPRET=1")
-    config = case_config(case, SMALL_M3, on_gpu=False)
+    config = case_config(case, SMALL_M3, on_gpu=False, layers=layers)
     config.msa_backend = backend
     if triton:
         config.params_dtype = torch.bfloat16
@@ -98,6 +101,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--doc-mean", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--backend", choices=("triton", "reference"), default="triton")
     ap.add_argument("--cases", default="dense,msa_sparse_loss")
     ap.add_argument("--top", type=int, default=None, help="lines per case (default all)")
@@ -107,7 +111,7 @@ def main() -> None:
     torch.manual_seed(0)
     counts = {}
     for case in args.cases.split(","):
-        counts[case] = count_step(case, args.tokens, args.backend, args.doc_mean)
+        counts[case] = count_step(case, args.tokens, args.backend, args.doc_mean, args.layers)
         print(f"== {case}: {counts[case].total} kernel-launching ops")
         print(counts[case].table(args.top))
     if args.json:
