@@ -13,11 +13,14 @@ import math
 
 import torch
 
-from nemo_msa.indexer_loss.triton_byproducts import byproduct_grads_triton
+from nemo_msa.indexer_loss.triton_byproducts import (
+    byproduct_grads_triton,
+    sparse_kl_forward_triton,
+)
 from nemo_msa.limits import accumulation_dtype
 from nemo_msa.triton.kernel_layout import INTERPRET
 
-__all__ = ["sparse_indexer_loss_from_byproducts"]
+__all__ = ["sparse_indexer_loss_from_byproducts", "sparse_kl_forward_reference"]
 
 _EPS = 1e-10
 
@@ -27,43 +30,73 @@ _BYPRODUCT_GATHER_ELEMENTS = 1 << 25
 
 class _SparseKLFromByproducts(torch.autograd.Function):
     """sum_{h,t} KL(P_h(t) || softmax(scale * s_h(t))) over the selected slots, divided by
-    ``denominator``; differentiable in index_q and index_k through the argmax keys."""
+    ``denominator``; differentiable in index_q and index_k through the argmax keys.
+
+    Where the kernels run (:func:`_fused`), the forward is one Triton kernel that also writes
+    the unit score gradient, and the backward only scales it inside the gather/scatter kernel:
+    nothing of the forward is recomputed and no elementwise kernel runs around them. Elsewhere
+    the same function in torch (:func:`sparse_kl_forward_reference`).
+    """
 
     @staticmethod
     def forward(ctx, index_q, index_k, scores, keys, target, index_scale, denominator):
-        work = accumulation_dtype(scores)
-        log_q = torch.log_softmax(scores.to(work) * index_scale, dim=-1)  # -inf at -1 slots
-        target = target.to(work)
-        has_mass = target > 0
-        terms = torch.where(
-            has_mass, target * (torch.log(target.clamp_min(_EPS)) - log_q), torch.zeros_like(log_q)
-        )
-        ctx.save_for_backward(index_q, index_k, keys, target, log_q)
-        ctx.index_scale = index_scale
+        fused = _fused(scores, index_q)
+        forward = sparse_kl_forward_triton if fused else sparse_kl_forward_reference
+        row_kl, unit = forward(scores, target, index_scale, _EPS)
+        ctx.save_for_backward(index_q, index_k, keys, unit)
         ctx.denominator = denominator
-        return terms.sum() / denominator
+        return row_kl.sum() / denominator
 
     @staticmethod
     def backward(ctx, grad):
-        index_q, index_k, keys, target, log_q = ctx.saved_tensors
-        # d KL / d s_b = Q_b * sum(P) - P_b (sum(P) = 1 up to rounding; kept exact here).
-        dscore = torch.exp(log_q) * target.sum(-1, keepdim=True) - target
-        dscore = dscore * (grad.to(dscore.dtype) * ctx.index_scale / ctx.denominator)
-        if _fused_backward(dscore, index_q):
-            dq, dk = byproduct_grads_triton(dscore, keys, index_q, index_k)
+        index_q, index_k, keys, unit = ctx.saved_tensors
+        # d KL / d s_b = (Q_b * sum(P) - P_b) * scale, times d loss / d KL.
+        factor = grad.to(unit.dtype) / ctx.denominator
+        if _fused(unit, index_q):
+            dq, dk = byproduct_grads_triton(unit, keys, index_q, index_k, factor=factor)
         else:
-            dq, dk = _gather_scatter_grads(dscore, keys, index_q, index_k)
+            dq, dk = _gather_scatter_grads(unit * factor, keys, index_q, index_k)
         return dq, dk, None, None, None, None, None
 
 
-def _fused_backward(dscore: torch.Tensor, index_q: torch.Tensor) -> bool:
-    """The Triton backward (:func:`byproduct_grads_triton`) where it runs: the kernels' device
-    (CUDA, or the host under the interpreter), fp16/bf16 index tensors, d a power of two in
-    16..128, and no deterministic-algorithms request (its d index_k adds atomically, as
-    ``index_add_`` does on CUDA; the torch version is deterministic under that request)."""
+def sparse_kl_forward_reference(
+    scores: torch.Tensor, target: torch.Tensor, scale: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's KL of the by-product loss and its unit score gradient, in torch (the
+    reference of :func:`nemo_msa.indexer_loss.triton_byproducts.sparse_kl_forward_triton`).
+
+    Args:
+        scores: [H, T, K] unscaled block scores, -inf at unused slots (fp32; fp64 stays fp64).
+        target: [H, T, K] target mass per slot (0 at unused slots).
+        scale: the index softmax scale (1 / sqrt(d_idx)).
+        eps: the floor of ``P`` inside ``log P`` (only slots with ``P > 0`` count).
+
+    Returns:
+        ``(kl [H, T], unit [H, T, K])`` in the accumulation dtype (fp32, or fp64 for fp64
+        scores): ``kl[h, t] = sum_k P log(P / Q)`` over slots with ``P > 0``, Q the softmax of
+        ``scale * scores``; ``unit = (Q sum(P) - P) * scale`` (sum(P) = 1 up to rounding; kept
+        exact), the gradient of ``kl[h, t]`` in the unscaled scores.
+    """
+    work = accumulation_dtype(scores)
+    log_q = torch.log_softmax(scores.to(work) * scale, dim=-1)  # -inf at -1 slots
+    target = target.to(work)
+    terms = torch.where(
+        target > 0, target * (torch.log(target.clamp_min(eps)) - log_q), torch.zeros_like(log_q)
+    )
+    unit = (torch.exp(log_q) * target.sum(-1, keepdim=True) - target) * scale
+    return terms.sum(-1), unit
+
+
+def _fused(dscore: torch.Tensor, index_q: torch.Tensor) -> bool:
+    """The Triton kernels (:func:`sparse_kl_forward_triton`, :func:`byproduct_grads_triton`)
+    where they run: the kernels' device (CUDA, or the host under the interpreter), fp32 scores,
+    fp16/bf16 index tensors, d a power of two in 16..128, and no deterministic-algorithms
+    request (the backward's d index_k adds atomically, as ``index_add_`` does on CUDA; the torch
+    version is deterministic under that request)."""
     dim = index_q.shape[-1]
     return (
         (dscore.is_cuda or INTERPRET)
+        and dscore.dtype == torch.float32
         and index_q.dtype in (torch.float16, torch.bfloat16)
         and dim in (16, 32, 64, 128)
         and not torch.are_deterministic_algorithms_enabled()

@@ -90,7 +90,7 @@ def sampled_selection_recall(
     nblocks = msa.num_workspace_blocks
     device = query.device
     n = min(num_rows, tokens)
-    rows = ((torch.arange(n, device=device, dtype=torch.float64) + 0.5) * tokens / n).long()
+    rows = _sample_rows(n, tokens, device)
     work = accumulation_dtype(query)
     key_ws = msa.to_workspace(key.detach().to(work))  # [W, G, d]
     key_documents = msa.workspace_documents
@@ -124,6 +124,12 @@ def sampled_selection_recall(
 
 
 
+def _sample_rows(n: int, tokens: int, device: torch.device) -> torch.Tensor:
+    """int64 [n]: the evenly spaced sample ``floor((i + 0.5) * tokens / n)``, i < n, as
+    ``(2i + 1) * tokens // (2n)`` in exact integer arithmetic (two kernels)."""
+    return torch.arange(tokens, 2 * n * tokens, 2 * tokens, device=device) // (2 * n)
+
+
 def _fused_reason(query: torch.Tensor, key: torch.Tensor) -> str | None:
     """Why the Triton recall cannot run these inputs (None when it can)."""
     if query.dtype not in (torch.float16, torch.bfloat16) or key.dtype != query.dtype:
@@ -137,8 +143,8 @@ def _fused_recall(query, key, q2k, msa, softmax_scale: float, num_rows: int) -> 
     """The sampled recall on :func:`selection_recall_rows_triton` (the same sample)."""
     tokens = query.shape[0]
     n = min(num_rows, tokens)
-    rows = ((torch.arange(n, device=query.device, dtype=torch.float64) + 0.5) * tokens
-            / n).long()
+    # The same sample for every layer of the microbatch: built once, kept on the layout.
+    rows = msa.cached(f"recall_sample_rows_{n}", lambda: _sample_rows(n, tokens, query.device))
     covered = selection_recall_rows_triton(
         query.detach(), key.detach(), q2k[:, rows], rows, msa, softmax_scale)
     return {

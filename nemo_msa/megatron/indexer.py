@@ -20,7 +20,6 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -37,6 +36,7 @@ from megatron.core.utils import (
 from nemo_msa.context_parallel import ContextParallelLayout
 from nemo_msa.megatron.microbatch import pack_sbhd
 from nemo_msa.megatron.norms import GemmaRMSNorm, RMSNorm
+from nemo_msa.megatron.rope import RopeFactors, apply_rope, rope_factors
 
 __all__ = [
     "GemmaRMSNorm",
@@ -218,7 +218,8 @@ class MSAIndexer(MegatronModule):
         )
 
     def forward(
-        self, hidden_states: torch.Tensor, layout, rotary_freqs: torch.Tensor | None
+        self, hidden_states: torch.Tensor, layout, rotary_freqs: torch.Tensor | None,
+        rope: RopeFactors | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Index queries and keys of the real tokens.
 
@@ -231,6 +232,9 @@ class MSAIndexer(MegatronModule):
                 gradient reduce-scattered back).
             rotary_freqs: [Tq, 1, rot_dim] per-token RoPE angles of this rank's tokens (document
                 positions), or None for no RoPE.
+            rope: the layer call's :class:`nemo_msa.megatron.rope.RopeFactors` of
+                ``rotary_freqs`` (its cos/sin shared with the attention's q and k); built here
+                from ``rotary_freqs`` when None.
 
         Returns:
             ``(index_q [Tq, H_local, d_idx], index_k [T, d_idx])`` in the activation dtype (Tq =
@@ -249,12 +253,12 @@ class MSAIndexer(MegatronModule):
         q = q.view(q.shape[0], self.num_index_heads_per_partition, self.index_head_dim)
         q = self.index_q_norm(q)
         k = self.index_k_norm(k)
-        if rotary_freqs is not None:
+        if rope is None:
+            rope = rope_factors(rotary_freqs, self.config)
+        if rope is not None:
             cp_group = getattr(self.pg_collection, "cp", None)
-            q = apply_rotary_pos_emb(q, rotary_freqs, config=self.config, cp_group=cp_group)
-            k = apply_rotary_pos_emb(
-                k.unsqueeze(1), rotary_freqs, config=self.config, cp_group=cp_group
-            ).squeeze(1)
+            q = apply_rope(q, rope, self.config, cp_group)
+            k = apply_rope(k.unsqueeze(1), rope, self.config, cp_group).squeeze(1)
         if get_pg_size(self.tp_group) > 1:
             k = copy_to_tensor_model_parallel_region(k, group=self.tp_group)
         if cp:

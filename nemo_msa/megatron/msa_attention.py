@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core import tensor_parallel
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -51,6 +50,7 @@ from nemo_msa.layout import query_rows
 from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler, MSAIndexerMetrics
 from nemo_msa.megatron.microbatch import context_parallel_layout_for_layer, full_rotary_table
 from nemo_msa.megatron.phase import dense_warmup_active
+from nemo_msa.megatron.rope import apply_rope, rope_factors
 from nemo_msa.megatron.selection_replay import (
     RECORD,
     REPLAY,
@@ -290,10 +290,12 @@ class MSASelfAttention(SelfAttention):
         freqs = self._token_rotary_freqs(
             rotary_pos_emb, msa, cp, sliced=packed_seq_params is None
         )
-        if freqs is not None:
+        # cos/sin of the angles once for q, k, index_q and index_k (same bits as Megatron's).
+        rope = rope_factors(freqs, self.config)
+        if rope is not None:
             cp_group = self.pg_collection.cp
-            query = apply_rotary_pos_emb(query, freqs, config=self.config, cp_group=cp_group)
-            key = apply_rotary_pos_emb(key, freqs, config=self.config, cp_group=cp_group)
+            query = apply_rope(query, rope, self.config, cp_group)
+            key = apply_rope(key, rope, self.config, cp_group)
         # Queries stay local; every rank's keys and values (global compact order) travel.
         key, value = cp.gather(key), cp.gather(value)
 
@@ -315,7 +317,7 @@ class MSASelfAttention(SelfAttention):
         selected = index_q = index_k = block_scores = block_keys = None
         if sparse or need_loss:
             if replayed is None or need_loss:
-                index_q, index_k = self.indexer(hidden_states, cp, freqs)
+                index_q, index_k = self.indexer(hidden_states, cp, freqs, rope=rope)
             # During the dense warm-up the selection feeds only the recall metric (how much dense
             # attention mass the indexer's blocks would hold); attention stays dense.
             if sparse or log_recall:

@@ -22,6 +22,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size, get_tensor_model_parallel_group_if_none
 
+from nemo_msa.triton.kernel_layout import INTERPRET
+from nemo_msa.triton.rms_norm import rms_norm_backward_triton, rms_norm_forward_triton
+
 __all__ = ["GemmaRMSNorm", "RMSNorm"]
 
 
@@ -79,6 +82,8 @@ class RMSNorm(MegatronModule):
         weight = self.weight
         if self._sum_grad:
             weight = copy_to_tensor_model_parallel_region(weight, group=self.tp_group)
+        if _kernel_runs(x):
+            return _RMSNormKernel.apply(x, weight, self.eps, self.zero_centered_gamma)
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         scale = weight.to(compute)
         if self.zero_centered_gamma:
@@ -90,6 +95,35 @@ class RMSNorm(MegatronModule):
     def extra_repr(self) -> str:
         return (f"{self.hidden_size}, eps={self.eps}, "
                 f"zero_centered_gamma={self.zero_centered_gamma}")
+
+
+def _kernel_runs(x: torch.Tensor) -> bool:
+    """The one-kernel RMSNorm (:mod:`nemo_msa.triton.rms_norm`) where it runs: fp16/bf16 rows of
+    a power-of-two width up to 256 (the MSA indexer's heads) on CUDA or under the interpreter.
+    The same fp32 arithmetic as the torch path, rounded once (the mean square is summed in
+    another order: the last fp32 bit of 1/rms may differ)."""
+    dim = x.shape[-1]
+    return (
+        (x.is_cuda or INTERPRET)
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and 16 <= dim <= 256
+        and dim & (dim - 1) == 0
+    )
+
+
+class _RMSNormKernel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, centered):
+        y, rstd = rms_norm_forward_triton(x, weight, eps, centered)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.centered = centered
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward_triton(grad, x, weight, rstd, ctx.centered)
+        return dx, dw.to(weight.dtype), None, None
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -18,6 +18,7 @@ Nothing here reads a tensor's value on the host.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -226,6 +227,28 @@ class BlockQueryCSR:
     order: torch.Tensor
 
 
+#: Per rows object (a layout's kernel view or a query subset, both built once per microbatch):
+#: the terms of :func:`block_query_csr` that depend on the layout only, shared by every layer.
+_CSR_TERMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _csr_terms(rows, hkv: int, bound: int, bs: int, idx: torch.dtype):
+    """``(own [1, T, 1], base [Hkv, T, 1], seg [Hkv * bound + 1])`` in ``idx``: each query's
+    own block, its (head, document block 0) sort key base, and the segment ids."""
+    per_rows = _CSR_TERMS.setdefault(rows, {})
+    key = (hkv, bound, bs, idx)
+    found = per_rows.get(key)
+    if found is None:
+        t = rows.token_pos.shape[0]
+        device = rows.token_pos.device
+        own = (rows.token_pos // bs).to(idx).view(1, t, 1)
+        head = torch.arange(hkv, device=device, dtype=idx).view(hkv, 1, 1)
+        base = head * bound + rows.token_first_block.to(idx).view(1, t, 1)
+        seg = torch.arange(hkv * bound + 1, device=device, dtype=idx)
+        found = per_rows[key] = (own, base, seg)
+    return found
+
+
 def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout,
                     subset: QuerySubset | None = None) -> BlockQueryCSR:
     """Inverts ``q2k`` into the block -> queries CSR used by the KV-outer dk/dv kernel.
@@ -246,7 +269,6 @@ def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout,
     """
     hkv, t, top_k = q2k.shape
     bound = blocks.num_blocks_bound
-    device = q2k.device
     bs = blocks.block_size
     # 32-bit keys and entry ids whenever they fit (always, short of 2^31 entries): the sort's
     # temporaries are most of the backward's extra memory.
@@ -254,16 +276,12 @@ def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout,
     idx = torch.int64 if wide else torch.int32
     b = q2k.to(idx)
     rows = blocks if subset is None else subset
-    own = (rows.token_pos // bs).to(idx).view(1, t, 1)
-    first = rows.token_first_block.to(idx).view(1, t, 1)
-    head = torch.arange(hkv, device=device, dtype=idx).view(hkv, 1, 1)
-    valid = (b >= 0) & (b <= own)
-    key = torch.where(valid, head * bound + first + b, hkv * bound)
+    own, base, seg = _csr_terms(rows, hkv, bound, bs, idx)
+    key = torch.where((b >= 0) & (b <= own), base + b, hkv * bound)
     sorted_keys, order = torch.sort(key.reshape(-1), stable=True)
-    del key, valid, b
-    tokens = ((order.to(idx) // top_k) % max(t, 1)).to(torch.int32)
+    del key, b
+    tokens = (order // top_k % max(t, 1)).to(torch.int32)
     del order
-    seg = torch.arange(hkv * bound + 1, device=device, dtype=idx)
     offsets = torch.searchsorted(sorted_keys, seg)
     sizes = offsets[1:] - offsets[:-1]
     seg_order = torch.sort(sizes, descending=True, stable=True).indices.to(torch.int32)
@@ -340,13 +358,20 @@ def build_query_subset(
     bs = view.block_size
     sizes = [1 << i for i in range(bs.bit_length()) if (1 << i) <= bs]
     q = queries.clamp(0, max(t - 1, 0))
-    pos = view.token_pos[q].to(torch.int64) if t else q
-    blk = view.token_first_block[q] + pos // bs if t else q
-    tile_ids = [blk * (bs // qt) + (pos % bs) // qt for qt in sizes]
+    pos32 = view.token_pos[q] if t else q.to(torch.int32)
+    first = view.token_first_block[q] if t else q
+    # A query's tile of size qt in the full launch is block * (bs // qt) + (pos % bs) // qt,
+    # i.e. (block * bs + pos % bs) // qt = (first * bs + pos) >> log2(qt): every size's ids in
+    # one [sizes, Tq] tensor, so the subset costs a handful of kernels whatever the block size
+    # (one set per size was ~11 kernels each, 88 per subset at blocks of 128: issue #28).
+    start = first * bs + pos32
+    shift = torch.arange(len(sizes), dtype=torch.int64, device=queries.device)
+    tile_ids = start.unsqueeze(0) >> shift.unsqueeze(1)  # [S, Tq] int64
+    change = tile_ids[:, 1:] != tile_ids[:, :-1]  # [S, Tq - 1]
     if tile_counts is not None:
         host = [int(tile_counts[qt]) for qt in sizes] + [0, 0]
     elif tq:
-        steps = torch.stack([(ids[1:] != ids[:-1]).sum() + 1 for ids in tile_ids])
+        steps = change.sum(1) + 1
         bad = torch.stack([(queries < 0).any() | (queries >= t).any(),
                            (queries[1:] <= queries[:-1]).any()]).to(torch.int64)
         host = torch.cat([steps, bad]).tolist()
@@ -358,21 +383,23 @@ def build_query_subset(
     if host[-1]:
         raise ValueError("queries must be strictly ascending (unique global compact rows in the "
                          "layout's order)")
-    tiles = {}
-    for qt, ids, n in zip(sizes, tile_ids, host, strict=False):
-        # Tile ids are non-decreasing along the queries: a tile's slot is the count of changes
-        # before it; every query of a tile writes the same id to the same slot.
-        slot = torch.cumsum((ids[1:] != ids[:-1]).to(torch.int64), 0) if tq else ids
-        slot = torch.cat([slot.new_zeros(min(tq, 1)), slot])
-        out = torch.zeros(n, dtype=torch.int32, device=queries.device)
-        tiles[qt] = out.scatter_(0, slot, ids.to(torch.int32)) if tq else out
+    counts = host[:len(sizes)]
+    # Tile ids are non-decreasing along the queries: a tile's slot is the count of changes
+    # before it; every query of a tile writes the same id to the same slot. Row s of ``lists``
+    # holds size s's list in its first counts[s] entries.
+    lists = torch.zeros(len(sizes), max(counts, default=0), dtype=torch.int32,
+                        device=queries.device)
+    if tq:
+        slot = torch.nn.functional.pad(torch.cumsum(change, 1), (1, 0))
+        lists.scatter_(1, slot, tile_ids.to(torch.int32))
+    tiles = {qt: lists[i, :n] for i, (qt, n) in enumerate(zip(sizes, counts, strict=True))}
     row = torch.full((t,), -1, dtype=torch.int32, device=queries.device)
     row[queries] = torch.arange(tq, dtype=torch.int32, device=queries.device)
     return QuerySubset(
         num_queries=tq, queries=queries, query_row=row,
         token_start=view.token_start[q].contiguous() if t else q.to(torch.int32),
-        token_pos=pos.to(torch.int32).contiguous(),
-        token_first_block=(view.token_first_block[q] if t else q).contiguous(),
+        token_pos=pos32.contiguous(),
+        token_first_block=first.contiguous(),
         tiles=tiles)
 
 

@@ -1,0 +1,127 @@
+"""RoPE at per-token angles with its factors built once per layer call, in fewer kernels.
+
+An MSA layer rotates four tensors at the same per-token angles: the attention's q and k and the
+indexer's index_q and index_k. Megatron's unfused ``apply_rotary_pos_emb`` (bshd) computes
+``cos``/``sin`` of the angles and casts them for every call, slices the rotated part off, negates
+and concatenates a rotated half, and its autograd backward adds the slices' zero-filled
+gradients: about 12 kernels forward and 10 backward per tensor on the GPU (issue #28's
+profile). :func:`rope_factors` builds ``cos`` and a sign-folded ``sin`` once per layer call and
+dtype; :func:`apply_rope` applies them in one autograd function: one Triton kernel each way
+for fp16/bf16 on the GPU (:func:`nemo_msa.triton.rope.rope_triton`), else 4-5 torch kernels.
+
+The arithmetic is Megatron's, operation for operation, so the result is the same bits: with
+``x = t[..., :rot]`` in halves ``x1, x2`` and ``c = cos(f).to(dtype)``, ``s = sin(f).to(dtype)``,
+Megatron computes ``x * c + cat(-x2, x1) * s``; here ``x * c + cat(x2, x1) * cat(-s1, s2)``,
+and ``(-a) * b == a * (-b)`` exactly in IEEE arithmetic. The backward is the transpose,
+``g * c + swap(g * cat(-s1, s2))``, which is what autograd computes for Megatron's graph (the
+two contributions added once; a sum is order-independent for two terms).
+Interleaved RoPE (``config.rotary_interleaved``) keeps Megatron's function.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+from nemo_msa.triton.kernel_layout import INTERPRET
+from nemo_msa.triton.rope import rope_triton
+
+__all__ = ["RopeFactors", "apply_rope", "rope_factors"]
+
+
+class RopeFactors:
+    """Per-token RoPE factors of one layer call: the angles and, per dtype, ``cos`` and the
+    sign-folded ``sin``, built on first use.
+
+    Args:
+        freqs: fp32 [Tq, 1, rot_dim] per-token angles (``MSASelfAttention``'s table rows).
+        interleaved: ``config.rotary_interleaved`` (then Megatron's function runs).
+    """
+
+    def __init__(self, freqs: torch.Tensor, interleaved: bool) -> None:
+        if freqs.shape[-1] % 2:
+            raise ValueError(f"rotary dim {freqs.shape[-1]} is odd; RoPE rotates halves")
+        self.freqs = freqs
+        self.interleaved = interleaved
+        self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin_signed)`` [Tq, 1, rot_dim] in ``dtype``: ``cos(f)`` and
+        ``cat(-sin(f)[..., :rot/2], sin(f)[..., rot/2:])``, each cast to ``dtype`` (as Megatron
+        casts them)."""
+        found = self._by_dtype.get(dtype)
+        if found is None:
+            cos = torch.cos(self.freqs).to(dtype)
+            sin = torch.sin(self.freqs).to(dtype)
+            half = sin.shape[-1] // 2
+            sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            found = self._by_dtype[dtype] = (cos.contiguous(), sin_signed)
+        return found
+
+
+def rope_factors(freqs: torch.Tensor | None, config) -> RopeFactors | None:
+    """The layer call's :class:`RopeFactors` of ``freqs`` (None for None)."""
+    if freqs is None:
+        return None
+    return RopeFactors(freqs, bool(getattr(config, "rotary_interleaved", False)))
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x2, x1), dim=-1)
+
+
+def _kernel_runs(t: torch.Tensor, cos: torch.Tensor) -> bool:
+    """The one-kernel RoPE (:func:`nemo_msa.triton.rope.rope_triton`) where it runs: fp16/bf16
+    [T, H, dim] on CUDA (or the host under the interpreter) with [T, 1, rot] factors; it
+    computes the same bits as the torch ops."""
+    return (
+        (t.is_cuda or INTERPRET)
+        and t.dtype in (torch.float16, torch.bfloat16)
+        and t.dim() == 3
+        and cos.dim() == 3
+        and cos.shape[0] == t.shape[0]
+        and cos.shape[1] == 1
+    )
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, cos, sin_signed):
+        ctx.save_for_backward(cos, sin_signed)
+        if _kernel_runs(t, cos):
+            return rope_triton(t, cos, sin_signed)
+        rot = cos.shape[-1]
+        x = t[..., :rot]
+        y = x * cos + _swap_halves(x) * sin_signed
+        return torch.cat((y, t[..., rot:]), dim=-1) if rot < t.shape[-1] else y
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin_signed = ctx.saved_tensors
+        if _kernel_runs(grad, cos):
+            return rope_triton(grad, cos, sin_signed, backward=True), None, None
+        rot = cos.shape[-1]
+        g = grad[..., :rot]
+        dx = g * cos + _swap_halves(g * sin_signed)
+        dt = torch.cat((dx, grad[..., rot:]), dim=-1) if rot < grad.shape[-1] else dx
+        return dt, None, None
+
+
+def apply_rope(t: torch.Tensor, factors: RopeFactors, config, cp_group=None) -> torch.Tensor:
+    """Rotates the first ``rot_dim`` channels of ``t`` at its tokens' angles.
+
+    Args:
+        t: [Tq, heads, dim] (dim >= rot_dim), any float dtype.
+        factors: the layer call's :class:`RopeFactors` (angles of t's tokens).
+        config: the layer's config (Megatron's fallback reads it).
+        cp_group: passed to Megatron's fallback.
+
+    Returns:
+        [Tq, heads, dim] in t's dtype: Megatron's ``apply_rotary_pos_emb(t, freqs)`` (bshd,
+        unfused), the same bits.
+    """
+    if factors.interleaved:
+        return apply_rotary_pos_emb(t, factors.freqs, config=config, cp_group=cp_group)
+    cos, sin_signed = factors.tables(t.dtype)
+    return _Rope.apply(t, cos, sin_signed)

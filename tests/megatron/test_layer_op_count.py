@@ -1,0 +1,53 @@
+"""The kernels one training step of a small MiniMax-M3-shaped layer launches (issue #28 item 3),
+counted on the CPU by scripts/count_layer_ops.py (aten ops that launch a kernel on the GPU plus
+Triton launches, the Triton backend under the interpreter in bf16; one row of 128 tokens, one
+document, 8 query heads per KV head, blocks of 16, top-4), in a subprocess (the script owns its
+process group).
+
+Counts of one forward + backward (torch 2.11, megatron-core 0.19.2):
+
+| case | before (c4785ab) | after |
+|---|---|---|
+| dense layer | 359 | 329 |
+| MSA layer, sparse indexer loss | 685 | 447 |
+| MSA minus dense | 326 | 118 |
+
+The bounds are the after counts: a change that adds kernels to the step fails here and says
+where (the script prints the count by site).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BOUNDS = {"dense": 329, "msa_sparse_loss": 447}
+MSA_EXTRA_BOUND = 118
+
+
+def test_msa_layer_step_launches_at_most_the_bound(tmp_path):
+    out = tmp_path / "counts.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "count_layer_ops.py"), "--tokens", "128",
+           "--cases", "dense,msa_sparse_loss", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=tmp_path,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    counts = json.loads(out.read_text())
+    report = proc.stdout[-6000:]
+    for case, bound in BOUNDS.items():
+        assert 0 < counts[case]["total"] <= bound, (case, counts[case]["total"], report)
+    extra = counts["msa_sparse_loss"]["total"] - counts["dense"]["total"]
+    assert extra <= MSA_EXTRA_BOUND, (extra, report)
+    sites = counts["msa_sparse_loss"]["sites"]
+    # The fused paths ran: the KL forward, the by-product backward, RoPE, the index norms, the
+    # sampled recall.
+    for site in ("indexer_loss/triton_byproducts.py:sparse_kl_forward_triton",
+                 "indexer_loss/triton_byproducts.py:byproduct_grads_triton",
+                 "triton/rope.py:rope_triton",
+                 "triton/rms_norm.py:rms_norm_forward_triton",
+                 "indexer_loss/triton_recall.py:selection_recall_rows_triton"):
+        assert sites.get(site, 0) > 0, (site, sorted(sites))
