@@ -1,6 +1,6 @@
 """The one-kernel RoPE (nemo_msa.triton.rope) is Megatron's unfused RoPE bit for bit, forward
-and gradient, in bf16 and fp16: partial and full rotary dims, rotary halves that are not powers
-of two, strided inputs (q out of a fused qkv projection), through nemo_msa.megatron.rope's
+and gradient, in bf16 (fp16 takes the torch ops, also checked here): partial and full rotary
+dims, rotary halves that are not powers of two, strided inputs (q out of a fused qkv projection), through nemo_msa.megatron.rope's
 autograd function. Interpreter on the CPU, compiled on a GPU."""
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def test_kernel_rope_is_megatrons_bit_for_bit(dtype, tokens, heads, dim, rot, st
     a = t.detach().clone().requires_grad_()
     b = t.detach().requires_grad_()  # strided stays strided
     factors = rope_factors(freqs, _CONFIG)
-    assert _kernel_runs(b, factors.tables(dtype)[0])
+    # fp16 keeps the torch ops (the compiled kernel's fp16 rounding was one ulp off on the H200)
+    kernel = dtype == torch.bfloat16
+    assert _kernel_runs(b, factors.tables(dtype)[0]) is kernel
     want = apply_rotary_pos_emb(a, freqs, config=_CONFIG, cp_group=_CP)
     with OpCounter() as ops:
         got = apply_rope(b, factors, _CONFIG)
@@ -53,7 +55,10 @@ def test_kernel_rope_is_megatrons_bit_for_bit(dtype, tokens, heads, dim, rot, st
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
     assert torch.equal(b.grad, a.grad), (b.grad.float() - a.grad.float()).abs().max()
     kernels = [op for (_, op) in ops.ops if op.startswith("triton:")]
-    assert kernels == ["triton:_rope_kernel"] and ops.total == 2, ops.table()
+    if kernel:
+        assert kernels == ["triton:_rope_kernel"] and ops.total == 2, ops.table()
+    else:
+        assert kernels == [], ops.table()
 
 
 @pytest.mark.gpu
