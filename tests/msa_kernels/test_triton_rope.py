@@ -1,7 +1,8 @@
 """The one-kernel RoPE (nemo_msa.triton.rope) is Megatron's unfused RoPE bit for bit, forward
 and gradient, in bf16 (fp16 takes the torch ops, also checked here): partial and full rotary
 dims, rotary halves that are not powers of two, strided inputs (q out of a fused qkv
-projection), through nemo_msa.megatron.rope's autograd function. Interpreter on the CPU, compiled on a GPU."""
+projection), through nemo_msa.megatron.rope's autograd function. Interpreter on the CPU,
+compiled on a GPU."""
 
 from __future__ import annotations
 
