@@ -28,6 +28,16 @@
 # $OUT/peer.json; flash-msa and its wheels must already be installed with pip --target in
 # PEER_SITE (default /tmp/fm_site; /tmp/site is tried too); PEER_ARGS adds arguments.
 set -uo pipefail
+# table_or_tail LOG HEADER FALLBACK: LOG from the line matching HEADER (a basic regex) on, or,
+# where the run printed no table, LOG's lines matching FALLBACK (extended) and its last 15.
+table_or_tail() {
+  if grep -q "$2" "$1"; then
+    sed -n "/$2/,\$p" "$1"
+  else
+    grep -E "$3" "$1" | cut -c1-300
+    tail -n 15 "$1"
+  fi
+}
 OUT="${OUT:-runs/device}"
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -99,13 +109,8 @@ echo "== layer: scripts/bench_layer.py ${LAYER_ARGS:-}" | tee "$OUT/layer.log"
 timeout "${LAYER_S:-540}" python3 scripts/bench_layer.py ${LAYER_ARGS:-} --json "$OUT/layer.json" \
   >> "$OUT/layer.log" 2>&1
 echo "rc $?" >> "$OUT/layer.log"
-# The table (every case row and the two attention rows), or the end of the log on a failure.
-if grep -q "^|  tokens |" "$OUT/layer.log"; then
-  sed -n '/^|  tokens |/,$p' "$OUT/layer.log"
-else
-  grep -E '^\{"tokens"' "$OUT/layer.log" | cut -c1-200
-  tail -n 15 "$OUT/layer.log"
-fi
+# The table (every case row and the two attention rows), or the rows and the log's end.
+table_or_tail "$OUT/layer.log" '^|  tokens |' '^\{"tokens"'
 fi
 
 if [[ " $STAGES " == *" quality "* ]]; then
@@ -132,11 +137,6 @@ timeout "$peer_s" python3 scripts/bench_flash_msa_peer.py --site "${PEER_SITE:-/
   --site /tmp/site --budget-s $(( peer_s - 90 )) --json "$OUT/peer.json" ${PEER_ARGS:-} \
   >> "$OUT/peer.log" 2>&1
 echo "rc $?" >> "$OUT/peer.log"
-# The table and its notes, or the end of the log on a failure.
-if grep -q "^| case | tokens | sel agree" "$OUT/peer.log"; then
-  sed -n '/^| case | tokens | sel agree/,$p' "$OUT/peer.log"
-else
-  grep -E "FAILED|cannot import|^rc " "$OUT/peer.log" | cut -c1-300
-  tail -n 15 "$OUT/peer.log"
-fi
+# The table and its notes, or what says why and the log's end.
+table_or_tail "$OUT/peer.log" '^| case | tokens | sel agree' 'FAILED|cannot import|^rc '
 fi
