@@ -19,16 +19,10 @@ import math
 import torch
 
 from nemo_msa.attention.dense import dense_document_attention, validate_qkv
-from nemo_msa.attention.dense_dispatch import dense_dispatch, dispatched_attention
 from nemo_msa.backends import MSABackend, resolve_backend
 from nemo_msa.layout import MSAMicrobatch, query_rows, validate_queries
 from nemo_msa.limits import SUPPORTED_SCORE_TYPES, require_float_tensor, require_integer
-from nemo_msa.q2k import (
-    canonical_q2k,
-    holds_every_candidate,
-    mark_canonical,
-    marked_block_size,
-)
+from nemo_msa.q2k import canonical_q2k, mark_canonical, marked_block_size
 from nemo_msa.support import reject_cuda_graph_capture
 
 __all__ = [
@@ -177,7 +171,7 @@ def select_blocks(
         **extra,
     )
     # Canonical by construction: sparse_attention takes it as it is.
-    mark_canonical(result[0] if return_scores else result, msa.block_size, selection=True)
+    mark_canonical(result[0] if return_scores else result, msa.block_size)
     return result
 
 
@@ -402,12 +396,7 @@ def document_attention(
     """Causal attention within documents on compact tokens: a layer's core attention.
 
     - ``q2k`` given: attends the selected key blocks, :func:`sparse_attention` on the backend
-      (whose capability record holds the dtypes it reads: the reference runs fp32/fp64 too).
-      Where ``q2k`` is a top-k selection (``select_blocks``'s output) and the backend takes
-      query subsets, the dense dispatch (ADR 0026): the document prefixes of at most
-      ``top_k * block_size`` tokens, whose selection is every visible block, run on the dense
-      path (cuDNN SDPA on the GPU), the rest on the sparse kernels; the same function,
-      gradients and block mass;
+      (whose capability record holds the dtypes it reads: the reference runs fp32/fp64 too);
     - ``q2k`` None (dense layers, the dense warm-up): dense within documents,
       :func:`nemo_msa.attention.dense.dense_document_attention` (ADR 0012).
 
@@ -436,36 +425,7 @@ def document_attention(
         if return_block_mass:
             raise ValueError("return_block_mass=True needs q2k (the selected blocks)")
         return dense_document_attention(query, key, value, msa, softmax_scale, queries=queries)
-    if queries is None and holds_every_candidate(q2k, msa.block_size):
-        chosen = _backend_for(
-            backend, query.device, head_dim=query.shape[-1], block_size=msa.block_size,
-            top_k=q2k.shape[-1], dtype=query.dtype,
-        )
-        plan = dense_dispatch(msa, q2k.shape[-1]) if _dispatches(chosen, query) else None
-        if plan is not None:
-            validate_attention_inputs(query, key, value, q2k, msa)
-
-            def sparse_rows(q_rows, q2k_rows, rows, block_mass):
-                # Rows of a selection are a selection's canonical form.
-                mark_canonical(q2k_rows, msa.block_size)
-                return sparse_attention(
-                    q_rows, key, value, q2k_rows, msa, softmax_scale=softmax_scale,
-                    backend=chosen, return_block_mass=block_mass, queries=rows,
-                )
-
-            return dispatched_attention(
-                query, key, value, q2k, plan, softmax_scale, sparse_rows, return_block_mass
-            )
     return sparse_attention(
         query, key, value, q2k, msa, softmax_scale=softmax_scale, backend=backend,
         return_block_mass=return_block_mass, queries=queries,
     )
-
-
-def _dispatches(backend: MSABackend, query: torch.Tensor) -> bool:
-    """Whether the dense dispatch runs: the backend takes query subsets (the sparse side is
-    one), and the dense side has a fast SDPA kernel for the dtype (cuDNN / flash on CUDA in
-    fp16/bf16; any float dtype on the CPU)."""
-    if not backend.capabilities.query_subset:
-        return False
-    return not query.is_cuda or query.dtype in (torch.float16, torch.bfloat16)

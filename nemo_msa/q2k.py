@@ -20,17 +20,10 @@ import torch
 
 from nemo_msa.layout import MSAMicrobatch, query_rows
 
-__all__ = [
-    "canonical_q2k",
-    "holds_every_candidate",
-    "is_marked_canonical",
-    "mark_canonical",
-    "marked_block_size",
-]
+__all__ = ["canonical_q2k", "is_marked_canonical", "mark_canonical", "marked_block_size"]
 
-# id(tensor) -> (weak reference to it, its _version when it was marked, its block size, whether
-# it is a selection: every token with at most top_k candidate blocks holds all of them).
-_CANONICAL: dict[int, tuple[weakref.ref, int, int, bool]] = {}
+# id(tensor) -> (weak reference to it, its _version when it was marked, its block size).
+_CANONICAL: dict[int, tuple[weakref.ref, int, int]] = {}
 
 
 def canonical_q2k(
@@ -63,32 +56,17 @@ def canonical_q2k(
     return mark_canonical(torch.where(ids == unused, -1, ids).to(torch.int32), msa.block_size)
 
 
-def mark_canonical(q2k: torch.Tensor, block_size: int, selection: bool = False) -> torch.Tensor:
+def mark_canonical(q2k: torch.Tensor, block_size: int) -> torch.Tensor:
     """Records that ``q2k`` holds the canonical form of block ids of ``block_size`` tokens
-    (until it is written in place); returns it.
-
-    ``selection``: ``q2k`` is a top-k selection (``select_blocks``'s output, or rows of one),
-    so a token at document position p with ``p // block_size + 1 <= top_k`` candidate blocks
-    holds every one of them (forced blocks count inside top_k; NaN scores rank last but still
-    fill a free slot). The layer's core attention may then run those tokens densely
-    (:func:`holds_every_candidate`); a q2k made by hand never claims it.
-    """
+    (until it is written in place); returns it."""
     key = id(q2k)
 
     def forget(ref: weakref.ref, key: int = key) -> None:
         if _CANONICAL.get(key, (None,))[0] is ref:
             del _CANONICAL[key]
 
-    _CANONICAL[key] = (weakref.ref(q2k, forget), q2k._version, int(block_size), bool(selection))
+    _CANONICAL[key] = (weakref.ref(q2k, forget), q2k._version, int(block_size))
     return q2k
-
-
-def holds_every_candidate(q2k: torch.Tensor, block_size: int) -> bool:
-    """Whether ``q2k`` is a marked top-k selection of ``block_size``-token blocks (see
-    :func:`mark_canonical`), not written in place since."""
-    ref, version, size, selection = _CANONICAL.get(id(q2k), (None, -1, 0, False))
-    return (ref is not None and ref() is q2k and version == q2k._version and size == block_size
-            and selection)
 
 
 def is_marked_canonical(q2k: torch.Tensor) -> bool:
@@ -99,7 +77,7 @@ def is_marked_canonical(q2k: torch.Tensor) -> bool:
 def marked_block_size(q2k: torch.Tensor) -> int | None:
     """The block size ``q2k``'s ids were made for, where it was marked canonical and has not
     been written in place since; else None."""
-    ref, version, block_size, _ = _CANONICAL.get(id(q2k), (None, -1, 0, False))
+    ref, version, block_size = _CANONICAL.get(id(q2k), (None, -1, 0))
     if ref is None or ref() is not q2k or version != q2k._version:
         return None
     return block_size

@@ -285,8 +285,6 @@ def time_dense(b, sl, gen, steps, r):
 
 def run_case(seq_len, kind, args, gen, fm, deadline, dense_cache) -> dict:
     """Times and checks one case (``batch`` rows of one ``seq_len``-token document each)."""
-    from nemo_msa.attention.dense_dispatch import dense_dispatch
-
     t = args.batch * seq_len
     r = {"case": f"doc{seq_len}x{args.batch}-{kind}", "tokens": t, "batch": args.batch,
          "seq_len": seq_len, "inputs": kind}
@@ -294,8 +292,6 @@ def run_case(seq_len, kind, args, gen, fm, deadline, dense_cache) -> dict:
     scale = 1.0 / math.sqrt(D)
     case = make_case(r["case"], [[seq_len]] * args.batch, seq_len, args.device)
     msa = case["msa"]
-    r["dense_dispatch"] = steps("dense_dispatch_plan",
-                                lambda: dense_dispatch(msa, TOPK) is not None)
     sets = steps("inputs", lambda: [fresh_inputs(t, args.device, gen, kind == "coherent")
                                     for _ in range(args.sets)])
     if not sets:

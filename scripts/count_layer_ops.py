@@ -5,8 +5,8 @@ The GPU step of an MSA layer is longer than the dense layer's partly by its coun
 kernels (issue #28: 652 against 357 at 8192 tokens on the H200, each a launch the host pays and
 the GPU may idle for). This tool runs one forward + backward of ``scripts/bench_layer.py``'s
 model at a small M3-like shape (8 query heads per KV head, index heads of the KV heads, 16
-candidate blocks per document and top-4, so a quarter of a document's queries are dense-dispatch
-prefixes as at 8192 tokens with M3's top-16 of 128) under :class:`nemo_msa.testing.op_count.
+candidate blocks per document and top-4, so a quarter of a document's queries select every
+candidate block, as at 8192 tokens with M3's top-16 of 128) under :class:`nemo_msa.testing.op_count.
 OpCounter`, for each case, and prints per case the kernel-launching aten ops and Triton launches
 by where they come from (the package function, or the backward node of a built-in op), then the
 difference MSA minus dense per site.

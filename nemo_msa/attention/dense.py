@@ -227,8 +227,7 @@ def dense_attention_runs(
     pad_to: Callable[[int], int] | None = padded_length,
 ) -> torch.Tensor:
     """Causal attention within each document of ``runs`` (which cover q's rows in order): the
-    body of :func:`dense_document_attention_per_document`, for any host plan of documents
-    (the dense dispatch's document prefixes among them).
+    body of :func:`dense_document_attention_per_document`, for any host plan of documents.
 
     Args:
         q: [T, Hq, d] queries, documents contiguous.

@@ -15,7 +15,7 @@ import torch
 
 from nemo_msa.layout import MSAMicrobatch
 
-__all__ = ["finite_keys_and_values", "finite_keys_and_values_of_documents", "mark_attending_rows"]
+__all__ = ["finite_keys_and_values", "mark_attending_rows"]
 
 
 def finite_keys_and_values(
@@ -40,26 +40,9 @@ def finite_keys_and_values(
         the query row sees, in its document at a position <= its own, a key or value of that
         KV head that is not finite.
     """
-    first = msa.cu_seqlens.long()[msa.token_documents.long()]  # the document's first row
-    return finite_keys_and_values_of_documents(k, v, first, queries)
-
-
-def finite_keys_and_values_of_documents(
-    k: torch.Tensor, v: torch.Tensor, first: torch.Tensor, queries: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`finite_keys_and_values` for documents given by each row's first row.
-
-    Args:
-        k: [T, Hkv, d] keys, documents contiguous.
-        v: [T, Hkv, d] values.
-        first: int64 [T], the row of each row's document's first token.
-        queries: optional int64 [Tq] rows of the queries.
-
-    Returns:
-        As :func:`finite_keys_and_values`.
-    """
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [T, Hkv]
-    seen = torch.cumsum(bad.to(torch.int32), dim=0)  # non-finite rows at rows <= t
+    seen = torch.cumsum(bad.to(torch.int32), dim=0)  # non-finite rows at compact rows <= t
+    first = msa.cu_seqlens.long()[msa.token_documents.long()]  # the document's first row
     reached = (seen - seen[first] + bad[first].to(torch.int32)) > 0
     if queries is not None:
         reached = reached[queries]

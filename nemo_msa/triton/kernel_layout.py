@@ -325,21 +325,16 @@ class QuerySubset:
                 from None
 
 
-def build_query_subset(
-    view: KernelLayout, queries: torch.Tensor, tile_counts: dict[int, int] | None = None
-) -> QuerySubset:
+def build_query_subset(view: KernelLayout, queries: torch.Tensor) -> QuerySubset:
     """Builds the :class:`QuerySubset` of ``queries`` for the kernel view ``view``.
 
     One device-to-host synchronization reads the tile counts of every tile size and the
     validity of ``queries`` together (memoized per layout and queries tensor by
-    :func:`query_subset`, so once per microbatch), unless the caller knows the counts.
+    :func:`query_subset`, so once per microbatch).
 
     Args:
         view: the layout's kernel view.
         queries: int64 [Tq] global compact rows of the local queries, ascending and unique.
-        tile_counts: per tile size (every power of two up to the block size), the number of
-            tiles holding a query, where the caller knows them from host facts (the dense
-            dispatch's plan); then nothing synchronizes and ``queries`` is not checked.
 
     Raises:
         ValueError: naming ``queries``: not int64 1-D on the layout's device, out of
@@ -368,9 +363,7 @@ def build_query_subset(
     shift = torch.arange(len(sizes), dtype=torch.int64, device=queries.device)
     tile_ids = start.unsqueeze(0) >> shift.unsqueeze(1)  # [S, Tq] int64
     change = tile_ids[:, 1:] != tile_ids[:, :-1]  # [S, Tq - 1]
-    if tile_counts is not None:
-        host = [int(tile_counts[qt]) for qt in sizes] + [0, 0]
-    elif tq:
+    if tq:
         steps = change.sum(1) + 1
         bad = torch.stack([(queries < 0).any() | (queries >= t).any(),
                            (queries[1:] <= queries[:-1]).any()]).to(torch.int64)
@@ -403,26 +396,23 @@ def build_query_subset(
         tiles=tiles)
 
 
-def query_subset(
-    msa, block_size: int, queries: torch.Tensor | None,
-    tile_counts: dict[int, int] | None = None,
-) -> QuerySubset | None:
+def query_subset(msa, block_size: int, queries: torch.Tensor | None) -> QuerySubset | None:
     """The :class:`QuerySubset` of ``queries`` (None for None: every token is a query).
 
     With an ``MSAMicrobatch`` it is built once per (block size, queries tensor) and kept on
     the layout while the tensor lives and is not written in place; other layouts build it on
-    each call. ``tile_counts``: see :func:`build_query_subset` (used where it is built).
+    each call.
     """
     if queries is None:
         return None
     view = kernel_layout(msa, block_size)
     cached = getattr(msa, "cached", None)
     if not callable(cached) or isinstance(msa, KernelLayout):
-        return build_query_subset(view, queries, tile_counts)
+        return build_query_subset(view, queries)
     memo = cached(f"triton_query_subsets_{block_size}", TensorMemo)
     subset = memo.get(queries)
     if subset is None:
-        subset = build_query_subset(view, queries, tile_counts)
+        subset = build_query_subset(view, queries)
         memo.put(queries, None, subset)
     return subset
 

@@ -14,6 +14,9 @@ from packs import random_document_map
 
 from nemo_msa import MSAMicrobatch, select_blocks, sparse_attention
 from nemo_msa.attention.naive import masked_attention_reference
+from nemo_msa.indexer_loss import sampled_selection_recall, sparse_indexer_loss_from_byproducts
+from nemo_msa.ops import document_attention
+from nemo_msa.testing.packs import document_map_from_lengths
 
 pytestmark = pytest.mark.gpu
 
@@ -85,6 +88,46 @@ def test_triton_selection_and_attention_add_no_synchronization():
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
     assert syncs == []
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+def test_byproduct_loss_and_recall_add_no_synchronization():
+    """After the layout's one sync, the layer's sparse path with the sparse indexer loss (the
+    selection with its scores, the attention with the block mass, the by-product loss and its
+    Triton backward) and the Triton sampled recall never wait on the host (a fresh layout each
+    round, documents shorter and longer than top_k * block)."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = [[300, 2048, 1000, 700], [4000, 96]]
+    t = sum(map(sum, lengths))
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+
+    q, k, v = rnd(t, 64, 128), rnd(t, 4, 128), rnd(t, 4, 128)
+    iq, ik = rnd(t, 4, 128), rnd(t, 128)
+    dout = torch.randn(t, 64, 128, generator=gen).to("cuda", torch.bfloat16)
+    for _ in range(2):  # the first round compiles the kernels
+        ids = document_map_from_lengths(lengths, 4096, "cuda")
+        msa = MSAMicrobatch.build(packed_seq_ids=ids, block_size=128)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                q2k, scores, keys = select_blocks(iq.detach(), ik.detach(), msa, top_k=16,
+                                                  backend="triton", return_scores=True)
+                out, mass = document_attention(q, k, v, msa, softmax_scale=128**-0.5, q2k=q2k,
+                                               backend="triton", return_block_mass=True)
+                loss, _ = sparse_indexer_loss_from_byproducts(
+                    iq, ik, scores, keys, mass, num_index_heads_total=4, loss_coeff=1.0)
+                stats = sampled_selection_recall(q, k, q2k, msa, softmax_scale=128**-0.5,
+                                                 num_rows=256)
+                ((out.float() * dout.float()).sum() + loss).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert syncs == []
+    assert 0 < float(stats["recall_mass"]) <= float(stats["recall_count"])
+    assert torch.isfinite(iq.grad).all() and torch.isfinite(q.grad).all()
 
 
 def test_triton_backward_is_bitwise_repeatable_in_deterministic_mode():

@@ -147,25 +147,3 @@ def test_gpu_dense_attention_contains_a_non_finite_key_or_value(which, value):
         check_containment(run, q, k, v, dout, visible, scale, which, token, 0, value, tol=1e-2,
                           device="cuda")
 
-
-@pytest.mark.parametrize("which,value,where", CASES)
-def test_dense_dispatch_contains_a_non_finite_key_or_value(which, value, where):
-    """The layer's path with a real selection: the document prefixes run on the dense path
-    (ADR 0026), the rest sparse; both halves keep a bad key or value to its attenders."""
-    from unittest import mock
-
-    from nemo_msa import ops, select_blocks
-
-    msa = _layout()
-    q, k, v, dout = _inputs(msa, torch.float32)
-    gen = torch.Generator().manual_seed(3)
-    iq = torch.randn(msa.num_tokens, HKV, D, generator=gen)
-    ik = torch.randn(msa.num_tokens, D, generator=gen)
-    q2k = select_blocks(iq, ik, msa, top_k=TOP_K, backend="reference")
-    scale = 1.0 / math.sqrt(D)
-    run = lambda q_, k_, v_: ops.document_attention(  # noqa: E731
-        q_, k_, v_, msa, softmax_scale=scale, q2k=q2k, backend="reference")
-    with mock.patch.object(ops, "dispatched_attention", wraps=ops.dispatched_attention) as spy:
-        check_containment(run, q, k, v, dout, visible_pairs(msa, BS, q2k), scale, which,
-                          *BAD[where], value, tol=1e-5)
-    assert spy.call_count > 0  # the dispatch ran (prefixes dominate these short documents)

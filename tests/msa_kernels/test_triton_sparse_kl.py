@@ -76,7 +76,7 @@ def test_fused_kl_forward_spreads_nan_like_the_reference():
     [([[1, 16, 33, 64, 5]], 128, 16, 2), ([[40, 1], [16, 57], [80]], 112, 16, 3)],
 )
 def test_fused_loss_and_gradients_equal_the_float64_torch_path(rows, seq_len, block, top_k):
-    """By-products of the Triton selection and the (dispatching) sparse forward on random packed
+    """By-products of the Triton selection and the sparse forward on random packed
     documents; the loss and the gradients of index_q / index_k through the fused kernels
     (bf16 index tensors) against the torch path on the same values in float64."""
     gen = torch.Generator().manual_seed(seq_len + top_k)
