@@ -117,6 +117,7 @@ from layer_bench.timing import free_memory, peak_gib, run_row  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from nemo_msa.megatron import MSAIndexerLossAutoScaler, set_training_iteration  # noqa: E402
+from nemo_msa.triton.launch import launch_overrides, parse_setting  # noqa: E402
 
 
 def parse_list(text: str, allowed: tuple[str, ...] | None, name: str) -> list:
@@ -229,7 +230,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny model (runs on the CPU in seconds)")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA exists")
     ap.add_argument("--json", default=None, help="write the results to this file")
+    ap.add_argument("--set", action="append", default=[], metavar="KERNEL.KEY=VALUE",
+                    help="Triton launch parameter for every row (nemo_msa.triton.launch; "
+                    "repeatable), e.g. bwd.dq_union_max=64")
     args = ap.parse_args(argv)
+    try:
+        settings = dict(parse_setting(item) for item in args.set)
+        overrides = launch_overrides(settings)
+        overrides.__enter__()  # validates every key and value before anything is built
+    except ValueError as err:
+        raise SystemExit(f"--set: {err}") from None
+    try:
+        return run(args, argv, settings)
+    finally:
+        overrides.__exit__(None, None, None)
+
+
+def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int:
+    """Times every row of the parsed arguments ``args`` and prints the table.
+
+    Args:
+        args: :func:`main`'s parsed arguments.
+        argv: the arguments as given (recorded in the JSON's ``command``).
+        settings: the ``--set`` launch parameters in force (recorded in the JSON).
+
+    Returns:
+        As :func:`main`.
+    """
     if args.steps < 1 or args.warmup < 1:
         raise SystemExit(f"--steps={args.steps} --warmup={args.warmup}: expected both >= 1")
     block = None
@@ -306,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         "step": "forward + backward of the mean LM loss (+ indexer loss where on); optimizer "
         "step excluded",
         "layers": args.layers,
+        "launch_settings": settings,
         "documents": f"packed rows: {doc_min} + Exponential(doc_mean - {doc_min}) tokens per "
         f"document, the last cut to fit; {args.doc_maps} document maps (seed {args.seed}) in "
         "turn, a new map tensor every step, warm-up >= the maps",
