@@ -11,10 +11,10 @@ For each case (single documents of 8192..131072 tokens, a packed batch of mixed 
    * full out/dq/dk/dv vs the package reference run in float64 where affordable;
    * the backward in deterministic mode twice: bitwise equal?
 2. timing with CUDA events (median of many runs after warm-up, inputs rotated among several
-   fresh random sets): selection, sparse forward, sparse backward, MSA forward
-   (selection + forward), MSA forward+backward, the backward again in deterministic mode
-   ("bwd det"), dense cuDNN SDPA (causal, enable_gqa) forward and forward+backward on the same
-   shapes;
+   fresh random sets): selection, sparse forward (also with the block mass), sparse backward,
+   MSA forward (selection + forward), MSA forward+backward, the backward again in
+   deterministic mode ("bwd det"), dense cuDNN SDPA (causal, enable_gqa) forward and
+   forward+backward on the same shapes;
 3. one table, printed last: times, speedups, effective TFLOP/s (selected-block FLOPs), peak
    extra memory.
 
@@ -188,6 +188,11 @@ def run_case(case, args, gen) -> dict:
     for s in sets:
         s["out"], s["lse"], s["unions"] = fwd_fn(s, return_unions=True)
 
+    def fwd_mass_fn(s):
+        # The layer's forward under the sparse indexer loss: the block mass comes with it.
+        return triton_attention_forward(s["q"], s["k"], s["v"], s["q2k"], msa, scale,
+                                        return_block_mass=True)
+
     def bwd_fn(s):
         return triton_attention_backward(s["do"], s["q"], s["k"], s["v"], s["out"], s["lse"],
                                          s["q2k"], msa, scale, unions=s["unions"])
@@ -207,6 +212,7 @@ def run_case(case, args, gen) -> dict:
                                                 current_launch("fwd"))
     r["sel_ms"], _ = time_fn(sel_fn, sets)
     r["fwd_ms"], _ = time_fn(fwd_fn, sets)
+    r["fwd_mass_ms"], _ = time_fn(fwd_mass_fn, sets)
     r["bwd_ms"], _ = time_fn(bwd_fn, sets)
     with deterministic_mode():
         r["bwd_det_ms"], _ = time_fn(bwd_fn, sets)
@@ -221,6 +227,7 @@ def run_case(case, args, gen) -> dict:
     r["sel_tflops"] = selection_flops(msa, HI, DI) / r["sel_ms"] / 1e9
     if args.profile:
         profile_kernels(msa_fwdbwd, sets, case["name"])
+        profile_kernels(fwd_mass_fn, sets, case["name"] + " forward with block mass")
     del sets
     if args.no_dense:  # parameter sweeps: MSA times only, no ratio
         for key in ("dense_fwd_ms", "dense_fwdbwd_ms", "dense_tflops_fwd", "speedup_fwd",
