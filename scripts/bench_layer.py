@@ -221,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel table (torch.profiler) of one more step per row")
     ap.add_argument("--profile-top", type=int, default=12)
+    ap.add_argument("--host-profile", action="store_true",
+                    help="per row, the time the host takes to issue one step (host_issue_ms) "
+                    "and the top Python functions of another step under cProfile")
     ap.add_argument("--m3-block", action="store_true",
                     help="the real M3 block: one MoE layer (see the module docstring)")
     ap.add_argument("--experts", type=int, default=None,

@@ -80,9 +80,17 @@ def write_json(path: str, result: dict) -> None:
 
 
 def log_kernels(rows: list[dict]) -> None:
-    """Prints the top kernels of each profiled row (``--profile``)."""
+    """Prints the top kernels of each profiled row (``--profile``) and its host functions
+    (``--host-profile``)."""
     for row in rows:
         if row.get("kernels"):
             log(f"\ntop kernels, {row['case']} at {row['tokens']} tokens (ms in one step):")
             for kernel in row["kernels"]:
                 log(f"  {kernel['ms']:10.3f}  {kernel['calls']:6d}  {kernel['name']}")
+        if row.get("host_functions"):
+            log(f"\nhost, {row['case']} at {row['tokens']} tokens: issuing the step took "
+                f"{row['host_issue_ms']:.1f} ms (step {row['step_ms']:.1f} ms); functions by "
+                "self time under cProfile (self ms, total ms, calls):")
+            for fn in row["host_functions"]:
+                log(f"  {fn['self_ms']:9.2f} {fn['total_ms']:9.2f} {fn['calls']:6d}  "
+                    f"{fn['function']}")

@@ -4,8 +4,10 @@ check, the profiler's top kernels, and the warm-up / timed-steps loop that fills
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import gc
 import os
+import pstats
 import statistics
 import time
 
@@ -96,6 +98,39 @@ def profile_top(fn, on_gpu: bool, top: int, trace: str | None = None) -> list[di
     return rows[:top]
 
 
+def host_profile(fn, on_gpu: bool, top: int) -> tuple[float, list[dict]]:
+    """The host side of one call of ``fn``: how long issuing it takes, and where that goes.
+
+    Issuing is timed without the profiler, from a synchronized start to ``fn``'s return
+    (before the device finishes), so it is the time the host needs to queue the step; when it
+    is close to the step time, the step is host-bound. A second call runs under cProfile,
+    which slows Python down: its function times rank the host work, they do not measure it.
+
+    Returns:
+        ``(issue_ms, functions)``: ``functions`` holds ``top`` rows ``{"function", "self_ms",
+        "total_ms", "calls"}`` by self time.
+    """
+    if on_gpu:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    issue_ms = (time.perf_counter() - t0) * 1e3
+    if on_gpu:
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    if on_gpu:
+        torch.cuda.synchronize()
+    prof.disable()
+    rows = []
+    for (path, line, name), (_, calls, self_s, total_s, _) in pstats.Stats(prof).stats.items():
+        rows.append({"function": f"{os.path.basename(path)}:{line}({name})",
+                     "self_ms": self_s * 1e3, "total_ms": total_s * 1e3, "calls": calls})
+    rows.sort(key=lambda row: -row["self_ms"])
+    return issue_ms, rows[:top]
+
+
 def run_row(bench, args, on_gpu: bool, row: dict, key: str) -> bool:
     """:func:`run_timed`, with a failure recorded in ``row`` instead of raised (``status``
     ``oom`` or ``error`` and a ``note``) and the memory freed, so the run goes on.
@@ -151,4 +186,8 @@ def run_timed(bench, args, on_gpu: bool, row: dict, key: str) -> None:
             os.makedirs(args.trace, exist_ok=True)
             trace = os.path.join(args.trace, f"{row['case']}_{row['tokens']}.json")
         row["kernels"] = profile_top(lambda: run(inputs), on_gpu, args.profile_top, trace)
+    if getattr(args, "host_profile", False):
+        inputs = prepare()
+        row["host_issue_ms"], row["host_functions"] = host_profile(lambda: run(inputs), on_gpu,
+                                                                   args.profile_top)
 
