@@ -58,16 +58,32 @@ def test_bad_arguments_fail_before_anything_is_built(tmp_path):
     assert proc.returncode != 0 and "expected 1 <= MIN <= MAX" in proc.stderr
     proc = _run(tmp_path, "--tokens", "100")
     assert proc.returncode != 0 and "multiples of the block size 16" in proc.stderr
+    proc = _run(tmp_path, "--set", "bwd.dq_union_maxx=40")
+    assert proc.returncode != 0 and "unknown launch parameter 'bwd.dq_union_maxx'" in proc.stderr
+    proc = _run(tmp_path, "--set", "fwd.union_max=many")
+    assert proc.returncode != 0 and "fwd.union_max='many': expected int" in proc.stderr
     assert not (tmp_path / "layer.json").exists()
 
 
 def test_packed_rows_and_two_layers(tmp_path):
     # One row per N and N:MEAN entry; dense and MSA see the same seeded document maps.
     proc = _run(tmp_path, "--tokens", "128,256:64", "--cases", "dense,msa_sparse_loss",
-                "--layers", "2", "--no-attention-rows", "--seed", "3")
+                "--layers", "2", "--no-attention-rows", "--seed", "3", "--host-profile",
+                "--set", "bwd.dq_union_max=40", "--set", "fwd.union_tma=false")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "layer.json").read_text())
     assert result["layers"] == 2 and "(seed 3)" in result["documents"]
+    assert result["launch_settings"] == {"bwd.dq_union_max": 40, "fwd.union_tma": False}
+    for row in result["rows"]:  # --host-profile: the issue time and the top host functions
+        assert 0 < row["host_issue_ms"] and math.isfinite(row["host_issue_ms"]), row
+        functions = row["host_functions"]
+        # (A recursive function's total can be below its self time in cProfile's counting.)
+        assert functions and all(f["calls"] >= 1 and f["self_ms"] >= 0 and f["total_ms"] >= 0
+                                 for f in functions), row
+        assert functions[0]["self_ms"] > 0, row
+        assert [f["self_ms"] for f in functions] == sorted((f["self_ms"] for f in functions),
+                                                           reverse=True)
+    assert "issuing the step took" in proc.stdout
     rows = {(r["tokens"], r["doc_mean"], r["case"]): r for r in result["rows"]}
     assert set(rows) == {(t, m, c) for t, m in ((128, 0), (256, 64))
                          for c in ("dense", "msa_sparse_loss")}
