@@ -50,7 +50,14 @@ Per row: ``docs`` (mean documents per step), ``doc_mean`` (0 for one document pe
 ``layers``, ``step_ms`` (median of ``--steps`` steps after ``--warmup``, CUDA events), tokens/s,
 ``peak_gib`` (``torch.cuda.max_memory_allocated`` since the row started, model, gradients and
 inputs included) or ``fwdbwd_ms`` for the attention rows; with ``--profile`` the top kernels by
-CUDA time of one more step. A row that runs out of memory or one of whose warm-up steps exceeds
+CUDA time of one more step. MSA rows also say how one more step's selections (first MSA layer)
+split between the Triton kernels (``scripts/msa_bench/unions.py``): ``union_mean`` (blocks in
+the union of a ``union_qt``-token tile), ``union_kernel_share`` (the share of the exact
+(token, block) work on the union kernel at the launch's ``union_max``) and
+``union_inflation`` (the union kernel's work over that exact work). ``--index coherent`` makes
+the MSA layers' index queries coherent within each 128-token block, as a trained indexer's
+selections are (``layer_bench/selection.py``); the default, ``fresh``, keeps the untrained
+indexer's random ones. A row that runs out of memory or one of whose warm-up steps exceeds
 ``--max-step-s`` is reported as ``oom`` / ``too_slow`` and the run continues (larger sizes of
 that case are then skipped and reported as such).
 
@@ -112,6 +119,7 @@ from layer_bench.model import (  # noqa: E402
     init_single_rank,
 )
 from layer_bench.report import commit_id, fmt_table, log, log_kernels, write_json  # noqa: E402
+from layer_bench.selection import coherent_index_hooks, selection_stats  # noqa: E402
 from layer_bench.steps import attention_step, layer_step, packed_attention_step  # noqa: E402
 from layer_bench.timing import free_memory, peak_gib, run_row  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
@@ -221,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel table (torch.profiler) of one more step per row")
     ap.add_argument("--profile-top", type=int, default=12)
+    ap.add_argument("--index", choices=("fresh", "coherent"), default="fresh",
+                    help="index queries of the MSA layers: as the freshly initialized indexer "
+                    "makes them (random selections), or coherent within each 128-token block "
+                    "(selections like a trained indexer's; layer_bench/selection.py)")
     ap.add_argument("--host-profile", action="store_true",
                     help="per row, the time the host takes to issue one step (host_issue_ms) "
                     "and the top Python functions of another step under cProfile")
@@ -337,6 +349,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
         "step excluded",
         "layers": args.layers,
         "launch_settings": settings,
+        "index": args.index,
         "documents": f"packed rows: {doc_min} + Exponential(doc_mean - {doc_min}) tokens per "
         f"document, the last cut to fit; {args.doc_maps} document maps (seed {args.seed}) in "
         "turn, a new map tensor every step, warm-up >= the maps",
@@ -355,6 +368,8 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
         set_training_iteration(0)
         model = build_model(config, shape, max(sizes), on_gpu)
         layer = getattr(model, "module", model).decoder.layers[0]
+        if args.index == "coherent":
+            coherent_index_hooks(model, shape.block)
         log(f"{case}: {type(layer.self_attention).__name__}, {type(layer.mlp).__name__}")
         blocked = None
         for tokens, doc_mean in row_specs:
@@ -378,6 +393,9 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
                 free_memory(on_gpu)
             if stats.get("documents"):
                 row["docs"] = statistics.mean(stats["documents"])
+            if case != "dense" and row["status"] == "ok":
+                # One more, untimed step: how the selections split between the kernels.
+                row.update(selection_stats(model, step))
             if row["status"] in ("oom", "too_slow"):
                 blocked = (tokens, row["status"])
             if row["status"] == "ok":

@@ -119,3 +119,25 @@ def test_bad_row_arguments(tmp_path):
     assert proc.returncode != 0 and "'128:x' is not N or N:MEAN" in proc.stderr
     proc = _run(tmp_path, "--tokens", "128:8")
     assert proc.returncode != 0 and "expected 0 or a mean >= --doc-min=16" in proc.stderr
+
+
+def test_selection_split_and_coherent_index(tmp_path):
+    # MSA rows say how their selections split between the Triton kernels; dense rows do not.
+    # Coherent index queries (shared per block) make tile unions close to the tokens' own blocks.
+    inflation = {}
+    for index in ("fresh", "coherent"):
+        out = tmp_path / index
+        out.mkdir()
+        proc = _run(out, "--tokens", "256", "--cases", "dense,msa_sparse_loss",
+                    "--no-attention-rows", "--index", index)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        result = json.loads((out / "layer.json").read_text())
+        assert result["index"] == index
+        rows = {row["case"]: row for row in result["rows"]}
+        assert "union_mean" not in rows["dense"]
+        msa = rows["msa_sparse_loss"]
+        # The tiny model: blocks of 16, top-4, so a union of 8 tokens holds 4..16 blocks.
+        assert msa["union_qt"] == 8 and 4 <= msa["union_mean"] <= 16, msa
+        assert 0 < msa["union_kernel_share"] <= 1 and msa["union_inflation"] >= 1, msa
+        inflation[index] = msa["union_inflation"]
+    assert inflation["coherent"] < 1.3 < 1.6 < inflation["fresh"], inflation
