@@ -10,6 +10,9 @@
 # the first pytest call of "tests", e.g. to tests/core/test_dense_attention.py); "bench" adds
 # scripts/bench_msa.py runs, one per ';'-separated argument list in BENCH_RUNS, all logged to
 # $OUT/bench.log under "== bench <n>" headers (one file: the device tool returns only a few).
+# "rows" runs issue #28's five bench_layer.py rows (ROWS_TOKENS) twice: dense and MSA with the
+# untrained indexer's selections, and MSA with coherent, trained-like ones (--index coherent),
+# writing $OUT/rows_fresh.json and rows_coherent.json (each process bounded by ROWS_S, 270 s).
 # "layer" adds scripts/bench_layer.py (one-layer MiniMax-M3 GPTModel training step, dense vs MSA,
 # plus the dense_attention / cudnn_attention rows) with the arguments in LAYER_ARGS, writing
 # $OUT/layer.json and $OUT/layer.log and printing its table; LAYER_S bounds it (default 540 s).
@@ -111,6 +114,24 @@ timeout "${LAYER_S:-540}" python3 scripts/bench_layer.py ${LAYER_ARGS:-} --json 
 echo "rc $?" >> "$OUT/layer.log"
 # The table (every case row and the two attention rows), or the rows and the log's end.
 table_or_tail "$OUT/layer.log" '^|  tokens |' '^\{"tokens"'
+fi
+
+if [[ " $STAGES " == *" rows "* ]]; then
+# Issue #28's rows, dense and MSA in one process with the untrained indexer's (random)
+# selections, then MSA again with coherent, trained-like ones (ADR 0031); ROWS_ARGS adds options.
+rows="${ROWS_TOKENS:-8192,32768,32768:4096,131072:16384,131072}"
+for index in fresh coherent; do
+  cases=dense,msa_sparse_loss
+  [[ $index == coherent ]] && cases=msa_sparse_loss
+  echo "== rows ($index): scripts/bench_layer.py --tokens $rows --cases $cases" \
+    | tee "$OUT/rows_$index.log"
+  # shellcheck disable=SC2086  # the argument list is split on purpose
+  timeout "${ROWS_S:-270}" python3 scripts/bench_layer.py --tokens "$rows" --cases "$cases" \
+    --index "$index" --no-attention-rows --steps 3 --warmup 2 --json "$OUT/rows_$index.json" \
+    ${ROWS_ARGS:-} >> "$OUT/rows_$index.log" 2>&1
+  echo "rc $?" >> "$OUT/rows_$index.log"
+  table_or_tail "$OUT/rows_$index.log" '^|  tokens |' '^\{"tokens"'
+done
 fi
 
 if [[ " $STAGES " == *" quality "* ]]; then
