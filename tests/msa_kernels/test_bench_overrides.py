@@ -40,7 +40,8 @@ def test_overrides_reject_unknown_kernels_keys_and_bad_values(item):
 def test_table_prints_speedups_to_two_decimals():
     """A ratio just under a target must not print as the target (14.95x as "15.0x")."""
     row = {"case": "doc131072", "tokens": 131072, "sel_ms": 16.48, "fwd_ms": 27.66,
-           "bwd_ms": 76.86, "bwd_det_ms": 78.04, "msa_fwd_ms": 44.84, "msa_fwdbwd_ms": 122.39,
+           "fwd_mass_ms": 31.02, "bwd_ms": 76.86, "bwd_det_ms": 78.04, "msa_fwd_ms": 44.84,
+           "msa_fwdbwd_ms": 122.39,
            "dense_fwd_ms": 506.99, "dense_fwdbwd_ms": 1830.01, "speedup_fwd": 506.99 / 44.84,
            "speedup_fwdbwd": 1830.01 / 122.39, "fwd_tflops": 306.0, "bwd_tflops": 275.0,
            "sel_tflops": 534.0, "sel_extra_mib": 0.0, "fwd_extra_mib": 34.8,
@@ -48,3 +49,5 @@ def test_table_prints_speedups_to_two_decimals():
            "dq_err_subset": 2.4e-3}
     table = _bench().fmt_table([row], [])
     assert "| 11.31x | 14.95x |" in table, table
+    # The forward with the block mass sits between the forward and the backward.
+    assert "| fwd ms | fwd+mass ms | bwd ms |" in table and "| 27.66 | 31.02 | 76.86 |" in table
