@@ -349,5 +349,5 @@ NOTES = [
     "fla 1st f+b: its first forward + backward, Triton autotuning (12 + 12 + 16 configurations) "
     "included; dense: cuDNN SDPA causal over each padded row (no documents)",
     "errors: relative norm vs float64 on a query subset (out, dq); dk / dv fla vs ours (both "
-    "bf16, whole tensors)",
+    "bf16, whole tensors); fla rounds q * scale to bf16 before q.k, ours scales the fp32 scores",
 ]
