@@ -75,41 +75,11 @@ from msa_bench.flash_msa_peer import (  # noqa: E402
     write_json,
 )
 from msa_bench.flash_msa_peer import fmt_table as peer_table  # noqa: E402
+from msa_bench.peer_steps import Steps, first_calls, time_dense  # noqa: E402
 from msa_bench.timing import log, peak_extra, time_fn, warm_up_gpu  # noqa: E402
 
 PACKAGES = ("flash-msa", "nvidia-cutlass-dsl", "flash-attn-4", "quack-kernels", "apache-tvm-ffi",
             "torch", "triton", "cuda-bindings")
-
-
-class Steps:
-    """Runs named steps of one case: each one's exception is stored in ``r["errors"]`` (and the
-    traceback logged), a step after the deadline is skipped and says so."""
-
-    def __init__(self, r: dict, deadline: float):
-        self.r, self.deadline = r, deadline
-        r.setdefault("errors", {})
-
-    def __call__(self, name, fn):
-        case = self.r.get("case", "setup")
-        if time.monotonic() > self.deadline:
-            self.r["errors"][name] = "skipped: the --budget-s time budget was spent"
-            log(f"[peer] {case}: {name} skipped (time budget)")
-            return None
-        log(f"[peer] {case}: {name} ...")
-        t0 = time.perf_counter()
-        try:
-            out = fn()
-            _sync()
-        except Exception as exc:  # noqa: BLE001 - every failure is recorded, the run goes on
-            text = f"{type(exc).__name__}: {exc}"
-            self.r["errors"][name] = text[:4000]
-            log(f"[peer] {case}: {name} FAILED after {time.perf_counter() - t0:.1f} s: "
-                f"{text[:600]}")
-            traceback.print_exc()
-            sys.stdout.flush()
-            return None
-        log(f"[peer] {case}: {name} done in {time.perf_counter() - t0:.1f} s")
-        return out
 
 
 def environment(site_dirs) -> dict:
@@ -179,23 +149,6 @@ def peer_inputs(s, batch):
             "v": to_bhsd(s["v"], batch), "do": s["do"].reshape(batch, t // batch, -1)}
 
 
-def first_calls(fn, sets):
-    """Wall ms of the first call on each set (compiles included), in order."""
-    times = []
-    for s in sets:
-        _sync()
-        t0 = time.perf_counter()
-        fn(s)
-        _sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def check(r, steps, s, msa, scale, args, gen, ours_grad, flash_grad, fm):
     """The first set's checks (see the module docstring); results into ``r``."""
     from nemo_msa.testing.oracle import attention_rows_f64, rel_err, select_rows_f64
@@ -259,28 +212,6 @@ def check(r, steps, s, msa, scale, args, gen, ours_grad, flash_grad, fm):
                                                  ours[0].reshape(shape)[mask])
 
     steps("flash_check", flash_errors)
-
-
-def time_dense(b, sl, gen, steps, r):
-    """cuDNN SDPA, causal over each row, GQA: ``r["dense_fwd_ms"]``, ``r["dense_fwdbwd_ms"]``."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    sets = [{n: torch.randn((b, h, sl, D), generator=gen, device="cuda").to(torch.bfloat16)
-             for n, h in (("q", HQ), ("k", HKV), ("v", HKV), ("do", HQ))} for _ in range(2)]
-
-    def fwdbwd(s, grad=True):
-        x = {n: s[n].detach().requires_grad_(grad) for n in ("q", "k", "v")}
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.set_grad_enabled(grad):
-            o = torch.nn.functional.scaled_dot_product_attention(
-                x["q"], x["k"], x["v"], is_causal=True, enable_gqa=True)
-            if grad:
-                o.backward(s["do"])
-
-    got = steps("dense_fwd", lambda: time_fn(lambda s: fwdbwd(s, False), sets, max_reps=10,
-                                             budget_ms=3000))
-    r["dense_fwd_ms"] = got[0] if got else None
-    got = steps("dense_fwdbwd", lambda: time_fn(fwdbwd, sets, max_reps=6, budget_ms=6000))
-    r["dense_fwdbwd_ms"] = got[0] if got else None
 
 
 def run_case(seq_len, kind, args, gen, fm, deadline, dense_cache) -> dict:

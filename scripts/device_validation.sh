@@ -30,6 +30,13 @@
 # same inputs; docs/adr/0029) within PEER_S seconds (default 520), writing $OUT/peer.log and
 # $OUT/peer.json; flash-msa and its wheels must already be installed with pip --target in
 # PEER_SITE (default /tmp/fm_site; /tmp/site is tried too); PEER_ARGS adds arguments.
+# "fla_peer" runs scripts/bench_fla_nsa_peer.py (fla-core's NSA selected-block attention beside
+# ours on the same q2k, and cuDNN; one document and packed documents of 8192/32768/131072 tokens,
+# coherent and random selections; docs/adr/0029) within FLA_PEER_S seconds (default 540), writing
+# $OUT/fla_peer.log and $OUT/fla_peer.json; fla-core and einops come from their wheels in .whl/
+# (fla_core-0.6.0-py3-none-any.whl, einops-0.8.2-py3-none-any.whl: installed into /tmp/site with
+# the others above; FLA_SITE names another --target directory); FLA_PEER_ARGS adds arguments
+# (e.g. "--sizes 8192,32768 --inputs coherent").
 set -uo pipefail
 # table_or_tail LOG HEADER FALLBACK: LOG from the line matching HEADER (a basic regex) on, or,
 # where the run printed no table, LOG's lines matching FALLBACK (extended) and its last 15.
@@ -160,4 +167,16 @@ timeout "$peer_s" python3 scripts/bench_flash_msa_peer.py --site "${PEER_SITE:-/
 echo "rc $?" >> "$OUT/peer.log"
 # The table and its notes, or what says why and the log's end.
 table_or_tail "$OUT/peer.log" '^| case | tokens | sel agree' 'FAILED|cannot import|^rc '
+fi
+
+if [[ " $STAGES " == *" fla_peer "* ]]; then
+fla_s="${FLA_PEER_S:-540}"
+echo "== fla_peer: scripts/bench_fla_nsa_peer.py ${FLA_PEER_ARGS:-}" | tee "$OUT/fla_peer.log"
+# shellcheck disable=SC2086  # the argument list is split on purpose
+timeout "$fla_s" python3 scripts/bench_fla_nsa_peer.py --site "${FLA_SITE:-/tmp/site}" \
+  --budget-s $(( fla_s - 60 )) --json "$OUT/fla_peer.json" ${FLA_PEER_ARGS:-} \
+  >> "$OUT/fla_peer.log" 2>&1
+echo "rc $?" >> "$OUT/fla_peer.log"
+# The table and its notes, or what says why and the log's end.
+table_or_tail "$OUT/fla_peer.log" '^| case | tokens | docs' 'FAILED|cannot import|^rc '
 fi
