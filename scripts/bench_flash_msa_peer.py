@@ -75,7 +75,7 @@ from msa_bench.flash_msa_peer import (  # noqa: E402
     write_json,
 )
 from msa_bench.flash_msa_peer import fmt_table as peer_table  # noqa: E402
-from msa_bench.peer_steps import Steps, first_calls, time_dense  # noqa: E402
+from msa_bench.peer_steps import Steps, add_peer_arguments, first_calls, time_dense  # noqa: E402
 from msa_bench.timing import log, peak_extra, time_fn, warm_up_gpu  # noqa: E402
 
 PACKAGES = ("flash-msa", "nvidia-cutlass-dsl", "flash-attn-4", "quack-kernels", "apache-tvm-ffi",
@@ -290,20 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="32768,131072", help="tokens per row (one document)")
     ap.add_argument("--batch", type=int, default=1, help="rows per case")
-    ap.add_argument("--inputs", default="coherent,random",
-                    help="index query kinds, in order: coherent (trained-indexer-like), random")
-    ap.add_argument("--sets", type=int, default=2, help="fresh input sets rotated in timing")
-    ap.add_argument("--subset", type=int, default=64, help="query rows of the float64 checks")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--site", action="append", default=None,
-                    help="a pip --target directory holding flash-msa and its dependencies "
-                    "(repeatable; default: $FLASH_MSA_SITE, ':'-separated)")
-    ap.add_argument("--budget-s", type=float, default=420.0,
-                    help="steps after this many seconds are skipped (and say so)")
-    ap.add_argument("--no-dense", action="store_true", help="skip the cuDNN SDPA baseline")
-    ap.add_argument("--json", default=None, help="write the results here (after every case)")
-    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # the tests' CPU runs
-    ap.add_argument("--backend", default="triton", help="our MSA backend")
+    add_peer_arguments(ap, "a pip --target directory holding flash-msa and its dependencies "
+                       "(repeatable; default: $FLASH_MSA_SITE, ':'-separated)")
     return ap
 
 

@@ -47,10 +47,11 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import site
 from pathlib import Path
 
 import torch
+
+from msa_bench.peer_steps import import_site_modules, peer_table
 
 #: The peer's fixed block size and head dim, and its largest top-k in blocks.
 PEER_BLOCK, PEER_DIM, PEER_MAX_BLOCKS = 128, 128, 32
@@ -84,15 +85,7 @@ def import_peer(site_dirs=()):
     Raises:
         PeerImportError: naming the first module that cannot be imported.
     """
-    for d in site_dirs:
-        if Path(d).is_dir():
-            site.addsitedir(str(d))
-    for name in PEER_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            missing = getattr(exc, "name", None) or name
-            raise PeerImportError(missing, f"import {name}: {type(exc).__name__}: {exc}") from exc
+    import_site_modules(site_dirs, PEER_MODULES, PeerImportError)
     return importlib.import_module(PEER_MODULES[0])
 
 
@@ -352,22 +345,9 @@ def _fmt(key: str, value) -> str:
     return f"{value:.1e}"
 
 
-def fmt_row(r: dict) -> str:
-    """One case's row: ``n/a`` where a step failed or was skipped (its error is in ``errors``)."""
-    cells = [r.get("case", "?"), str(r.get("tokens", "?"))]
-    cells += [_fmt(k, r.get(k)) for k in _COLS]
-    cells.append(", ".join(sorted(r.get("errors", {}))) or "-")
-    return "| " + " | ".join(cells) + " |"
-
-
 def fmt_table(results: list[dict], notes: list[str]) -> str:
     """The markdown table of ``results``, then the notes and every recorded error in full."""
-    lines = [HEAD, "|" + "---|" * (HEAD.count("|") - 1)] + [fmt_row(r) for r in results]
-    lines += [""] + [f"- {n}" for n in notes]
-    for r in results:
-        for step, text in sorted(r.get("errors", {}).items()):
-            lines.append(f"- error {r.get('case')} / {step}: {text}")
-    return "\n".join(lines)
+    return peer_table(results, notes, HEAD, _COLS, _fmt)
 
 
 def write_json(path, payload: dict) -> None:

@@ -3,9 +3,13 @@ and the cuDNN SDPA baseline."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import site
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -83,3 +87,59 @@ def time_dense(b, sl, gen, steps, r):
     r["dense_fwd_ms"] = got[0] if got else None
     got = steps("dense_fwdbwd", lambda: time_fn(fwdbwd, sets, max_reps=6, budget_ms=6000))
     r["dense_fwdbwd_ms"] = got[0] if got else None
+
+
+def peer_table(results: list[dict], notes: list[str], head: str, cols: tuple[str, ...],
+               fmt) -> str:
+    """A peer benchmark's markdown table: ``head``, one row per result (``case``, ``tokens``,
+    then ``fmt(key, value)`` for each of ``cols``, ``n/a`` where a step failed or was skipped,
+    and the failed steps' names), then ``notes`` and every recorded error in full."""
+    def row(r: dict) -> str:
+        cells = [r.get("case", "?"), str(r.get("tokens", "?"))]
+        cells += [fmt(k, r.get(k)) for k in cols]
+        cells.append(", ".join(sorted(r.get("errors", {}))) or "-")
+        return "| " + " | ".join(cells) + " |"
+
+    lines = [head, "|" + "---|" * (head.count("|") - 1)] + [row(r) for r in results]
+    lines += [""] + [f"- {n}" for n in notes]
+    for r in results:
+        for step, text in sorted(r.get("errors", {}).items()):
+            lines.append(f"- error {r.get('case')} / {step}: {text}")
+    return "\n".join(lines)
+
+
+def add_peer_arguments(ap, site_help: str) -> None:
+    """The options both peer benchmarks take (inputs, timing sets, checks, where the peer is
+    installed, the time budget, the baseline, the output), added to the parser ``ap``;
+    ``site_help`` says what ``--site`` directories hold."""
+    ap.add_argument("--inputs", default="coherent,random",
+                    help="index query kinds, in order: coherent (trained-indexer-like), random")
+    ap.add_argument("--sets", type=int, default=2, help="fresh input sets rotated in timing")
+    ap.add_argument("--subset", type=int, default=64, help="query rows of the float64 checks")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--site", action="append", default=None, help=site_help)
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="steps after this many seconds are skipped (and say so)")
+    ap.add_argument("--no-dense", action="store_true", help="skip the cuDNN SDPA baseline")
+    ap.add_argument("--json", default=None, help="write the results here (after every case)")
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # the tests' CPU runs
+    ap.add_argument("--backend", default="triton", help="our MSA backend")
+
+
+def import_site_modules(site_dirs, modules, error) -> None:
+    """Imports ``modules`` in order after adding each existing ``site_dirs`` entry with
+    ``site.addsitedir`` (a ``pip install --target`` directory: its ``.pth`` files are processed
+    only that way).
+
+    Raises:
+        ``error(missing, detail)`` naming the first module that cannot be imported.
+    """
+    for d in site_dirs:
+        if Path(d).is_dir():
+            site.addsitedir(str(d))
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            missing = getattr(exc, "name", None) or name
+            raise error(missing, f"import {name}: {type(exc).__name__}: {exc}") from exc
