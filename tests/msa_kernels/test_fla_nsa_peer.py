@@ -31,6 +31,9 @@ from nemo_msa.attention.naive import (  # noqa: E402
 from nemo_msa.testing.oracle import attention_f64, attention_grads_f64, rel_err  # noqa: E402
 
 BS = 16
+# fla-core says so once when its kernels are first used on CPU tensors (the interpreter runs them).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Triton is not supported on current platform:UserWarning")
 
 
 def _cli():
