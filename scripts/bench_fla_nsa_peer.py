@@ -30,12 +30,10 @@ Exit status 2, with one line naming the missing module, where fla-core cannot be
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import math
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -53,7 +51,15 @@ from msa_bench.fla_nsa_peer import (  # noqa: E402
     import_peer,
 )
 from msa_bench.flash_msa_peer import write_json  # noqa: E402
-from msa_bench.peer_steps import Steps, add_peer_arguments, first_calls, time_dense  # noqa: E402
+from msa_bench.peer_steps import (  # noqa: E402
+    Steps,
+    add_peer_arguments,
+    first_calls,
+    guarded_case,
+    open_peer,
+    package_versions,
+    time_dense,
+)
 from msa_bench.timing import log, peak_extra, time_fn, warm_up_gpu  # noqa: E402
 
 PACKAGES = ("fla-core", "einops", "torch", "triton")
@@ -62,15 +68,8 @@ PACK_LO, PACK_ROW = 1024, 16384
 
 
 def environment(site_dirs) -> dict:
-    env = {"site_dirs": list(site_dirs)}
-    for pkg in PACKAGES:
-        try:
-            env[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            env[pkg] = None
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-    return env
+    """The installed versions of :data:`PACKAGES` and the GPU."""
+    return package_versions(site_dirs, PACKAGES)
 
 
 def ours_fn(msa, scale, grad: bool, backend: str):
@@ -229,15 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    site_dirs = args.site or [d for d in os.environ.get("FLA_SITE", "").split(":") if d]
-    try:
-        fla = import_peer(site_dirs)
-    except PeerImportError as exc:
-        print(f"bench_fla_nsa_peer: {exc}", flush=True)
-        sys.exit(2)
-    if not torch.cuda.is_available():
-        sys.exit("bench_fla_nsa_peer.py needs a CUDA GPU (its CPU checks: "
-                 "tests/msa_kernels/test_fla_nsa_peer.py)")
+    fla, site_dirs = open_peer("bench_fla_nsa_peer", args, "FLA_SITE", import_peer,
+                               PeerImportError, "tests/msa_kernels/test_fla_nsa_peer.py")
     start = time.monotonic()
     deadline = start + args.budget_s
     payload = {"env": environment(site_dirs), "notes": NOTES, "args": vars(args), "setup": {},
@@ -256,13 +248,8 @@ def main(argv=None):
     for kind in (k for k in args.inputs.split(",") if k):
         for layout in (x for x in args.layouts.split(",") if x):
             for n in (int(x) for x in args.sizes.split(",") if x):
-                try:
-                    row = run_case(n, layout, kind, args, gen, fla, deadline, dense_cache,
-                                   host_gen)
-                except Exception as exc:  # noqa: BLE001 - a case's setup failing ends only it
-                    traceback.print_exc()
-                    row = {"case": f"{layout}{n}-{kind}", "tokens": n,
-                           "errors": {"case": f"{type(exc).__name__}: {exc}"[:4000]}}
+                row = guarded_case(f"{layout}{n}-{kind}", n, run_case, n, layout, kind, args,
+                                   gen, fla, deadline, dense_cache, host_gen)
                 payload["results"].append(row)
                 save()
     payload["wall_s"] = time.monotonic() - start

@@ -31,14 +31,12 @@ Exit status 2, with one line naming the missing module, where flash-msa cannot b
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import math
 import os
 import shutil
 import sys
 import sysconfig
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -75,7 +73,15 @@ from msa_bench.flash_msa_peer import (  # noqa: E402
     write_json,
 )
 from msa_bench.flash_msa_peer import fmt_table as peer_table  # noqa: E402
-from msa_bench.peer_steps import Steps, add_peer_arguments, first_calls, time_dense  # noqa: E402
+from msa_bench.peer_steps import (  # noqa: E402
+    Steps,
+    add_peer_arguments,
+    first_calls,
+    guarded_case,
+    open_peer,
+    package_versions,
+    time_dense,
+)
 from msa_bench.timing import log, peak_extra, time_fn, warm_up_gpu  # noqa: E402
 
 PACKAGES = ("flash-msa", "nvidia-cutlass-dsl", "flash-attn-4", "quack-kernels", "apache-tvm-ffi",
@@ -86,17 +92,10 @@ def environment(site_dirs) -> dict:
     """Versions and what the peer's JIT extension build needs (Python.h, nvcc, ninja)."""
     from torch.utils.cpp_extension import CUDA_HOME
 
-    env = {"site_dirs": list(site_dirs)}
-    for pkg in PACKAGES:
-        try:
-            env[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            env[pkg] = None
+    env = package_versions(site_dirs, PACKAGES)
     env["python_h"] = Path(sysconfig.get_paths()["include"], "Python.h").is_file()
     env["nvcc"] = str(Path(CUDA_HOME, "bin", "nvcc")) if CUDA_HOME else shutil.which("nvcc")
     env["ninja"] = shutil.which("ninja") or (Path(sys.executable).parent / "ninja").is_file()
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
     return env
 
 
@@ -297,15 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    site_dirs = args.site or [d for d in os.environ.get("FLASH_MSA_SITE", "").split(":") if d]
-    try:
-        fm = import_peer(site_dirs)
-    except PeerImportError as exc:
-        print(f"bench_flash_msa_peer: {exc}", flush=True)
-        sys.exit(2)
-    if not torch.cuda.is_available():
-        sys.exit("bench_flash_msa_peer.py needs a CUDA GPU (its CPU checks: "
-                 "tests/msa_kernels/test_flash_msa_peer.py)")
+    fm, site_dirs = open_peer("bench_flash_msa_peer", args, "FLASH_MSA_SITE", import_peer,
+                              PeerImportError, "tests/msa_kernels/test_flash_msa_peer.py")
     start = time.monotonic()
     deadline = start + args.budget_s
     payload = {"env": environment(site_dirs),
@@ -334,12 +326,8 @@ def main(argv=None):
     dense_cache = {}
     for kind in (k for k in args.inputs.split(",") if k):
         for n in (int(x) for x in args.sizes.split(",") if x):
-            try:
-                row = run_case(n, kind, args, gen, fm, deadline, dense_cache)
-            except Exception as exc:  # noqa: BLE001 - a case's setup failing ends only it
-                traceback.print_exc()
-                row = {"case": f"doc{n}x{args.batch}-{kind}", "tokens": n * args.batch,
-                       "errors": {"case": f"{type(exc).__name__}: {exc}"[:4000]}}
+            row = guarded_case(f"doc{n}x{args.batch}-{kind}", n * args.batch, run_case, n,
+                               kind, args, gen, fm, deadline, dense_cache)
             payload["results"].append(row)
             save()
     payload["wall_s"] = time.monotonic() - start

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import os
 import site
 import sys
 import time
@@ -143,3 +145,47 @@ def import_site_modules(site_dirs, modules, error) -> None:
         except ImportError as exc:
             missing = getattr(exc, "name", None) or name
             raise error(missing, f"import {name}: {type(exc).__name__}: {exc}") from exc
+
+
+def open_peer(script: str, args, env_var: str, import_peer, error, tests: str):
+    """A peer benchmark's start: the ``--site`` directories (or ``$env_var``, ':'-separated),
+    the peer imported from them, or exit status 2 with one line naming the missing module
+    (``error`` raised by ``import_peer``); then a CUDA GPU, or exit naming the CPU checks
+    ``tests``.
+
+    Returns:
+        ``(peer, site_dirs)``: what ``import_peer`` returned and the directories used.
+    """
+    site_dirs = args.site or [d for d in os.environ.get(env_var, "").split(":") if d]
+    try:
+        peer = import_peer(site_dirs)
+    except error as exc:
+        print(f"{script}: {exc}", flush=True)
+        sys.exit(2)
+    if not torch.cuda.is_available():
+        sys.exit(f"{script}.py needs a CUDA GPU (its CPU checks: {tests})")
+    return peer, site_dirs
+
+
+def package_versions(site_dirs, packages) -> dict:
+    """``{"site_dirs": [...], package: installed version or None, ..., "gpu": name}``."""
+    env = {"site_dirs": list(site_dirs)}
+    for pkg in packages:
+        try:
+            env[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            env[pkg] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def guarded_case(case: str, tokens: int, run, *args) -> dict:
+    """``run(*args)``'s result row, or, where its setup raises, a row of ``case`` and ``tokens``
+    whose ``errors`` say why (the traceback printed): a failing case ends only itself."""
+    try:
+        return run(*args)
+    except Exception as exc:  # noqa: BLE001 - a case's setup failing ends only it
+        traceback.print_exc()
+        return {"case": case, "tokens": tokens,
+                "errors": {"case": f"{type(exc).__name__}: {exc}"[:4000]}}
