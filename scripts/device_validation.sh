@@ -37,6 +37,10 @@
 # (fla_core-0.6.0-py3-none-any.whl, einops-0.8.2-py3-none-any.whl: installed into /tmp/site with
 # the others above; FLA_SITE names another --target directory); FLA_PEER_ARGS adds arguments
 # (e.g. "--sizes 8192,32768 --inputs coherent").
+# "ab" times kernels before and after a change in one call: for each ';'-separated argument list
+# in AB_RUNS, scripts/bench_msa.py runs first in the tree under .base/ (carried: e.g. `git
+# archive BASE_COMMIT | tar -x -C .base`), then in this tree, both logged to $OUT/ab.log under
+# "== ab <n> base|head" headers; AB_S bounds each run (default 200 s).
 set -uo pipefail
 # table_or_tail LOG HEADER FALLBACK: LOG from the line matching HEADER (a basic regex) on, or,
 # where the run printed no table, LOG's lines matching FALLBACK (extended) and its last 15.
@@ -111,6 +115,32 @@ for args in "${runs[@]}"; do
   cat "$log" >> "$OUT/bench.log"
   rm -f "$log"
 done
+fi
+
+if [[ " $STAGES " == *" ab "* ]]; then
+if [[ ! -f .base/scripts/bench_msa.py ]]; then
+  echo "== ab: no .base/scripts/bench_msa.py (carry .base with the base commit's tree)" \
+    | tee "$OUT/ab.log"
+else
+IFS=';' read -ra runs <<< "${AB_RUNS:---sizes 8192,32768 --packed 32768 --no-dense}"
+n=0
+for args in "${runs[@]}"; do
+  n=$((n + 1))
+  for side in base head; do
+    dir=.
+    [[ $side == base ]] && dir=.base
+    log="$OUT/ab_run.log"
+    echo "== ab $n $side: scripts/bench_msa.py $args" | tee "$log"
+    # shellcheck disable=SC2086  # the argument list is split on purpose
+    (cd "$dir" && PYTHONPATH="/tmp/site:$PWD" timeout "${AB_S:-200}" python3 \
+      scripts/bench_msa.py $args) >> "$log" 2>&1
+    echo "rc $?" >> "$log"
+    grep -E "^\| (doc|packed)|^rc |Error" "$log" || tail -n 5 "$log"
+    cat "$log" >> "$OUT/ab.log"
+    rm -f "$log"
+  done
+done
+fi
 fi
 
 if [[ " $STAGES " == *" layer "* ]]; then

@@ -13,7 +13,7 @@ dropped here. Timing still needs the GPU (scripts/bench_msa.py).
 Usage::
 
     python scripts/kernel_report.py [--kernel sel|fwd_union|dq_union|union_build|all] \
-        [--set KERNEL.KEY=VALUE ...] [--emit]
+        [--set KERNEL.KEY=VALUE ...] [--emit] [--guarded]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _signature(fn, constexprs, pointers, floats, descs):
     return sig
 
 
-def _selection(cfg, emit):
+def _selection(cfg, emit, guarded):
     import nemo_msa.selection.triton_select as ts
 
     constexprs = dict(BS=BS, BM=cfg.bm, BN=cfg.bn, D=D, KP=TOPK, FP32_DOT=False, TMA=cfg.tma,
@@ -63,10 +63,11 @@ def _selection(cfg, emit):
                                                  "num_stages": cfg.num_stages}
 
 
-def _union_kernel(cfg, prefix, fn, pointers, floats, emit):
+def _union_kernel(cfg, prefix, fn, pointers, floats, emit, guarded):
     """The shared build of the two union kernels' reports (forward: ``union_*`` fields, dq:
     ``dq_union_*``): the launch's constexprs, typed arguments and options. Only the forward
-    has the own block by TMA and the register cap."""
+    has the own block by TMA and the register cap. ``guarded``: the launch for programs whose
+    whole blocks hold a NaN/Inf (ADR 0032), else the common one."""
     from nemo_msa.attention.triton_union import union_tile_tokens
     from nemo_msa.triton.tiles import next_pow2, register_cap
 
@@ -76,7 +77,7 @@ def _union_kernel(cfg, prefix, fn, pointers, floats, emit):
     bn = field("bn")
     qt = union_tile_tokens(field("qt"), BS, G)  # the tile the launch would use
     constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
-                      TMA=field("tma"), UW=next_pow2(qt * TOPK))
+                      TMA=field("tma"), UW=next_pow2(qt * TOPK), GUARD=guarded)
     options = {"num_warps": field("warps"), "num_stages": field("stages")}
     if "OWN_TMA" in fn.arg_names:  # the forward
         import nemo_msa.attention.triton_fwd as tf
@@ -89,24 +90,25 @@ def _union_kernel(cfg, prefix, fn, pointers, floats, emit):
     return fn, sig, constexprs, options
 
 
-def _forward_union(cfg, emit):
+def _forward_union(cfg, emit, guarded):
     import nemo_msa.attention.triton_fwd as tf
 
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     pointers.update(lse_ptr="*fp32", mass_ptr="*fp32")
-    return _union_kernel(cfg, "union_", tf._fwd_union_kernel, pointers, {"scale_log2"}, emit)
+    return _union_kernel(cfg, "union_", tf._fwd_union_kernel, pointers, {"scale_log2"}, emit,
+                         guarded)
 
 
-def _dq_union(cfg, emit):
+def _dq_union(cfg, emit, guarded):
     import nemo_msa.attention.triton_bwd as tb
 
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "o_ptr", "dq_ptr")}
     pointers.update(lse_ptr="*fp32", delta_ptr="*fp32")
     return _union_kernel(cfg, "dq_union_", tb._dq_union_kernel, pointers,
-                         {"scale", "scale_log2"}, emit)
+                         {"scale", "scale_log2"}, emit, guarded)
 
 
-def _union_build(cfg, emit):
+def _union_build(cfg, emit, guarded):
     import nemo_msa.attention.triton_union as tu
     from nemo_msa.triton.tiles import next_pow2
 
@@ -153,15 +155,16 @@ def _mma_loops(sass):
             for s, e, c in inner]
 
 
-def report(kernel, cfg, emit=False):
+def report(kernel, cfg, emit=False, guarded=False):
     """Compiles one kernel with the launch parameters ``cfg`` (its launch dataclass; ``emit``:
     with the indexer loss's by-products, as the training step with the sparse loss launches
-    the selection and the union forward) and returns its report lines."""
+    the selection and the union forward; ``guarded``: the union kernels' launch for whole
+    blocks holding a NaN/Inf) and returns its report lines."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, sig, constexprs, options = KERNELS[kernel][1](cfg, emit)
+    fn, sig, constexprs, options = KERNELS[kernel][1](cfg, emit, guarded)
     compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,6 +190,9 @@ def main(argv=None):
     ap.add_argument("--set", action="append", default=[], metavar="KERNEL.KEY=VALUE")
     ap.add_argument("--emit", action="store_true",
                     help="compile sel and fwd_union with the indexer-loss by-products (EMIT)")
+    ap.add_argument("--guarded", action="store_true",
+                    help="compile the union kernels' launch for whole blocks that hold a "
+                         "NaN/Inf (ADR 0032); by default the common, finite one")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernel_report.py compiles the kernels: unset TRITON_INTERPRET")
@@ -194,7 +200,7 @@ def main(argv=None):
 
     with apply_overrides(args.set) as launches:
         for kernel in KERNELS if args.kernel == "all" else [args.kernel]:
-            for line in report(kernel, launches[KERNELS[kernel][0]], args.emit):
+            for line in report(kernel, launches[KERNELS[kernel][0]], args.emit, args.guarded):
                 print(line, flush=True)
 
 

@@ -25,7 +25,12 @@ import triton
 import triton.language as tl
 
 from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
-from nemo_msa.triton.guards import dq_tile_masked, finite_delta
+from nemo_msa.triton.guards import (
+    dq_tile_masked,
+    finite_delta,
+    nonfinite_row_counts,
+    union_rows_finite,
+)
 from nemo_msa.triton.kernel_layout import (
     INTERPRET,
     KernelLayout,
@@ -155,15 +160,17 @@ def _dq_union_kernel(
     max_count, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
     stride_sg, stride_st, stride_lh, stride_ug, stride_ut,
-    scale, scale_log2, tiles_ptr, qrow_ptr,
+    scale, scale_log2, tiles_ptr, qrow_ptr, nonfinite_ptr, stride_ng,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr, SUBSET: tl.constexpr,
+    GUARD: tl.constexpr,
 ):
     """dq of QT tokens of one document block x G heads in one pass over the union of their
     selected blocks (the forward's union tile); a row only sees blocks its token selected.
     As in the forward's union kernel, the whole blocks come first, without a per-score mask
-    (read by TMA when TMA is set).
+    (read by TMA when TMA is set); launched twice, without and with the NaN/Inf GUARD, as the
+    forward's union kernel (ADR 0032).
     Unlike the forward, a whole block's key tiles are unrolled in one step and the own block
     is read by pointer loads: with its Q and dO tiles two dq programs do not fit an SM, and
     the forward's flat loop and own-block TMA made dq slower at one program per SM.
@@ -178,6 +185,12 @@ def _dq_union_kernel(
         return
     start, length, pos, rmask, tok, heads, own = union_tile_rows(tile, g, doc, cu_ptr,
                                                                  block_local_ptr, G, GP, QT, BS)
+    urow = union_ptr + g * stride_ug + slot * stride_ut
+    full = union_full_blocks(urow, count, own, UW)
+    # Before any row load (and delta's store): half of the two launches' programs exit here.
+    if union_rows_finite(nonfinite_ptr, g, stride_ng, urow, count, start, length, BS,
+                         UW) == GUARD:
+        return  # the other launch's program (ADR 0032)
     tok, rmask = subset_rows(tok, rmask, qrow_ptr, SUBSET)
     dd = tl.arange(0, D)
     q, do, delta, lse2 = load_dq_rows(q_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, tok, heads,
@@ -186,18 +199,9 @@ def _dq_union_kernel(
     selection = load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK, KP)
     dq = tl.zeros((BM, D), tl.float32)
     kn = tl.arange(0, BN)
-    urow = union_ptr + g * stride_ug + slot * stride_ut
-    full = union_full_blocks(urow, count, own, UW)
-    for u in range(full):
-        b = tl.load(urow + u)
-        sel = rows_selecting(selection, b) & rmask
-        for c in tl.static_range(0, BS, BN):
-            k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
-                                      stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
-                                      FP32_DOT, TMA)
-            # Rows that did not select the block keep their sum (0 * NaN, ADR 0025).
-            dq = tl.where(sel[:, None], dq + dq_tile_rows(q, do, k, v, sel, lse2, delta,
-                                                           scale_log2), dq)
+    dq = _dq_whole_blocks(q, do, lse2, delta, dq, k_ptr, v_ptr, k_desc, v_desc, urow, full,
+                          selection, rmask, start, g, stride_kt, stride_kh, stride_vt,
+                          stride_vh, scale_log2, BS, BN, D, FP32_DOT, TMA, GUARD)
     for u in range(full, count):
         b = tl.load(urow + u)
         sel = rows_selecting(selection, b) & rmask
@@ -205,10 +209,37 @@ def _dq_union_kernel(
             k, v, vis = load_masked_union_tile(k_ptr, v_ptr, b * BS + c + kn, start, length,
                                                pos, sel, g, stride_kt, stride_kh, stride_vt,
                                                stride_vh, D, FP32_DOT)
-            dq += dq_tile_masked(q, do, k, v, vis, lse2, delta, scale_log2)
+            if GUARD:
+                dq += dq_tile_masked(q, do, k, v, vis, lse2, delta, scale_log2)
+            else:
+                dq += dq_tile(q, do, k, v, vis, lse2, delta, scale_log2)
     dq = dq * scale
     tl.store(dq_ptr + tok[:, None] * stride_dqt + heads[:, None] * stride_dqh + dd[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+@triton.jit
+def _dq_whole_blocks(q, do, lse2, delta, dq, k_ptr, v_ptr, k_desc, v_desc, urow, full,
+                     selection, rmask, start, g, stride_kt, stride_kh, stride_vt, stride_vh,
+                     scale_log2, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                     FP32_DOT: tl.constexpr, TMA: tl.constexpr, GUARD: tl.constexpr):
+    """dq of the union kernel's first ``full`` entries (whole blocks) added to ``dq``. Rows
+    that did not select a block have probability 0 there; with GUARD they also keep their sum
+    by a select (0 * NaN where the tile holds a NaN/Inf, ADR 0025), without it the tiles must
+    be finite (ADR 0032)."""
+    for u in range(full):
+        b = tl.load(urow + u)
+        sel = rows_selecting(selection, b) & rmask
+        for c in tl.static_range(0, BS, BN):
+            k, v = load_whole_kv_tile(k_ptr, v_ptr, k_desc, v_desc, start + b * BS + c, g,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, BN, D,
+                                      FP32_DOT, TMA)
+            if GUARD:
+                dq = tl.where(sel[:, None], dq + dq_tile_rows(q, do, k, v, sel, lse2, delta,
+                                                               scale_log2), dq)
+            else:
+                dq += dq_tile_rows(q, do, k, v, sel, lse2, delta, scale_log2)
+    return dq
 
 
 @triton.jit
@@ -308,13 +339,18 @@ def _launch_dq(cfg: BackwardLaunch, view: KernelLayout, rows: dict, q2k_, scale,
         ubn = min(bs, cfg.dq_union_bn) if d == 128 else bs
         descs = kv_descriptors(k_, v_, ubn, INTERPRET) if cfg.dq_union_tma else None
         k_desc, v_desc = descs or (k_, v_)
-        _dq_union_kernel[(plan.num_tiles, hkv)](
-            **args, k_desc=k_desc, v_desc=v_desc, union_ptr=plan.union,
-            stride_ug=plan.union.stride(0), stride_ut=plan.union.stride(1),
-            KP=next_pow2(top_k), QT=plan.qt, BN=ubn,
-            TMA=descs is not None, UW=next_pow2(plan.union.shape[2]),
-            num_warps=cfg.dq_union_warps, num_stages=cfg.dq_union_stages,
-        )
+        nonfinite = _forward_nonfinite(unions, rows)
+        if nonfinite is None:
+            nonfinite = nonfinite_row_counts(k_, v_)
+        for guard in (False, True):
+            _dq_union_kernel[(plan.num_tiles, hkv)](
+                **args, k_desc=k_desc, v_desc=v_desc, union_ptr=plan.union,
+                nonfinite_ptr=nonfinite, stride_ng=nonfinite.stride(0),
+                stride_ug=plan.union.stride(0), stride_ut=plan.union.stride(1),
+                KP=next_pow2(top_k), QT=plan.qt, BN=ubn,
+                TMA=descs is not None, UW=next_pow2(plan.union.shape[2]), GUARD=guard,
+                num_warps=cfg.dq_union_warps, num_stages=cfg.dq_union_stages,
+            )
     tpp = cfg.dq_tile_grid_tiles if plan.enabled else 1
     _dq_kernel[(triton.cdiv(plan.num_tiles, tpp) if plan.enabled else t, hkv)](
         **args, tok_start_ptr=(subset or view).token_start,
@@ -322,6 +358,15 @@ def _launch_dq(cfg: BackwardLaunch, view: KernelLayout, rows: dict, q2k_, scale,
         HYBRID=plan.enabled, QT=max(plan.qt, 1), TPP=tpp,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )
+
+
+def _forward_nonfinite(unions: TileUnions | None, rows: dict) -> torch.Tensor | None:
+    """The forward's NaN/Inf row counts when ``unions`` carries them for the k and v of
+    ``rows`` (``k_ptr`` / ``v_ptr``), else None (then dq counts them itself)."""
+    if unions is None or unions.nonfinite is None:
+        return None
+    kv = (q2k_identity(rows["k_ptr"]), q2k_identity(rows["v_ptr"]))
+    return unions.nonfinite if unions.kv_source == kv else None
 
 
 #: The row strides each kernel takes, by the tensor argument they belong to.

@@ -27,7 +27,12 @@ import triton
 import triton.language as tl
 
 from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
-from nemo_msa.triton.guards import finite_values, poison_rows
+from nemo_msa.triton.guards import (
+    finite_values,
+    nonfinite_row_counts,
+    poison_rows,
+    union_rows_finite,
+)
 from nemo_msa.triton.kernel_layout import (
     INTERPRET,
     check_attention_inputs,
@@ -169,11 +174,12 @@ def _fwd_union_kernel(
     cu_ptr, block_doc_ptr, block_local_ptr, num_tiles, max_count,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_sg, stride_st, stride_lh, stride_ug, stride_ut,
-    scale_log2, mass_ptr, stride_mg, stride_mt, tiles_ptr, qrow_ptr,
+    scale_log2, mass_ptr, stride_mg, stride_mt, tiles_ptr, qrow_ptr, nonfinite_ptr,
+    stride_ng,
     TOPK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     FP32_DOT: tl.constexpr, TMA: tl.constexpr, UW: tl.constexpr,
-    OWN_TMA: tl.constexpr, EMIT: tl.constexpr, SUBSET: tl.constexpr,
+    OWN_TMA: tl.constexpr, EMIT: tl.constexpr, SUBSET: tl.constexpr, GUARD: tl.constexpr,
 ):
     """Query-tile union: QT tokens of one document block x G heads share one pass over the
     union of their selected blocks; a row only sees blocks its own token selected.
@@ -181,6 +187,12 @@ def _fwd_union_kernel(
     The union entries before the tile's own block (whole blocks, every key visible to every
     row) run first without a per-score mask, read by TMA when TMA is set; the rest (the own
     block, and any entry past it) run with the causal mask.
+
+    The kernel is launched twice (ADR 0032): without GUARD a program runs only where the K and
+    V rows of its blocks (the document's rows of each entry it reads) are all finite
+    (``nonfinite``, the common case) and folds them without the NaN/Inf guards; with GUARD
+    only where they are not. Two kernels rather than a branch: in one kernel the guarded
+    loop's second accumulator costs the other loop its registers too.
 
     With EMIT each row also keeps its softmax mass per selected slot, and the group's mean per
     (token, slot) is written to ``mass``.
@@ -198,6 +210,13 @@ def _fwd_union_kernel(
         return
     start, length, pos, rmask, tok, heads, own = union_tile_rows(tile, g, doc, cu_ptr,
                                                                  block_local_ptr, G, GP, QT, BS)
+    urow = union_ptr + g * stride_ug + slot * stride_ut
+    full = union_full_blocks(urow, count, own, UW)
+    last = union_masked_end(urow, count, own, UW, OWN_TMA)
+    # Before any Q load: every program of the two launches gets here, half of them to exit.
+    if union_rows_finite(nonfinite_ptr, g, stride_ng, urow, last, start, length, BS,
+                         UW) == GUARD:
+        return  # the other launch's program (ADR 0032)
     tok, rmask = subset_rows(tok, rmask, qrow_ptr, SUBSET)
     dd = tl.arange(0, D)
     q = load_rows(q_ptr, tok, heads, rmask, stride_qt, stride_qh, D)
@@ -209,22 +228,12 @@ def _fwd_union_kernel(
     acc = tl.zeros((BM, D), tl.float32)
     mass = tl.zeros((BM, KP), tl.float32)
     kn = tl.arange(0, BN)
-    urow = union_ptr + g * stride_ug + slot * stride_ut
-    full = union_full_blocks(urow, count, own, UW)
-    # The whole-block loop takes one key tile per step (one K/V buffer per pipeline stage, so
-    # that two programs fit an SM's shared memory).
-    for step in range(full * (BS // BN)):
-        sel, k, v = union_flat_step(k_ptr, v_ptr, k_desc, v_desc, urow, step, selection,
-                                    rmask, start, g, stride_kt, stride_kh, stride_vt,
-                                    stride_vh, BS, BN, D, FP32_DOT, TMA)
-        m_i, l_i, acc, alpha, psum = _fold_whole_tile(q, k, v, sel, m_i, l_i, acc,
-                                                      scale_log2)
-        if EMIT:
-            b = tl.load(urow + step // (BS // BN))
-            mass = fold_block_mass(mass, alpha, psum, selection == b)
+    m_i, l_i, acc, mass = _whole_block_loop(
+        q, k_ptr, v_ptr, k_desc, v_desc, urow, full, selection, rmask, start, g, stride_kt,
+        stride_kh, stride_vt, stride_vh, m_i, l_i, acc, mass, scale_log2, BS, BN, D, FP32_DOT,
+        TMA, EMIT, GUARD)
     # With OWN_TMA the loop is not pipelined: it is mostly the one own block, whose stage
     # buffers would add to the whole-block loop's in shared memory rather than reuse them.
-    last = union_masked_end(urow, count, own, UW, OWN_TMA)
     poisoned = rmask != rmask  # rows that see a NaN/Inf value in a masked tile
     for u in tl.range(full, last, num_stages=1 if OWN_TMA else None):
         b = tl.load(urow + u)
@@ -239,8 +248,9 @@ def _fwd_union_kernel(
                                                    stride_vh, D, FP32_DOT)
             sc = tl.dot(q, tl.trans(k)) * scale_log2
             sc = tl.where(vis, sc, float("-inf"))
-            # A masked pair's probability is 0: a NaN/Inf value must not meet it in P V.
-            v, poisoned = finite_values(v, vis, poisoned)
+            if GUARD:
+                # A masked pair's probability is 0: a NaN/Inf value must not meet it in P V.
+                v, poisoned = finite_values(v, vis, poisoned)
             m_i, l_i, acc, alpha, psum = online_softmax_step(sc, v, m_i, l_i, acc)
             if EMIT:
                 mass = fold_block_mass(mass, alpha, psum, selection == b)
@@ -262,10 +272,25 @@ def _fwd_union_kernel(
 
 
 @triton.jit
-def _fold_whole_tile(q, k, v, sel, m_i, l_i, acc, scale_log2):
-    """Folds one whole key tile (every key visible to the rows ``sel``) into the union rows'
-    online softmax; returns :func:`online_softmax_rows`'s five values."""
-    return online_softmax_rows(tl.dot(q, tl.trans(k)), v, sel, m_i, l_i, acc, scale_log2)
+def _whole_block_loop(q, k_ptr, v_ptr, k_desc, v_desc, urow, full, selection, rmask, start, g,
+                      stride_kt, stride_kh, stride_vt, stride_vh, m_i, l_i, acc, mass,
+                      scale_log2, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                      FP32_DOT: tl.constexpr, TMA: tl.constexpr, EMIT: tl.constexpr,
+                      GUARD: tl.constexpr):
+    """The union kernel's first ``full`` entries (whole blocks, every key visible to the rows
+    that selected them) folded into ``(m_i, l_i, acc, mass)``, one key tile per step (one K/V
+    buffer per pipeline stage, so that two programs fit an SM's shared memory). GUARD: the
+    tiles may hold a NaN/Inf (:func:`online_softmax_rows`)."""
+    for step in range(full * (BS // BN)):
+        sel, k, v = union_flat_step(k_ptr, v_ptr, k_desc, v_desc, urow, step, selection,
+                                    rmask, start, g, stride_kt, stride_kh, stride_vt,
+                                    stride_vh, BS, BN, D, FP32_DOT, TMA)
+        m_i, l_i, acc, alpha, psum = online_softmax_rows(tl.dot(q, tl.trans(k)), v, sel, m_i,
+                                                         l_i, acc, scale_log2, GUARD)
+        if EMIT:
+            b = tl.load(urow + step // (BS // BN))
+            mass = fold_block_mass(mass, alpha, psum, selection == b)
+    return m_i, l_i, acc, mass
 
 
 def union_register_cap(maxnreg, own_tma: bool):
@@ -347,19 +372,22 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    **_mass_strides(mass, return_block_mass))
     shape = dict(TOPK=top_k, KP=next_pow2(top_k), G=grp, GP=gp, BS=bs, D=d,
                  FP32_DOT=INTERPRET, EMIT=return_block_mass, SUBSET=subset is not None)
+    nonfinite = nonfinite_row_counts(k_, v_) if plan.enabled else None
     if plan.enabled:
         ubn = min(bs, cfg.union_bn) if d == 128 else bs
         descs = kv_descriptors(k_, v_, ubn, INTERPRET) if cfg.union_tma else None
         own_tma = descs is not None and cfg.union_own_tma
         k_desc, v_desc = descs or (k_, v_)
-        _fwd_union_kernel[(plan.num_tiles, hkv)](
-            **tensors, **strides, k_desc=k_desc, v_desc=v_desc, union_ptr=plan.union,
-            stride_ug=plan.union.stride(0), stride_ut=plan.union.stride(1),
-            scale_log2=scale * LOG2E, **shape, QT=plan.qt, BN=ubn,
-            TMA=descs is not None, UW=next_pow2(plan.union.shape[2]),
-            OWN_TMA=own_tma, num_warps=cfg.union_warps, num_stages=cfg.union_stages,
-            **register_cap(union_register_cap(cfg.union_maxnreg, own_tma), INTERPRET),
-        )
+        for guard in (False, True):
+            _fwd_union_kernel[(plan.num_tiles, hkv)](
+                **tensors, **strides, k_desc=k_desc, v_desc=v_desc, union_ptr=plan.union,
+                nonfinite_ptr=nonfinite, stride_ng=nonfinite.stride(0),
+                stride_ug=plan.union.stride(0), stride_ut=plan.union.stride(1),
+                scale_log2=scale * LOG2E, **shape, QT=plan.qt, BN=ubn,
+                TMA=descs is not None, UW=next_pow2(plan.union.shape[2]), OWN_TMA=own_tma,
+                GUARD=guard, num_warps=cfg.union_warps, num_stages=cfg.union_stages,
+                **register_cap(union_register_cap(cfg.union_maxnreg, own_tma), INTERPRET),
+            )
     tpp = cfg.tile_grid_tiles if plan.enabled else 1
     _fwd_kernel[(triton.cdiv(plan.num_tiles, tpp) if plan.enabled else t, hkv)](
         **tensors, **strides, tok_start_ptr=(subset or view).token_start,
@@ -367,8 +395,8 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         BN=min(bs, cfg.bn) if d == 128 else bs, HYBRID=plan.enabled, QT=max(plan.qt, 1),
         TPP=tpp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    unions = (TileUnions(plan.qt, plan.union, plan.count, q2k_identity(q2k)) if plan.enabled
-              else None)
+    unions = (TileUnions(plan.qt, plan.union, plan.count, q2k_identity(q2k), nonfinite,
+                         (q2k_identity(k), q2k_identity(v))) if plan.enabled else None)
     return _forward_result(out, lse, unions, emit, return_unions)
 
 

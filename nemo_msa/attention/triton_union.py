@@ -150,12 +150,18 @@ class TileUnions:
         count: int32 [Hkv, tiles] union sizes.
         source: ``(data_ptr, version, shape)`` of the q2k they were built from; the backward
             refuses them for another q2k, or one changed in place since.
+        nonfinite: int32 [Hkv, T] running count of the K/V rows holding a NaN/Inf
+            (:func:`~nemo_msa.triton.guards.nonfinite_row_counts`), or None; dq's union
+            launches take it where ``kv_source`` is the identity of the k and v they get.
+        kv_source: ``(q2k_identity(k), q2k_identity(v))`` of the forward's k and v, or None.
     """
 
     qt: int
     union: torch.Tensor
     count: torch.Tensor
     source: tuple
+    nonfinite: torch.Tensor | None = None
+    kv_source: tuple | None = None
 
 
 def q2k_identity(q2k: torch.Tensor) -> tuple:

@@ -7,10 +7,18 @@ not see (the union kernels' own block, and whole blocks that only some rows sele
 or Inf in K or V reaches exactly the rows of the float64 rule (nemo_msa.testing.nonfinite,
 ADR 0025). Tiles every row sees whole, and the per-token kernels (whose loads already zero the
 keys the token does not see), pay nothing.
+
+The union kernels' whole blocks need the guard only where a block holds a non-finite K or V
+row: elsewhere a row that did not select the block has probability exactly 0 there and keeps
+its sums unchanged. :func:`nonfinite_row_counts` counts those rows once per launch, and
+:func:`union_rows_finite` tells a union program whether the rows of its blocks are all finite,
+so that it runs them unguarded (ADR 0032): the guard keeps the old accumulator live beside the
+new one, which costs the hot loop its registers.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -68,3 +76,63 @@ def finite_delta(lse2, delta):
     Costs two selects per row, none per pair."""
     ok = (delta == delta) & (tl.abs(delta) != float("inf"))
     return tl.where(ok, lse2, float("nan")), tl.where(ok, delta, 0.0)
+
+
+@triton.jit
+def _nonfinite_rows_kernel(k_ptr, v_ptr, flag_ptr, T, stride_kt, stride_kh, stride_vt,
+                           stride_vh, stride_fg, D: tl.constexpr, DP: tl.constexpr,
+                           BT: tl.constexpr):
+    """flag[g, t] = 1 where K[t, g, :] or V[t, g, :] holds a NaN/Inf, else 0 (int32)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    g = tl.program_id(1)
+    dd = tl.arange(0, DP)
+    inside = t < T
+    mask = inside[:, None] & (dd < D)[None, :]
+    t64 = t.to(tl.int64)
+    k = tl.load(k_ptr + t64[:, None] * stride_kt + g * stride_kh + dd[None, :], mask=mask,
+                other=0.0)
+    v = tl.load(v_ptr + t64[:, None] * stride_vt + g * stride_vh + dd[None, :], mask=mask,
+                other=0.0)
+    # In fp32: the interpreter compares bf16 by its bits, where NaN == NaN.
+    bad = (finite_rows(k.to(tl.float32)) & finite_rows(v.to(tl.float32))) == 0
+    tl.store(flag_ptr + g * stride_fg + t, bad.to(tl.int32), mask=inside)
+
+
+def nonfinite_row_counts(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Running count of the (token, KV head) rows of K or V that hold a NaN/Inf.
+
+    Args:
+        k: [T, Hkv, d] keys (last dim contiguous).
+        v: [T, Hkv, d] values, k's shape (last dim contiguous).
+
+    Returns:
+        int32 [Hkv, T]: for KV head g and token t, how many of the rows ``0..t`` of head g hold
+        a non-finite value in K or V (inclusive), so rows ``a..b`` are all finite iff
+        ``counts[g, b] - counts[g, a - 1]`` (0 for a = 0) is 0. Two launches, no host sync.
+    """
+    t, hkv, d = k.shape
+    flags = torch.empty((hkv, t), dtype=torch.int32, device=k.device)
+    if t > 0:
+        bt = 32
+        _nonfinite_rows_kernel[(triton.cdiv(t, bt), hkv)](
+            k, v, flags, t, k.stride(0), k.stride(1), v.stride(0), v.stride(1), flags.stride(0),
+            D=d, DP=triton.next_power_of_2(d), BT=bt, num_warps=4)
+    return torch.cumsum(flags, dim=1, dtype=torch.int32)
+
+
+@triton.jit
+def union_rows_finite(counts_ptr, g, stride_cg, union_row_ptr, n, start, length,
+                      BS: tl.constexpr, UW: tl.constexpr):
+    """Whether the document rows of the first ``n`` entries of a union row (sorted block ids
+    of the document whose first compact row is ``start`` and whose length is ``length``) hold
+    only finite K and V values of KV head ``g``; ``counts`` is :func:`nonfinite_row_counts`'s
+    [Hkv, T] (head stride ``stride_cg``). One gather of 2 x UW counts per program."""
+    uu = tl.arange(0, UW)
+    inside = uu < n
+    b = tl.load(union_row_ptr + uu, mask=inside, other=0)
+    first = start + b * BS
+    last = start + tl.minimum(b * BS + BS, length) - 1
+    row = counts_ptr + g * stride_cg
+    at_last = tl.load(row + last, mask=inside, other=0)
+    before = tl.load(row + first - 1, mask=inside & (first > 0), other=0)
+    return tl.sum(at_last - before) == 0

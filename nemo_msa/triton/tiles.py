@@ -197,16 +197,19 @@ def rows_selecting(lists, b):
 
 
 @triton.jit
-def online_softmax_rows(sc, v, sel, m_i, l_i, acc, scale_log2):
+def online_softmax_rows(sc, v, sel, m_i, l_i, acc, scale_log2, GUARD: tl.constexpr):
     """:func:`online_softmax_step` for a key tile every key of which is visible to a selected
     row: no per-element mask. Rows with ``sel`` False leave the tile out; they subtract +inf,
-    so the exponent and the scale are one fused multiply-add per score, and keep their sums
-    (one select per row and output element: a NaN/Inf in the tile's K or V would otherwise
-    reach them through 0 * NaN, ADR 0025).
+    so the exponent and the scale are one fused multiply-add per score: their probabilities
+    are exactly 0 and their factor ``alpha`` exactly 1. With GUARD they also keep their old
+    accumulator (one select per row and output element: a NaN/Inf in the tile's K or V would
+    otherwise reach them through 0 * NaN, ADR 0025); without it the tile's K and V must be
+    finite (ADR 0032), and the accumulator is one fused rescale and MMA.
 
     Args:
         sc: fp32 [M, N] unscaled scores q k^T; sel: bool [M] rows that selected the block.
         v, m_i, l_i, acc: as in :func:`online_softmax_step`; scale_log2: softmax scale * log2 e.
+        GUARD: keep the rows ``~sel`` out of the accumulator by a select.
     """
     m_new = tl.where(sel, tl.maximum(m_i, tl.max(sc, axis=1) * scale_log2), m_i)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -214,7 +217,10 @@ def online_softmax_rows(sc, v, sel, m_i, l_i, acc, scale_log2):
     pr = tl.exp2(sc * scale_log2 - tl.where(sel, m_use, float("inf"))[:, None])
     psum = tl.sum(pr, axis=1)
     l_i = tl.where(sel, l_i * alpha + psum, l_i)
-    acc = tl.where(sel[:, None], acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v), acc)
+    if GUARD:
+        acc = tl.where(sel[:, None], acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v), acc)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
     return m_new, l_i, acc, alpha, psum
 
 

@@ -17,6 +17,7 @@ import torch
 
 KERNEL_MODULES = (
     "nemo_msa.triton.kernel_layout",
+    "nemo_msa.triton.guards",
     "nemo_msa.selection.triton_select",
     "nemo_msa.attention.triton_union",
     "nemo_msa.attention.triton_fwd",
@@ -38,3 +39,25 @@ def set_launch():
 
     with contextlib.ExitStack() as stack:
         yield lambda settings: stack.enter_context(launch_overrides(settings))
+
+
+@pytest.fixture
+def call_once_timing(monkeypatch):
+    """``calls = call_once_timing(cli)``: a peer benchmark module ``cli`` whose timing calls
+    each function once on its first input set (reporting 1.0 ms over one run) and whose memory
+    probe reads 0, so that its case logic runs on the CPU; ``calls`` collects the functions
+    it timed."""
+
+    def install(cli):
+        calls = []
+
+        def once(fn, sets, **_):
+            calls.append(fn)
+            fn(sets[0])
+            return 1.0, 1
+
+        monkeypatch.setattr(cli, "time_fn", once)
+        monkeypatch.setattr(cli, "peak_extra", lambda fn, inputs, out_bytes=0: 0.0)
+        return calls
+
+    return install

@@ -255,7 +255,7 @@ def _standin():
     return SimpleNamespace(apply=apply)
 
 
-def test_case_logic_runs_on_the_cpu_with_a_standin(monkeypatch):
+def test_case_logic_runs_on_the_cpu_with_a_standin(monkeypatch, call_once_timing):
     """One document and packed documents end to end on the CPU (reference backend, top-2 of
     the blocks, calls instead of CUDA timing): no step fails, both sides land near float64 and
     near each other; a failing peer is recorded step by step while ours still runs."""
@@ -263,15 +263,7 @@ def test_case_logic_runs_on_the_cpu_with_a_standin(monkeypatch):
     monkeypatch.setattr(cli, "TOPK", 2)
     monkeypatch.setattr(cli, "PACK_LO", 100)
     monkeypatch.setattr(cli, "PACK_ROW", 384)
-    calls = []
-
-    def once(fn, sets, **_):
-        calls.append(fn)
-        fn(sets[0])
-        return 1.0, 1
-
-    monkeypatch.setattr(cli, "time_fn", once)
-    monkeypatch.setattr(cli, "peak_extra", lambda fn, inputs, out_bytes=0: 0.0)
+    calls = call_once_timing(cli)
     args = cli.build_parser().parse_args(
         ["--device", "cpu", "--backend", "reference", "--sets", "1", "--subset", "8",
          "--no-dense"])

@@ -262,21 +262,13 @@ def _eager_peer():
                            msa_select_cutedsl=SimpleNamespace(select_blocks=select))
 
 
-def test_case_logic_runs_on_the_cpu_with_an_eager_peer(monkeypatch):
+def test_case_logic_runs_on_the_cpu_with_an_eager_peer(monkeypatch, call_once_timing):
     """One case of the benchmark end to end on the CPU (reference backend, flash-msa replaced by
     its eager model, calls instead of CUDA timing, top-2 of 4 blocks): no step fails, and the
     checks find both sides near float64 and near each other."""
     cli = _cli()
     monkeypatch.setattr(cli, "TOPK", 2)
-    calls = []
-
-    def once(fn, sets, **_):
-        calls.append(fn)
-        fn(sets[0])
-        return 1.0, 1
-
-    monkeypatch.setattr(cli, "time_fn", once)
-    monkeypatch.setattr(cli, "peak_extra", lambda fn, inputs, out_bytes=0: 0.0)
+    calls = call_once_timing(cli)
     args = cli.build_parser().parse_args(
         ["--device", "cpu", "--backend", "reference", "--sets", "1", "--subset", "8",
          "--no-dense", "--batch", "2"])

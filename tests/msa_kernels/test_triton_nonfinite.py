@@ -29,6 +29,7 @@ from nemo_msa.selection.triton_select import triton_select_blocks
 from nemo_msa.testing.containment import check_containment
 from nemo_msa.testing.nonfinite import visible_pairs
 from nemo_msa.testing.oracle import rel_err
+from nemo_msa.triton.guards import nonfinite_row_counts
 
 BS, HQ, HKV, D, TOP_K = 16, 8, 2, 16, 2
 ROWS, SEQ = [[70, 9], [33, 16, 1]], 80
@@ -63,6 +64,18 @@ class _Attention(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
+def _random_case(seed: int):
+    """``(msa, q, dout, k, v, q2k)``: the module's layout and random bf16 inputs on the host
+    (q and dout [T, HQ, D], k and v [T, HKV, D]), with a selection that drops the own block."""
+    gen = torch.Generator().manual_seed(seed)
+    msa = make_layout(ROWS, SEQ, BS)
+    t = msa.num_tokens
+    q, dout = (torch.randn((t, HQ, D), generator=gen).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn((t, HKV, D), generator=gen).to(torch.bfloat16) for _ in range(2))
+    q2k = random_q2k(msa, HKV, TOP_K, BS, gen, drop_own=True)
+    return msa, q, dout, k, v, q2k
+
+
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("which,value,where", [
     ("v", math.nan, "last_of_block"), ("k", math.nan, "last_of_block"),
@@ -71,12 +84,7 @@ class _Attention(torch.autograd.Function):
 def test_sparse_attention_kernels_contain_a_non_finite_key_or_value(set_launch, schedule, which,
                                                                      value, where):
     set_launch(SCHEDULES[schedule])
-    gen = torch.Generator().manual_seed(7)
-    msa = make_layout(ROWS, SEQ, BS)
-    t = msa.num_tokens
-    q, dout = (torch.randn((t, HQ, D), generator=gen).to(torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn((t, HKV, D), generator=gen).to(torch.bfloat16) for _ in range(2))
-    q2k = random_q2k(msa, HKV, TOP_K, BS, gen, drop_own=True)
+    msa, q, dout, k, v, q2k = _random_case(7)
     dmsa = layout_on_kernel_device(msa)
     dq2k = on_kernel_device(q2k)
     scale = 1.0 / math.sqrt(D)
@@ -104,6 +112,77 @@ def test_sparse_attention_kernels_contain_with_a_query_subset(set_launch, which,
     run = lambda q_, k_, v_: _Attention.apply(q_, k_, v_, dq2k, dmsa, scale, dqueries)  # noqa: E731
     check_containment(run, q, k, v, dout, visible_pairs(msa, BS, q2k, queries), scale, which,
                       *BAD["last_of_block"], value, tol=1e-2, device=KERNEL_DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nonfinite_row_counts_count_the_kv_rows_holding_a_nan_or_inf(dtype):
+    """The running count the union kernels route their programs by (ADR 0032): a (token, KV
+    head) row counts where K or V holds a NaN or +-Inf anywhere in it."""
+    gen = torch.Generator().manual_seed(3)
+    t, hkv, d = 70, 3, 24  # d not a power of two: the kernel pads its columns
+    k, v = (torch.randn((t, hkv, d), generator=gen).to(dtype) for _ in range(2))
+    for x, row, g, col, value in ((v, 15, 1, 3, math.nan), (k, 33, 0, 23, math.inf),
+                                  (v, 33, 0, 0, -math.inf), (k, 69, 2, 0, math.nan),
+                                  (v, 0, 2, 5, math.inf)):
+        x[row, g, col] = value
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [T, Hkv]
+    expected = torch.cumsum(bad.to(torch.int32), dim=0).T
+    counts = nonfinite_row_counts(*on_kernel_device(k, v)).cpu()
+    assert counts.dtype == torch.int32 and torch.equal(counts, expected), counts
+
+
+@pytest.mark.parametrize("schedule", ["union", "hybrid"])
+def test_union_kernels_unguarded_launch_equals_the_guarded_one_on_finite_inputs(
+        set_launch, monkeypatch, schedule):
+    """On finite K and V every union program runs unguarded (ADR 0032); routing every program
+    to the guarded launch instead (each row counted non-finite) gives the same output, LSE,
+    block mass and gradients bit for bit: a row that did not select a block has probability
+    exactly 0 and factor exactly 1 there, so dropping the select changes nothing."""
+    import nemo_msa.attention.triton_bwd as triton_bwd
+    import nemo_msa.attention.triton_fwd as triton_fwd
+
+    set_launch(SCHEDULES[schedule])
+    msa, q, dout, k, v, q2k = _random_case(23)
+    dmsa = layout_on_kernel_device(msa)
+    dq, dk, dv, dq2k, ddout = on_kernel_device(q, k, v, q2k, dout)
+
+    def run():
+        out, lse, mass = triton_attention_forward(dq, dk, dv, dq2k, dmsa, block_size=BS,
+                                                  return_block_mass=True)
+        grads = triton_attention_backward(ddout, dq, dk, dv, out, lse, dq2k, dmsa,
+                                          block_size=BS)
+        return [x.cpu() for x in (out, lse, mass, *grads)]
+
+    unguarded = run()
+    every_row = lambda k_, v_: torch.arange(  # noqa: E731
+        1, k_.shape[0] + 1, dtype=torch.int32, device=k_.device).expand(k_.shape[1], -1)
+    monkeypatch.setattr(triton_fwd, "nonfinite_row_counts", every_row)
+    monkeypatch.setattr(triton_bwd, "nonfinite_row_counts", every_row)
+    guarded = run()
+    for name, a, b in zip(("out", "lse", "mass", "dq", "dk", "dv"), unguarded, guarded,
+                          strict=True):
+        # lse is -inf for a query that sees no key (its own block dropped here).
+        assert not torch.isnan(a).any() and (name == "lse" or torch.isfinite(a).all()), name
+        assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max()}"
+
+
+def test_dq_takes_the_forwards_nonfinite_counts_only_for_the_same_k_and_v(set_launch):
+    """The forward's union lists carry its NaN/Inf row counts to dq (two launches fewer per
+    backward); dq counts again for other k / v, or ones changed in place since the forward
+    (a NaN written into V after the forward must still route its programs to the guard)."""
+    from nemo_msa.attention.triton_bwd import _forward_nonfinite
+
+    set_launch(SCHEDULES["union"])
+    msa, q, _, k, v, q2k = _random_case(5)
+    dq_, dk, dv, dq2k = on_kernel_device(q, k, v, q2k)
+    _, _, unions = triton_attention_forward(dq_, dk, dv, dq2k, layout_on_kernel_device(msa),
+                                            block_size=BS, return_unions=True)
+    assert unions.nonfinite is not None and not unions.nonfinite.any()
+    assert _forward_nonfinite(unions, {"k_ptr": dk, "v_ptr": dv}) is unions.nonfinite
+    assert _forward_nonfinite(unions, {"k_ptr": dk.clone(), "v_ptr": dv}) is None
+    dv[3, 0, 0] = math.nan  # in place: a new version of v
+    assert _forward_nonfinite(unions, {"k_ptr": dk, "v_ptr": dv}) is None
+    assert _forward_nonfinite(None, {"k_ptr": dk, "v_ptr": dv}) is None
 
 
 SELECTIONS = {"triton": ("max",), "reference": ("max", "lse")}
