@@ -2,7 +2,8 @@
 
 No GPU is needed: Triton compiles to PTX for a named target and its bundled ``ptxas`` and
 ``cuobjdump`` give the registers, spills and machine code. For each kernel it prints registers
-per thread, spill bytes, shared memory, and, per loop that issues tensor-core MMAs (HGMMA), its
+per thread, spill bytes, shared memory, and, per loop that issues tensor-core MMAs (Hopper's
+HGMMA, or the HMMA of the per-token kernels' 16-row tiles), its
 size in instructions, its program-wide barriers (BAR.SYNC) and its local-memory accesses
 (spills inside the loop). Launch variants are the benchmark's ``--set KERNEL.KEY=VALUE``.
 
@@ -12,7 +13,8 @@ dropped here. Timing still needs the GPU (scripts/bench_msa.py).
 
 Usage::
 
-    python scripts/kernel_report.py [--kernel sel|fwd_union|dq_union|union_build|all] \
+    python scripts/kernel_report.py \
+        [--kernel sel|fwd_union|dq_union|fwd_token|dq_token|union_build|all] \
         [--set KERNEL.KEY=VALUE ...] [--emit] [--guarded]
 """
 
@@ -108,6 +110,40 @@ def _dq_union(cfg, emit, guarded):
                          {"scale", "scale_log2"}, emit, guarded)
 
 
+def _per_token(cfg, fn, pointers, floats, fields, emit):
+    """The shared build of the per-token kernels' reports in their hybrid grid (the tokens the
+    union kernel left, ``tile_grid_tiles`` union tiles per program): ``fields`` names the
+    launch's (keys per tile, warps, stages, tiles per program, union tile size) fields."""
+    from nemo_msa.attention.triton_union import union_tile_tokens
+
+    bn, warps, stages, tpp, qt = (getattr(cfg, f) for f in fields)
+    constexprs = dict(TOPK=TOPK, G=G, GP=G, BS=BS, BN=bn, D=D, FP32_DOT=False, HYBRID=True,
+                      QT=union_tile_tokens(qt, BS, G), TPP=tpp, SUBSET=False)
+    if "EMIT" in fn.arg_names:
+        constexprs.update(KP=TOPK, EMIT=emit)
+    sig = _signature(fn, constexprs, pointers, floats, {})
+    return fn, sig, constexprs, {"num_warps": warps, "num_stages": stages}
+
+
+def _forward_token(cfg, emit, guarded):
+    import nemo_msa.attention.triton_fwd as tf
+
+    pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    pointers.update(lse_ptr="*fp32", mass_ptr="*fp32")
+    return _per_token(cfg, tf._fwd_kernel, pointers, {"scale_log2"},
+                      ("bn", "num_warps", "num_stages", "tile_grid_tiles", "union_qt"), emit)
+
+
+def _dq_token(cfg, emit, guarded):
+    import nemo_msa.attention.triton_bwd as tb
+
+    pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "o_ptr", "dq_ptr")}
+    pointers.update(lse_ptr="*fp32", delta_ptr="*fp32")
+    return _per_token(cfg, tb._dq_kernel, pointers, {"scale", "scale_log2"},
+                      ("dq_bn", "dq_warps", "dq_stages", "dq_tile_grid_tiles", "dq_union_qt"),
+                      emit)
+
+
 def _union_build(cfg, emit, guarded):
     import nemo_msa.attention.triton_union as tu
     from nemo_msa.triton.tiles import next_pow2
@@ -120,7 +156,8 @@ def _union_build(cfg, emit, guarded):
 
 
 KERNELS = {"sel": ("sel", _selection), "fwd_union": ("fwd", _forward_union),
-           "dq_union": ("bwd", _dq_union), "union_build": ("fwd", _union_build)}
+           "dq_union": ("bwd", _dq_union), "fwd_token": ("fwd", _forward_token),
+           "dq_token": ("bwd", _dq_token), "union_build": ("fwd", _union_build)}
 
 
 def _tool(name):
@@ -130,8 +167,8 @@ def _tool(name):
 
 
 def _mma_loops(sass):
-    """(first address, instructions, BAR.SYNC, HGMMA, local ld/st) per innermost loop holding
-    an HGMMA, from the backward branches of the disassembly."""
+    """(first address, instructions, BAR.SYNC, MMAs, MMA kind, local ld/st) per innermost loop
+    holding an HGMMA or HMMA, from the backward branches of the disassembly."""
     lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
     addr = [int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16) for ln in lines]
     where = {a: i for i, a in enumerate(addr)}
@@ -143,15 +180,16 @@ def _mma_loops(sass):
         body = lines[where[int(m.group(1), 16)]: i + 1]
         count = collections.Counter()
         for b in body:
-            for op in ("BAR.SYNC", "HGMMA", "LDL", "STL"):
+            for op in ("BAR.SYNC", "HGMMA", "HMMA", "LDL", "STL"):
                 count[op] += op in b
-        if count["HGMMA"]:
+        if count["HGMMA"] or count["HMMA"]:
             loops.append((where[int(m.group(1), 16)], i, count))
     # Innermost loops only: a branch back over a whole inner loop is an outer loop or a jump
     # between the kernel's phases.
     inner = [(s, e, c) for s, e, c in loops
              if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2, _ in loops)]
-    return [(hex(addr[s]), e - s + 1, c["BAR.SYNC"], c["HGMMA"], c["LDL"] + c["STL"])
+    return [(hex(addr[s]), e - s + 1, c["BAR.SYNC"], c["HGMMA"] or c["HMMA"],
+             "HGMMA" if c["HGMMA"] else "HMMA", c["LDL"] + c["STL"])
             for s, e, c in inner]
 
 
@@ -178,8 +216,8 @@ def report(kernel, cfg, emit=False, guarded=False):
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
     lines = [f"{kernel}: {regs} registers, spills {spill.group(1)} B stored / {spill.group(2)} B "
              f"loaded, shared {compiled.metadata.shared} B, {options}"]
-    for start, size, bars, mmas, local in _mma_loops(sass):
-        lines.append(f"  loop at {start}: {size} instructions, {bars} BAR.SYNC, {mmas} HGMMA, "
+    for start, size, bars, mmas, kind, local in _mma_loops(sass):
+        lines.append(f"  loop at {start}: {size} instructions, {bars} BAR.SYNC, {mmas} {kind}, "
                      f"{local} local loads/stores")
     return lines
 

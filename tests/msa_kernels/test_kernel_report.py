@@ -63,3 +63,17 @@ def test_kernel_report_compiles_the_union_build():
     res = _run("--kernel", "union_build")
     assert res.returncode == 0, res.stderr[-2000:]
     assert re.match(r"union_build: (\d+) registers, spills 0 B stored", res.stdout), res.stdout
+
+
+def test_kernel_report_shows_the_per_token_kernels_hmma_loops():
+    """The per-token forward and dq (16-row tiles: Ampere-style HMMA, not wgmma) compile in
+    their hybrid grid and report their slot loops; a launch variant changes the program."""
+    pattern = r"loop at 0x[0-9a-f]+: \d+ instructions, \d+ BAR.SYNC, (\d+) HMMA"
+    for kernel, variant in (("fwd_token", "fwd.num_warps=8"), ("dq_token", "bwd.dq_bn=32")):
+        res = _run("--kernel", kernel)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert res.stdout.startswith(f"{kernel}: "), res.stdout
+        assert [int(m) for m in re.findall(pattern, res.stdout)], res.stdout
+        other = _run("--kernel", kernel, "--set", variant)
+        assert other.returncode == 0, other.stderr[-2000:]
+        assert other.stdout.splitlines()[0] != res.stdout.splitlines()[0], other.stdout
