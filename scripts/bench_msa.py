@@ -181,6 +181,11 @@ def run_case(case, args, gen) -> dict:
     for s in sets:
         s["q2k"] = sel_fn(s)
 
+    def sel_scores_fn(x):
+        # The layer's selection under the sparse indexer loss: the by-products come with it.
+        return triton_select_blocks(x["iq"], x["ik"], msa, top_k=TOPK, init_blocks=INIT,
+                                    local_blocks=LOCAL, return_scores=True)
+
     def fwd_fn(s, return_unions=False):
         return triton_attention_forward(s["q"], s["k"], s["v"], s["q2k"], msa, scale,
                                         return_unions=return_unions)
@@ -211,6 +216,7 @@ def run_case(case, args, gen) -> dict:
         r["union_build_ms"] = time_union_builds(args.union_builds, sets, msa,
                                                 current_launch("fwd"))
     r["sel_ms"], _ = time_fn(sel_fn, sets)
+    r["sel_scores_ms"], _ = time_fn(sel_scores_fn, sets)
     r["fwd_ms"], _ = time_fn(fwd_fn, sets)
     r["fwd_mass_ms"], _ = time_fn(fwd_mass_fn, sets)
     r["bwd_ms"], _ = time_fn(bwd_fn, sets)
