@@ -52,6 +52,20 @@ table_or_tail() {
     tail -n 15 "$1"
   fi
 }
+# bench_msa_logged HEADER DIR SECONDS ALL_LOG ARGS...: one scripts/bench_msa.py run of the tree
+# in DIR (on PYTHONPATH), bounded by SECONDS, its output appended to ALL_LOG under HEADER, its
+# table rows (or its end) echoed.
+bench_msa_logged() {
+  local header=$1 dir=$2 seconds=$3 all=$4 log="$OUT/bench_run.log"
+  shift 4
+  echo "$header" | tee "$log"
+  (cd "$dir" && PYTHONPATH="/tmp/site:$PWD" timeout "$seconds" python3 scripts/bench_msa.py \
+    "$@") >> "$log" 2>&1
+  echo "rc $?" >> "$log"
+  grep -E "^\| (doc|packed)|^rc |Error" "$log" || tail -n 5 "$log"
+  cat "$log" >> "$all"
+  rm -f "$log"
+}
 OUT="${OUT:-runs/device}"
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -106,14 +120,9 @@ IFS=';' read -ra runs <<< "${BENCH_RUNS:---sizes 131072 --packed 0}"
 n=0
 for args in "${runs[@]}"; do
   n=$((n + 1))
-  log="$OUT/bench_run.log"
-  echo "== bench $n: scripts/bench_msa.py $args" | tee "$log"
   # shellcheck disable=SC2086  # the argument list is split on purpose
-  timeout "${BENCH_S:-300}" python3 scripts/bench_msa.py $args >> "$log" 2>&1
-  echo "rc $?" >> "$log"
-  grep -E "^\| (doc|packed)|^rc |Error" "$log" || tail -n 5 "$log"
-  cat "$log" >> "$OUT/bench.log"
-  rm -f "$log"
+  bench_msa_logged "== bench $n: scripts/bench_msa.py $args" . "${BENCH_S:-300}" \
+    "$OUT/bench.log" $args
 done
 fi
 
@@ -129,15 +138,9 @@ for args in "${runs[@]}"; do
   for side in base head; do
     dir=.
     [[ $side == base ]] && dir=.base
-    log="$OUT/ab_run.log"
-    echo "== ab $n $side: scripts/bench_msa.py $args" | tee "$log"
     # shellcheck disable=SC2086  # the argument list is split on purpose
-    (cd "$dir" && PYTHONPATH="/tmp/site:$PWD" timeout "${AB_S:-200}" python3 \
-      scripts/bench_msa.py $args) >> "$log" 2>&1
-    echo "rc $?" >> "$log"
-    grep -E "^\| (doc|packed)|^rc |Error" "$log" || tail -n 5 "$log"
-    cat "$log" >> "$OUT/ab.log"
-    rm -f "$log"
+    bench_msa_logged "== ab $n $side: scripts/bench_msa.py $args" "$dir" "${AB_S:-200}" \
+      "$OUT/ab.log" $args
   done
 done
 fi

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
+from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, tensor_identity
 from nemo_msa.triton.guards import (
     dq_tile_masked,
     finite_delta,
@@ -365,7 +365,7 @@ def _forward_nonfinite(unions: TileUnions | None, rows: dict) -> torch.Tensor | 
     ``rows`` (``k_ptr`` / ``v_ptr``), else None (then dq counts them itself)."""
     if unions is None or unions.nonfinite is None:
         return None
-    kv = (q2k_identity(rows["k_ptr"]), q2k_identity(rows["v_ptr"]))
+    kv = (tensor_identity(rows["k_ptr"]), tensor_identity(rows["v_ptr"]))
     return unions.nonfinite if unions.kv_source == kv else None
 
 
@@ -433,9 +433,9 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         raise ValueError(f"lse must be fp32 [Hq={hq}, T={t}], got {lse.dtype} "
                          f"{tuple(lse.shape)}")
     check_kernel_devices(view, dout=dout, out=out, lse=lse)
-    if unions is not None and unions.source != q2k_identity(q2k):
+    if unions is not None and unions.source != tensor_identity(q2k):
         raise ValueError(f"unions were built from another q2k (data_ptr, version, shape) = "
-                         f"{unions.source}, got {q2k_identity(q2k)}: pass the forward's "
+                         f"{unions.source}, got {tensor_identity(q2k)}: pass the forward's "
                          f"unions with the q2k it was given, unchanged")
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     dq = torch.empty_like(q)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, q2k_identity
+from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, tensor_identity
 from nemo_msa.triton.guards import (
     finite_values,
     nonfinite_row_counts,
@@ -395,8 +395,8 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         BN=min(bs, cfg.bn) if d == 128 else bs, HYBRID=plan.enabled, QT=max(plan.qt, 1),
         TPP=tpp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    unions = (TileUnions(plan.qt, plan.union, plan.count, q2k_identity(q2k), nonfinite,
-                         (q2k_identity(k), q2k_identity(v))) if plan.enabled else None)
+    unions = (TileUnions(plan.qt, plan.union, plan.count, tensor_identity(q2k), nonfinite,
+                         (tensor_identity(k), tensor_identity(v))) if plan.enabled else None)
     return _forward_result(out, lse, unions, emit, return_unions)
 
 

@@ -153,7 +153,7 @@ class TileUnions:
         nonfinite: int32 [Hkv, T] running count of the K/V rows holding a NaN/Inf
             (:func:`~nemo_msa.triton.guards.nonfinite_row_counts`), or None; dq's union
             launches take it where ``kv_source`` is the identity of the k and v they get.
-        kv_source: ``(q2k_identity(k), q2k_identity(v))`` of the forward's k and v, or None.
+        kv_source: ``(tensor_identity(k), tensor_identity(v))`` of the forward's k and v, or None.
     """
 
     qt: int
@@ -164,9 +164,10 @@ class TileUnions:
     kv_source: tuple | None = None
 
 
-def q2k_identity(q2k: torch.Tensor) -> tuple:
-    """What ties :class:`TileUnions` to its q2k: storage address, in-place version, shape."""
-    return q2k.data_ptr(), q2k._version, tuple(q2k.shape)
+def tensor_identity(x: torch.Tensor) -> tuple:
+    """What ties :class:`TileUnions` to its q2k (and its NaN/Inf counts to k and v): storage
+    address, in-place version, shape."""
+    return x.data_ptr(), x._version, tuple(x.shape)
 
 
 def union_tile_tokens(union_qt: int, block_size: int, gp: int) -> int:
