@@ -184,7 +184,9 @@ def run_timed(bench, args, on_gpu: bool, row: dict, key: str) -> None:
         trace = None
         if args.trace:
             os.makedirs(args.trace, exist_ok=True)
-            trace = os.path.join(args.trace, f"{row['case']}_{row['tokens']}.json")
+            # Packed and one-document rows of the same length need their own files.
+            packed = f"_mean{row['doc_mean']}" if row.get("doc_mean") else ""
+            trace = os.path.join(args.trace, f"{row['case']}_{row['tokens']}{packed}.json")
         row["kernels"] = profile_top(lambda: run(inputs), on_gpu, args.profile_top, trace)
     if getattr(args, "host_profile", False):
         inputs = prepare()

@@ -141,3 +141,13 @@ def test_selection_split_and_coherent_index(tmp_path):
         assert 0 < msa["union_kernel_share"] <= 1 and msa["union_inflation"] >= 1, msa
         inflation[index] = msa["union_inflation"]
     assert inflation["coherent"] < 1.3 < 1.6 < inflation["fresh"], inflation
+
+
+def test_profile_traces_of_packed_and_one_document_rows_are_kept_apart(tmp_path):
+    # Rows of the same length, one document and packed: each profiled step gets its own trace.
+    traces = tmp_path / "traces"
+    proc = _run(tmp_path, "--tokens", "128,128:64", "--cases", "msa_sparse_loss",
+                "--no-attention-rows", "--profile", "--profile-top", "2", "--trace", str(traces))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in traces.iterdir()) == [
+        "msa_sparse_loss_128.json", "msa_sparse_loss_128_mean64.json"]
