@@ -41,6 +41,14 @@
 # in AB_RUNS, scripts/bench_msa.py runs first in the tree under .base/ (carried: e.g. `git
 # archive BASE_COMMIT | tar -x -C .base`), then in this tree, both logged to $OUT/ab.log under
 # "== ab <n> base|head" headers; AB_S bounds each run (default 200 s).
+# "sweep" times launch variants on whole training steps: for each ';'-separated entry of
+# SWEEP_SETS (space-separated KERNEL.KEY=VALUE settings; an empty entry is the defaults),
+# scripts/bench_layer.py runs the MSA rows SWEEP_ROWS (default 8192,32768:4096) in its own
+# process, the variants in turn, SWEEP_ROUNDS times (default 2, so drift between processes shows
+# as the spread of a variant's rounds); the first process also runs dense. Each row goes to
+# $OUT/sweep.log under "== sweep <round> <variant>: ..." headers, every process's JSON into
+# $OUT/sweep.json (keyed "<round>/<variant>"); SWEEP_S bounds each process (default 90 s),
+# SWEEP_ARGS adds arguments (e.g. "--steps 5").
 set -uo pipefail
 # table_or_tail LOG HEADER FALLBACK: LOG from the line matching HEADER (a basic regex) on, or,
 # where the run printed no table, LOG's lines matching FALLBACK (extended) and its last 15.
@@ -144,6 +152,36 @@ for args in "${runs[@]}"; do
   done
 done
 fi
+fi
+
+if [[ " $STAGES " == *" sweep "* ]]; then
+IFS=';' read -ra variants <<< "${SWEEP_SETS-;}"
+: > "$OUT/sweep.log"
+mkdir -p "$OUT/sweep_json"
+cases=dense,msa_sparse_loss
+for round in $(seq 1 "${SWEEP_ROUNDS:-2}"); do
+  for v in "${!variants[@]}"; do
+    sets=()
+    for setting in ${variants[$v]}; do sets+=(--set "$setting"); done
+    echo "== sweep $round $v: ${variants[$v]:-defaults}" | tee -a "$OUT/sweep.log"
+    # shellcheck disable=SC2086  # SWEEP_ARGS is a list
+    timeout "${SWEEP_S:-90}" python3 scripts/bench_layer.py \
+      --tokens "${SWEEP_ROWS:-8192,32768:4096}" --cases "$cases" --no-attention-rows \
+      ${SWEEP_ARGS:-} "${sets[@]}" --json "$OUT/sweep_json/$round-$v.json" \
+      > "$OUT/sweep_run.log" 2>&1
+    echo "rc $?" >> "$OUT/sweep_run.log"
+    grep -E '^\|  +[0-9]|^rc ' "$OUT/sweep_run.log" | tee -a "$OUT/sweep.log"
+    cases=msa_sparse_loss
+  done
+done
+rm -f "$OUT/sweep_run.log"
+python3 - "$OUT/sweep_json" "$OUT/sweep.json" <<'PY'
+import json, pathlib, sys
+runs = {p.stem.replace("-", "/", 1): json.loads(p.read_text())
+        for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}
+pathlib.Path(sys.argv[2]).write_text(json.dumps(runs, indent=1))
+PY
+rm -rf "$OUT/sweep_json"
 fi
 
 if [[ " $STAGES " == *" layer "* ]]; then
