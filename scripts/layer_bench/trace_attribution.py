@@ -3,9 +3,14 @@ op that launched them: the autograd node for backward kernels, the outermost > i
 for forward ones; GEMMs and Triton kernels are grouped apart from the small kernels, so the
 fixed cost around the indexer, the selection and the loss shows by the code that causes it.
 
+With ``--against DENSE_TRACE`` each trace is also compared with that one (the dense layer's step
+on the same row): GPU busy and idle time and every group's time as this trace minus that one,
+so what the MSA step adds over the dense step shows by site.
+
 Usage::
 
     python scripts/layer_bench/trace_attribution.py TRACE.json[.gz] [...] [--top N]
+        [--against DENSE_TRACE.json]
 """
 
 from __future__ import annotations
@@ -41,6 +46,14 @@ def kernel_kind(name: str) -> str:
     return f"TRITON:{name}" if name.startswith("_") else "small"
 
 
+def gpu_span(trace: dict) -> float:
+    """Time (us) from the first GPU event's start to the last one's end (busy plus idle)."""
+    kernels = [e for e in trace["traceEvents"] if e.get("cat") in GPU_CATEGORIES]
+    if not kernels:
+        return 0.0
+    return max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)
+
+
 def attribute(trace: dict) -> tuple[float, collections.Counter, collections.Counter]:
     """GPU busy time (us), and time (us) and count per (kind, launching op) group."""
     events = trace["traceEvents"]
@@ -65,20 +78,63 @@ def attribute(trace: dict) -> tuple[float, collections.Counter, collections.Coun
     return sum(k["dur"] for k in kernels), time, count
 
 
+def by_kind(time: collections.Counter) -> collections.Counter:
+    """Time (us) per kind (GEMM, TRITON, small) from the per-group times."""
+    kinds = collections.Counter()
+    for (kind, _), us in time.items():
+        kinds[kind.split(":")[0]] += us
+    return kinds
+
+
+def difference(trace: dict, base: dict) -> dict:
+    """``trace`` minus ``base`` (us): GPU span, busy and idle time, and per kind and group.
+
+    Returns:
+        ``{"span", "busy", "idle": float, "kinds": Counter, "groups": Counter}``; a group or
+        kind present on one side only counts as zero on the other. Counters keep negative
+        values (what the base spends more).
+    """
+    sides = []
+    for t in (trace, base):
+        busy, time, _ = attribute(t)
+        span = gpu_span(t)
+        sides.append({"span": span, "busy": busy, "idle": span - busy, "time": time})
+    a, b = sides
+    groups, kinds = collections.Counter(), collections.Counter()
+    for key in set(a["time"]) | set(b["time"]):
+        groups[key] = a["time"][key] - b["time"][key]
+    ka, kb = by_kind(a["time"]), by_kind(b["time"])
+    for key in set(ka) | set(kb):
+        kinds[key] = ka[key] - kb[key]
+    return {"span": a["span"] - b["span"], "busy": a["busy"] - b["busy"],
+            "idle": a["idle"] - b["idle"], "kinds": kinds, "groups": groups}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--against", default=None, metavar="TRACE",
+                    help="also print each trace minus this one (the dense step of the same row)")
     args = ap.parse_args()
+    base = load(args.against) if args.against else None
     for path in args.traces:
-        busy, time, count = attribute(load(path))
-        by_kind = collections.Counter()
-        for (kind, _), us in time.items():
-            by_kind[kind.split(":")[0]] += us
-        print(f"== {path}: GPU busy {busy / 1e3:.1f} ms over {sum(count.values())} kernels")
-        print("  by kind (ms):", {k: round(v / 1e3, 1) for k, v in by_kind.items()})
+        trace = load(path)
+        busy, time, count = attribute(trace)
+        span = gpu_span(trace)
+        print(f"== {path}: GPU busy {busy / 1e3:.1f} ms over {sum(count.values())} kernels, "
+              f"idle {(span - busy) / 1e3:.1f} ms")
+        print("  by kind (ms):", {k: round(v / 1e3, 1) for k, v in by_kind(time).items()})
         for key, us in time.most_common(args.top):
             print(f"  {us / 1e3:8.3f} ms {count[key]:4d}  {key[0][:22]:22s} {key[1][:110]}")
+        if base is not None:
+            diff = difference(trace, base)
+            print(f"  -- minus {args.against}: span {diff['span'] / 1e3:+.1f} ms, busy "
+                  f"{diff['busy'] / 1e3:+.1f} ms, idle {diff['idle'] / 1e3:+.1f} ms")
+            print("  by kind (ms):", {k: round(v / 1e3, 1) for k, v in diff["kinds"].items()})
+            ranked = sorted(diff["groups"].items(), key=lambda kv: -abs(kv[1]))
+            for key, us in ranked[: args.top]:
+                print(f"  {us / 1e3:+8.3f} ms  {key[0][:22]:22s} {key[1][:110]}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""scripts/layer_bench/trace_attribution.py on synthetic Chrome traces: kernels land on the host
+op (or backward node) that launched them, and ``--against`` subtracts the dense step's trace."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from layer_bench.trace_attribution import attribute, difference, gpu_span  # noqa: E402
+
+
+def _trace(kernels: list[tuple[str, str, float, float]]) -> dict:
+    """A trace of (host op, kernel name, start us, duration us): each kernel's launch sits
+    inside its host op on one thread, linked by a correlation id."""
+    events = []
+    for i, (op, name, ts, dur) in enumerate(kernels):
+        events.append({"cat": "cpu_op", "name": op, "ts": ts - 5.0, "dur": 4.0, "tid": 1})
+        events.append({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts - 3.0,
+                       "dur": 1.0, "tid": 1, "args": {"correlation": i}})
+        events.append({"cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                       "args": {"correlation": i}})
+    return {"traceEvents": events}
+
+
+DENSE = _trace([
+    ("aten::mm", "nvjet_gemm_a", 100.0, 50.0),
+    ("aten::add", "elementwise_add", 200.0, 10.0),
+    ("autograd::engine::evaluate_function: SiluBackward0", "silu_backward_kernel", 300.0, 20.0),
+])
+MSA = _trace([
+    ("aten::mm", "nvjet_gemm_a", 100.0, 50.0),
+    ("aten::add", "elementwise_add", 200.0, 30.0),
+    ("autograd::engine::evaluate_function: SiluBackward0", "silu_backward_kernel", 300.0, 20.0),
+    ("_SparseAttention", "_fwd_kernel", 400.0, 70.0),
+])
+
+
+def test_attribute_groups_by_kind_and_launching_op():
+    busy, time, count = attribute(MSA)
+    assert busy == 170.0
+    assert time[("GEMM", "aten::mm")] == 50.0
+    assert time[("TRITON:_fwd_kernel", "_SparseAttention")] == 70.0
+    assert time[("small", "SiluBackward0 > autograd::engine::evaluate_function: SiluBackward0")] \
+        == 20.0
+    assert sum(count.values()) == 4
+    assert gpu_span(MSA) == 370.0 and gpu_span({"traceEvents": []}) == 0.0
+
+
+def test_difference_is_msa_minus_dense_by_site():
+    diff = difference(MSA, DENSE)
+    assert diff["busy"] == 90.0 and diff["span"] == 150.0 and diff["idle"] == 60.0
+    assert diff["kinds"]["TRITON"] == 70.0 and diff["kinds"]["GEMM"] == 0.0
+    assert diff["kinds"]["small"] == 20.0
+    assert diff["groups"][("small", "aten::add > aten::add")] == 20.0
+    assert diff["groups"][("TRITON:_fwd_kernel", "_SparseAttention")] == 70.0
+    # A site only the base has counts negative.
+    back = difference(DENSE, MSA)
+    assert back["groups"][("TRITON:_fwd_kernel", "_SparseAttention")] == -70.0
+
+
+def test_cli_prints_the_difference(tmp_path):
+    (tmp_path / "dense.json").write_text(json.dumps(DENSE))
+    (tmp_path / "msa.json").write_text(json.dumps(MSA))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "layer_bench" / "trace_attribution.py"),
+         str(tmp_path / "msa.json"), "--against", str(tmp_path / "dense.json")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "idle 0.2 ms" in proc.stdout
+    assert "span +0.1 ms, busy +0.1 ms, idle +0.1 ms" in proc.stdout
+    assert "+0.070 ms  TRITON:_fwd_kernel" in proc.stdout
