@@ -49,6 +49,12 @@
 # $OUT/sweep.log under "== sweep <round> <variant>: ..." headers, every process's JSON into
 # $OUT/sweep.json (keyed "<round>/<variant>"); SWEEP_S bounds each process (default 90 s),
 # SWEEP_ARGS adds arguments (e.g. "--steps 5").
+# "profile" runs PROFILE_ROWS (default issue #28's five rows) dense and MSA in one
+# scripts/bench_layer.py process (PROFILE_S, default 420 s) with --profile and each step's Chrome
+# trace (in PROFILE_TRACE_DIR, default /tmp/msa_profile_traces), writing $OUT/profile.log and
+# $OUT/profile.json; then scripts/layer_bench/trace_attribution.py attributes every MSA trace by
+# site and minus the dense trace of its row (what the MSA step adds) into $OUT/attribution.txt.
+# PROFILE_ARGS adds arguments.
 set -uo pipefail
 # table_or_tail LOG HEADER FALLBACK: LOG from the line matching HEADER (a basic regex) on, or,
 # where the run printed no table, LOG's lines matching FALLBACK (extended) and its last 15.
@@ -182,6 +188,31 @@ runs = {p.stem.replace("-", "/", 1): json.loads(p.read_text())
 pathlib.Path(sys.argv[2]).write_text(json.dumps(runs, indent=1))
 PY
 rm -rf "$OUT/sweep_json"
+fi
+
+if [[ " $STAGES " == *" profile "* ]]; then
+rows="${PROFILE_ROWS:-8192,32768,32768:4096,131072:16384,131072}"
+traces="${PROFILE_TRACE_DIR:-/tmp/msa_profile_traces}"
+rm -rf "$traces"
+echo "== profile: scripts/bench_layer.py --tokens $rows --cases dense,msa_sparse_loss" \
+  | tee "$OUT/profile.log"
+# shellcheck disable=SC2086  # PROFILE_ARGS is a list
+timeout "${PROFILE_S:-420}" python3 scripts/bench_layer.py --tokens "$rows" \
+  --cases dense,msa_sparse_loss --no-attention-rows --steps 3 --warmup 2 --profile \
+  --profile-top 30 --trace "$traces" --json "$OUT/profile.json" ${PROFILE_ARGS:-} \
+  >> "$OUT/profile.log" 2>&1
+echo "rc $?" >> "$OUT/profile.log"
+table_or_tail "$OUT/profile.log" '^|  tokens |' '^\{"tokens"'
+: > "$OUT/attribution.txt"
+for msa in "$traces"/msa_sparse_loss_*.json; do
+  [[ -e $msa ]] || continue
+  dense="$traces/dense_${msa##*/msa_sparse_loss_}"
+  against=()
+  [[ -e $dense ]] && against=(--against "$dense")
+  python3 scripts/layer_bench/trace_attribution.py "$msa" --top 45 \
+    ${against[@]+"${against[@]}"} >> "$OUT/attribution.txt" 2>&1
+done
+grep -E '^== |minus|by kind' "$OUT/attribution.txt"
 fi
 
 if [[ " $STAGES " == *" layer "* ]]; then
