@@ -5,34 +5,23 @@ minus the dense trace of its row."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from _device_validation import run_stages
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_profile_stage_attributes_each_msa_trace_against_its_dense_row(tmp_path):
     out, traces = tmp_path / "out", tmp_path / "traces"
-    env = {
-        **os.environ,
-        # The stage calls python3: the interpreter running the tests, with the package.
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "OUT": str(out),
-        "STAGES": "profile",
-        "PROFILE_ROWS": "64,128:32",
-        "PROFILE_TRACE_DIR": str(traces),
-        "PROFILE_ARGS": "--tiny --cpu --steps 1 --warmup 1 --profile-top 3",
-        "PROFILE_S": "400",
-    }
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "device_validation.sh")], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_stages(
+        out,
+        STAGES="profile",
+        PROFILE_ROWS="64,128:32",
+        PROFILE_TRACE_DIR=str(traces),
+        PROFILE_ARGS="--tiny --cpu --steps 1 --warmup 1 --profile-top 3",
+        PROFILE_S="400",
+    )
     log = (out / "profile.log").read_text()
     assert "rc 0" in log, log[-3000:]
     rows = json.loads((out / "profile.json").read_text())["rows"]

@@ -5,35 +5,24 @@ process's rows land in one JSON keyed by round and variant."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from _device_validation import run_stages
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_sweep_stage_runs_every_variant_each_round(tmp_path):
     out = tmp_path / "out"
-    env = {
-        **os.environ,
-        # The stage calls python3: the interpreter running the tests, with the package.
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "OUT": str(out),
-        "STAGES": "sweep",
-        "SWEEP_ROWS": "64,128:32",
-        "SWEEP_SETS": ";bwd.dq_tile_grid_tiles=1 fwd.union_max=8",
-        "SWEEP_ROUNDS": "2",
-        "SWEEP_ARGS": "--tiny --cpu --steps 1 --warmup 1",
-        "SWEEP_S": "300",
-    }
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "device_validation.sh")], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_stages(
+        out,
+        STAGES="sweep",
+        SWEEP_ROWS="64,128:32",
+        SWEEP_SETS=";bwd.dq_tile_grid_tiles=1 fwd.union_max=8",
+        SWEEP_ROUNDS="2",
+        SWEEP_ARGS="--tiny --cpu --steps 1 --warmup 1",
+        SWEEP_S="300",
+    )
     log = (out / "sweep.log").read_text()
     assert log.count("== sweep ") == 4 and "== sweep 2 1: bwd.dq_tile_grid_tiles=1" in log, log
     assert "rc 124" not in log and log.count("rc 0") == 4, log
