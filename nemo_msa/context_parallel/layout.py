@@ -62,6 +62,9 @@ class ContextParallelLayout:
         cp_size: N.
         cp_rank: this rank.
         group: the CP process group (None with N = 1).
+        rows_in_order: ``local_rows`` is ``0..Tq-1`` (N = 1, one row, no padding): the compact
+            tokens are the Megatron tensors' own rows, so :meth:`pack_local` and
+            :meth:`unpack_local` reshape instead of gathering and scattering.
     """
 
     msa: MSAMicrobatch
@@ -73,6 +76,7 @@ class ContextParallelLayout:
     cp_size: int
     cp_rank: int
     group: object = None
+    rows_in_order: bool = False
     _keep: object = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ construction
@@ -127,6 +131,8 @@ class ContextParallelLayout:
             cp_size=cp_size,
             cp_rank=cp_rank,
             group=group if cp_size > 1 else None,
+            # flat = token_rows here, which is 0..T-1 when one row has no padding.
+            rows_in_order=cp_size == 1 and b == 1 and msa.num_tokens == s,
         )
 
     @classmethod
@@ -273,12 +279,19 @@ class ContextParallelLayout:
                 f"x must be [sequence={self.seq_len_local}, batch={self.batch_size}, ...]; got "
                 f"shape {tuple(x.shape)}"
             )
-        return x.reshape(self.seq_len_local * self.batch_size, *x.shape[2:])[self.local_rows]
+        flat = x.reshape(self.seq_len_local * self.batch_size, *x.shape[2:])
+        if self.rows_in_order:
+            # A gather of every row in order is a copy, and its backward a zero fill plus an
+            # accumulating scatter; contiguous() keeps the gather's output layout for less.
+            return flat.contiguous()
+        return flat[self.local_rows]
 
     def unpack_local(self, x: torch.Tensor) -> torch.Tensor:
         """``[Tq, ...]`` -> ``[s_local, b, ...]``, zeros at padding (differentiable)."""
         if x.dim() < 1 or x.shape[0] != self.num_queries:
             raise ValueError(f"x must be [tokens={self.num_queries}, ...]; got {tuple(x.shape)}")
+        if self.rows_in_order:
+            return x.reshape(self.seq_len_local, self.batch_size, *x.shape[1:])
         out = x.new_zeros(self.seq_len_local * self.batch_size, *x.shape[1:])
         out = out.index_copy(0, self.local_rows, x)
         return out.view(self.seq_len_local, self.batch_size, *x.shape[1:])

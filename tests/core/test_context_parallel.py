@@ -93,6 +93,38 @@ def test_queries_partition_the_tokens(rows, cp_size):
         torch.testing.assert_close(back, local * real)
 
 
+@pytest.mark.parametrize(
+    ("rows", "in_order"),
+    [([[40, 24]], True), ([[64]], True), ([[40, 20]], False), ([[64], [64]], False)],
+)
+def test_rows_in_order_reshape_like_the_gather(rows, in_order):
+    # One row without padding: the compact tokens are the Megatron rows themselves, so pack /
+    # unpack reshape; padding or a second row keeps the gather. Values and gradients equal the
+    # gather's either way (the gather path is what local_rows computes).
+    msa = MSAMicrobatch.from_document_map(document_map_from_lengths(rows, 64), block_size=BLOCK)
+    (layout,) = _ranks(msa, 1)
+    assert layout.rows_in_order is in_order
+    gathered = dataclasses.replace(layout, rows_in_order=False)
+    # A strided view, as Megatron's key and value are slices of the fused QKV projection.
+    fused = torch.randn(64, msa.batch_size, 5, 3, dtype=torch.float64, requires_grad=True)
+    x = fused[..., 1:3, :]
+    out = layout.pack_local(x)
+    ref = gathered.pack_local(x)
+    assert out.is_contiguous() and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    grad = torch.randn_like(ref)
+    (g_out,) = torch.autograd.grad(out, fused, grad)
+    (g_ref,) = torch.autograd.grad(ref, fused, grad)
+    torch.testing.assert_close(g_out, g_ref, rtol=0, atol=0)
+    y = torch.randn(layout.num_queries, 6, dtype=torch.float64, requires_grad=True)
+    back, back_ref = layout.unpack_local(y), gathered.unpack_local(y)
+    assert back.shape == back_ref.shape == (64, msa.batch_size, 6)
+    torch.testing.assert_close(back, back_ref, rtol=0, atol=0)
+    grad = torch.randn_like(back_ref)
+    torch.testing.assert_close(torch.autograd.grad(back, y, grad)[0],
+                               torch.autograd.grad(back_ref, y, grad)[0], rtol=0, atol=0)
+
+
 def _inputs(msa, generator, heads=4, kv_heads=2, dim=16, index_dim=8):
     t = msa.num_tokens
 
