@@ -86,28 +86,32 @@ def by_kind(time: collections.Counter) -> collections.Counter:
     return kinds
 
 
-def difference(trace: dict, base: dict) -> dict:
-    """``trace`` minus ``base`` (us): GPU span, busy and idle time, and per kind and group.
+def summarize(trace: dict) -> dict:
+    """A trace's GPU span, busy and idle time (us), and its per-group times and counts.
 
     Returns:
-        ``{"span", "busy", "idle": float, "kinds": Counter, "groups": Counter}``; a group or
-        kind present on one side only counts as zero on the other. Counters keep negative
-        values (what the base spends more).
+        ``{"span", "busy", "idle": float, "time", "count": Counter}`` (groups as
+        :func:`attribute`'s).
     """
-    sides = []
-    for t in (trace, base):
-        busy, time, _ = attribute(t)
-        span = gpu_span(t)
-        sides.append({"span": span, "busy": busy, "idle": span - busy, "time": time})
-    a, b = sides
-    groups, kinds = collections.Counter(), collections.Counter()
+    busy, time, count = attribute(trace)
+    span = gpu_span(trace)
+    return {"span": span, "busy": busy, "idle": span - busy, "time": time, "count": count}
+
+
+def difference(a: dict, b: dict) -> dict:
+    """Summary ``a`` minus summary ``b`` (:func:`summarize`; us): GPU span, busy and idle time,
+    and per kind and group.
+
+    Returns:
+        ``{"span", "busy", "idle": float, "kinds": Counter, "groups": Counter}``; a group present
+        on one side only counts as zero on the other. Counters keep negative values (what ``b``
+        spends more).
+    """
+    groups = collections.Counter()
     for key in set(a["time"]) | set(b["time"]):
         groups[key] = a["time"][key] - b["time"][key]
-    ka, kb = by_kind(a["time"]), by_kind(b["time"])
-    for key in set(ka) | set(kb):
-        kinds[key] = ka[key] - kb[key]
     return {"span": a["span"] - b["span"], "busy": a["busy"] - b["busy"],
-            "idle": a["idle"] - b["idle"], "kinds": kinds, "groups": groups}
+            "idle": a["idle"] - b["idle"], "kinds": by_kind(groups), "groups": groups}
 
 
 def main() -> None:
@@ -117,18 +121,17 @@ def main() -> None:
     ap.add_argument("--against", default=None, metavar="TRACE",
                     help="also print each trace minus this one (the dense step of the same row)")
     args = ap.parse_args()
-    base = load(args.against) if args.against else None
+    base = summarize(load(args.against)) if args.against else None
     for path in args.traces:
-        trace = load(path)
-        busy, time, count = attribute(trace)
-        span = gpu_span(trace)
-        print(f"== {path}: GPU busy {busy / 1e3:.1f} ms over {sum(count.values())} kernels, "
-              f"idle {(span - busy) / 1e3:.1f} ms")
+        this = summarize(load(path))
+        time, count = this["time"], this["count"]
+        print(f"== {path}: GPU busy {this['busy'] / 1e3:.1f} ms over {sum(count.values())} "
+              f"kernels, idle {this['idle'] / 1e3:.1f} ms")
         print("  by kind (ms):", {k: round(v / 1e3, 1) for k, v in by_kind(time).items()})
         for key, us in time.most_common(args.top):
             print(f"  {us / 1e3:8.3f} ms {count[key]:4d}  {key[0][:22]:22s} {key[1][:110]}")
         if base is not None:
-            diff = difference(trace, base)
+            diff = difference(this, base)
             print(f"  -- minus {args.against}: span {diff['span'] / 1e3:+.1f} ms, busy "
                   f"{diff['busy'] / 1e3:+.1f} ms, idle {diff['idle'] / 1e3:+.1f} ms")
             print("  by kind (ms):", {k: round(v / 1e3, 1) for k, v in diff["kinds"].items()})

@@ -11,7 +11,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from layer_bench.trace_attribution import attribute, difference, gpu_span  # noqa: E402
+from layer_bench.trace_attribution import (  # noqa: E402
+    attribute,
+    difference,
+    gpu_span,
+    summarize,
+)
 
 
 def _trace(kernels: list[tuple[str, str, float, float]]) -> dict:
@@ -52,14 +57,14 @@ def test_attribute_groups_by_kind_and_launching_op():
 
 
 def test_difference_is_msa_minus_dense_by_site():
-    diff = difference(MSA, DENSE)
+    diff = difference(summarize(MSA), summarize(DENSE))
     assert diff["busy"] == 90.0 and diff["span"] == 150.0 and diff["idle"] == 60.0
     assert diff["kinds"]["TRITON"] == 70.0 and diff["kinds"]["GEMM"] == 0.0
     assert diff["kinds"]["small"] == 20.0
     assert diff["groups"][("small", "aten::add > aten::add")] == 20.0
     assert diff["groups"][("TRITON:_fwd_kernel", "_SparseAttention")] == 70.0
     # A site only the base has counts negative.
-    back = difference(DENSE, MSA)
+    back = difference(summarize(DENSE), summarize(MSA))
     assert back["groups"][("TRITON:_fwd_kernel", "_SparseAttention")] == -70.0
 
 
