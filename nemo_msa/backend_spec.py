@@ -24,8 +24,7 @@ class MSABackend:
     Attributes:
         name: registry key.
         select_blocks: ``(index_q [T,H,d], index_k [T,d], msa, *, top_k, init_blocks,
-            local_blocks, score, return_scores=False[, queries]) -> int32 [H,T,top_k]``; with
-            ``return_scores`` also the per-slot block scores fp32 and keys int32 [H,T,top_k].
+            local_blocks, score[, queries]) -> int32 [H,T,top_k]``.
             With ``queries`` (int64 [Tq] global compact rows of a query subset, only passed to
             a backend whose capabilities declare ``query_subset``) index_q and the outputs have
             Tq token rows.

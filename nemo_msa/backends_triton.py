@@ -35,10 +35,9 @@ def _unavailable_reason(device: torch.device) -> str | None:
 
 
 def _select(index_q, index_k, msa, *, top_k, init_blocks, local_blocks, score="max",
-            return_scores=False, queries=None):
+            queries=None):
     return triton_select_blocks(index_q, index_k, msa, top_k=top_k, init_blocks=init_blocks,
-                                local_blocks=local_blocks, score=score,
-                                return_scores=return_scores, queries=queries)
+                                local_blocks=local_blocks, score=score, queries=queries)
 
 
 def _forward(q, k, v, q2k, msa, softmax_scale, return_block_mass=False, queries=None):

@@ -108,7 +108,6 @@ def select_blocks(
     top_k: int = 16,
     score: str = "max",
     backend: str | MSABackend | None = None,
-    return_scores: bool = False,
     queries: torch.Tensor | None = None,
 ):
     """Chooses top_k key blocks per index head and query token, inside the query's document.
@@ -126,11 +125,6 @@ def select_blocks(
         score: ``"max"`` or ``"lse"``.
         backend: a resolved backend (a layer's ``plan.backend``), or a name or "auto"/None
             resolved for this call.
-        return_scores: also return the indexer loss's by-products of the same pass, per slot:
-            the block's real score (fp32 [H, T, top_k], the unscaled max of q.k over its visible
-            keys, forced blocks included, -inf at -1 slots) and the compact row of the key that
-            attains it (int32 [H, T, top_k], -1 at -1 slots; global compact rows).
-            ``score="max"`` only.
         queries: optional int64 [Tq], the global compact rows of index_q's tokens (a query
             subset, ascending and unique: context parallelism's local queries); the outputs
             then have Tq token rows. None = every token (unchanged). A backend without the
@@ -139,24 +133,19 @@ def select_blocks(
     Returns:
         int32 [H, T, top_k]: ascending document-local block ids, padded with -1 at the tail when
         fewer than top_k blocks exist. Canonical: equal across correct implementations on inputs
-        without ties. With ``return_scores``: ``(ids, scores, keys)``.
+        without ties.
 
     Raises:
-        ValueError: a bad argument (named), or ``return_scores`` with ``score="lse"``.
+        ValueError: a bad argument (named).
     """
     validate_selection_inputs(index_q, index_k, msa, top_k, score, queries)
-    if return_scores and score != "max":
-        raise ValueError(
-            f"return_scores=True needs score='max' (the block max and the key attaining it); "
-            f"got score={score!r}"
-        )
     reject_cuda_graph_capture("select_blocks")
     chosen = _backend_for(
         backend, index_q.device, score_type=score, index_head_dim=index_q.shape[-1],
         block_size=msa.block_size, top_k=top_k, dtype=index_q.dtype,
     )
     init_blocks, local_blocks = msa.forced_blocks
-    extra = {"return_scores": True} if return_scores else {}
+    extra = {}
     if queries is not None:
         _require_query_subset(chosen, "select_blocks")
         extra["queries"] = queries
@@ -171,7 +160,7 @@ def select_blocks(
         **extra,
     )
     # Canonical by construction: sparse_attention takes it as it is.
-    mark_canonical(result[0] if return_scores else result, msa.block_size)
+    mark_canonical(result, msa.block_size)
     return result
 
 

@@ -41,9 +41,9 @@ class MSAPlan:
         device: where the layer runs.
         dtype: the layer's parameter dtype (q/k/v and the indexer's).
         cp_size: the context-parallel group size the layer was built in.
-        loss_from_byproducts: the sparse indexer loss comes from by-products of the selection
-            and the sparse forward (``msa_indexer_loss_type="sparse"``, score ``"max"``; ADR
-            0016); otherwise :func:`nemo_msa.indexer_loss.compute_indexer_loss` recomputes its
+        loss_from_byproducts: the sparse indexer loss takes its target from the sparse
+            forward's block mass (``msa_indexer_loss_type="sparse"``, score ``"max"``; ADR 0016,
+            0033); otherwise :func:`nemo_msa.indexer_loss.compute_indexer_loss` recomputes its
             target.
         fused_dense_loss: the dense indexer loss (dense warm-up, or
             ``msa_indexer_loss_type="dense"``) runs fused in Triton

@@ -182,13 +182,13 @@ def rank_step(s: dict, p: dict, seq_len: int, doc_lengths: list[int], cp: int, r
             k = rest[0].index_copy(0, queries, k)
             v = rest[1].index_copy(0, queries, v.contiguous())
             ik = rest[2].index_copy(0, queries, ik)
-        q2k, scores, keys = triton_select_blocks(
+        q2k = triton_select_blocks(
             iq.detach().contiguous(), ik.detach().contiguous(), msa, top_k=s["topk"],
-            init_blocks=0, local_blocks=1, return_scores=True, queries=queries)
+            init_blocks=0, local_blocks=1, queries=queries)
         out, mass = _SparseAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), q2k,
                                            msa, queries)
         idx_loss, _ = sparse_indexer_loss_from_byproducts(
-            iq, ik, scores, keys, mass, num_index_heads_total=s["index_heads"], loss_coeff=1.0,
+            iq, ik, q2k, mass, msa, num_index_heads_total=s["index_heads"], loss_coeff=1.0,
             queries=queries)
         x2 = x + out.reshape(tq, hq * d) @ p["o"]
         a, b = (_rms_norm(x2, p["ln2"]) @ p["fc1"]).chunk(2, dim=-1)

@@ -3,8 +3,8 @@
 Per case (one document per row, MiniMax-M3 shape: 64 query / 4 KV heads, d = 128, 4 index heads
 of 128, 128-token blocks, top-16 blocks; index queries random or coherent, see bench_msa.py):
 
-- ours, the layer's path with ``msa_indexer_loss_type: sparse``: ``select_blocks(...,
-  return_scores=True)`` + ``document_attention(..., return_block_mass=True)`` +
+- ours, the layer's path with ``msa_indexer_loss_type: sparse``: ``select_blocks(...)`` +
+  ``document_attention(..., return_block_mass=True)`` +
   ``sparse_indexer_loss_from_byproducts``; forward, and forward + backward of output and loss;
 - flash-msa: ``flash_msa_func`` forward (selection + attention; its KL is a placeholder), and
   forward + backward of output and ``kl_loss`` in one autograd call (the KL gradient), after a
@@ -109,13 +109,12 @@ def ours_fn(msa, scale, grad: bool, backend: str):
         names = ("iq", "ik", "q", "k", "v")
         x = {n: s[n].detach().requires_grad_(grad) for n in names}
         with torch.set_grad_enabled(grad):
-            q2k, scores, keys = select_blocks(x["iq"].detach(), x["ik"].detach(), msa,
-                                              top_k=TOPK, score="max", backend=backend,
-                                              return_scores=True)
+            q2k = select_blocks(x["iq"].detach(), x["ik"].detach(), msa, top_k=TOPK,
+                                score="max", backend=backend)
             out, mass = document_attention(x["q"], x["k"], x["v"], msa, softmax_scale=scale,
                                            q2k=q2k, backend=backend, return_block_mass=True)
             loss, _ = sparse_indexer_loss_from_byproducts(
-                x["iq"], x["ik"], scores, keys, mass, num_index_heads_total=HI, loss_coeff=1.0)
+                x["iq"], x["ik"], q2k, mass, msa, num_index_heads_total=HI, loss_coeff=1.0)
             if grad:
                 torch.autograd.backward((out, loss), (s["do"], torch.ones_like(loss)))
         return out, loss, q2k, x
@@ -229,8 +228,7 @@ def run_case(seq_len, kind, args, gen, fm, deadline, dense_cache) -> dict:
     from nemo_msa.ops import select_blocks
 
     def ours_sel(s):
-        return select_blocks(s["iq"], s["ik"], msa, top_k=TOPK, backend=args.backend,
-                             return_scores=True)
+        return select_blocks(s["iq"], s["ik"], msa, top_k=TOPK, backend=args.backend)
 
     ours_fwd = ours_fn(msa, scale, False, args.backend)
     ours_grad = ours_fn(msa, scale, True, args.backend)

@@ -14,7 +14,7 @@ dropped here. Timing still needs the GPU (scripts/bench_msa.py).
 Usage::
 
     python scripts/kernel_report.py \
-        [--kernel sel|fwd_union|dq_union|fwd_token|dq_token|union_build|all] \
+        [--kernel sel|fwd_union|dq_union|fwd_token|dq_token|union_build|loss_scores|loss_dk|all] \
         [--set KERNEL.KEY=VALUE ...] [--emit] [--guarded]
 """
 
@@ -57,9 +57,8 @@ def _signature(fn, constexprs, pointers, floats, descs):
 def _selection(cfg, emit, guarded):
     import nemo_msa.selection.triton_select as ts
 
-    constexprs = dict(BS=BS, BM=cfg.bm, BN=cfg.bn, D=D, KP=TOPK, FP32_DOT=False, TMA=cfg.tma,
-                      EMIT=emit)
-    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "score_ptr": "*fp32"}
+    constexprs = dict(BS=BS, BM=cfg.bm, BN=cfg.bn, D=D, KP=TOPK, FP32_DOT=False, TMA=cfg.tma)
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16"}
     sig = _signature(ts._select_kernel, constexprs, pointers, set(), {"k_desc": (cfg.bn, D)})
     return ts._select_kernel, sig, constexprs, {"num_warps": cfg.num_warps,
                                                  "num_stages": cfg.num_stages}
@@ -155,9 +154,31 @@ def _union_build(cfg, emit, guarded):
     return tu._tile_union_kernel, sig, constexprs, {"num_warps": cfg.union_build_warps}
 
 
+def _byproduct_pass(fn_name, extra):
+    """The sparse indexer loss's block-major passes (ADR 0033); they have no launch fields."""
+    import nemo_msa.indexer_loss.triton_byproducts as tb
+
+    fn = getattr(tb, fn_name)
+    constexprs = dict(K=TOPK, BS=BS, DI=D, BE=tb._BE, CHUNK=tb._CHUNK, FP32_DOT=False, **extra)
+    pointers = {"iq_ptr": "*bf16", "ik_ptr": "*bf16", "dscore_ptr": "*fp32", "score_ptr": "*fp32",
+                "factor_ptr": "*fp32", "part_ptr": "*fp32", "chunk_block_ptr": "*i64",
+                "offsets_ptr": "*i64", "end_ptr": "*i64"}
+    sig = _signature(fn, constexprs, pointers, set(), {})
+    return fn, sig, constexprs, {"num_warps": tb._WARPS, "num_stages": 2}
+
+
+def _loss_scores(cfg, emit, guarded):
+    return _byproduct_pass("_block_scores_kernel", {})
+
+
+def _loss_dk(cfg, emit, guarded):
+    return _byproduct_pass("_dk_onehot_kernel", {"FACTOR": True})
+
+
 KERNELS = {"sel": ("sel", _selection), "fwd_union": ("fwd", _forward_union),
            "dq_union": ("bwd", _dq_union), "fwd_token": ("fwd", _forward_token),
-           "dq_token": ("bwd", _dq_token), "union_build": ("fwd", _union_build)}
+           "dq_token": ("bwd", _dq_token), "union_build": ("fwd", _union_build),
+           "loss_scores": ("bwd", _loss_scores), "loss_dk": ("bwd", _loss_dk)}
 
 
 def _tool(name):
@@ -227,7 +248,7 @@ def main(argv=None):
     ap.add_argument("--kernel", default="all", choices=["all", *KERNELS])
     ap.add_argument("--set", action="append", default=[], metavar="KERNEL.KEY=VALUE")
     ap.add_argument("--emit", action="store_true",
-                    help="compile sel and fwd_union with the indexer-loss by-products (EMIT)")
+                    help="compile the forward kernels with the indexer loss's block mass (EMIT)")
     ap.add_argument("--guarded", action="store_true",
                     help="compile the union kernels' launch for whole blocks that hold a "
                          "NaN/Inf (ADR 0032); by default the common, finite one")

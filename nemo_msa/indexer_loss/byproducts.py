@@ -1,9 +1,11 @@
-"""The sparse indexer loss (score ``"max"``) from the kernels' by-products, with no key pass.
+"""The sparse indexer loss (score ``"max"``) from the attention's by-product, with no pass over
+the main attention's keys.
 
 The target is the sparse forward's mass per selected block (accumulated in its pass over K/V),
-the prediction the softmax of the selected blocks' real scores with their argmax keys (emitted by
-the selection kernel), so the KL and its gradients cost O(T x H x top_k x d): d index_q is a
-gather of the argmax keys, d index_k a deterministic ``index_add_`` onto them.
+the prediction the softmax of the selected blocks' real scores, which one block-major pass over
+the selected slots finds with each block's argmax key (ADR 0033), so the KL and its gradients
+cost O(T x H x top_k x block x d_idx): d index_q is a gather of the argmax keys, d index_k a
+deterministic sum onto them.
 :func:`nemo_msa.indexer_loss.naive.compute_indexer_loss` with ``sparse=True`` is its reference.
 """
 
@@ -14,36 +16,51 @@ import math
 import torch
 
 from nemo_msa.indexer_loss.triton_byproducts import (
+    block_scores_triton,
     byproduct_grads_triton,
     sparse_kl_forward_triton,
 )
+from nemo_msa.layout import query_rows
 from nemo_msa.limits import accumulation_dtype
 from nemo_msa.triton.kernel_layout import INTERPRET
 
-__all__ = ["sparse_indexer_loss_from_byproducts", "sparse_kl_forward_reference"]
+__all__ = [
+    "block_scores_reference",
+    "sparse_indexer_loss_from_byproducts",
+    "sparse_kl_forward_reference",
+]
 
 _EPS = 1e-10
 
 # Elements of one chunk's gathered [H, C, top_k, d] rows in the by-product loss's backward.
 _BYPRODUCT_GATHER_ELEMENTS = 1 << 25
+# Elements of one chunk's gathered [H, C, top_k, block, d] keys when the block scores are found.
+_ARGMAX_GATHER_ELEMENTS = 1 << 24
 
 
 class _SparseKLFromByproducts(torch.autograd.Function):
-    """sum_{h,t} KL(P_h(t) || softmax(scale * s_h(t))) over the selected slots, divided by
-    ``denominator``; differentiable in index_q and index_k through the argmax keys.
+    """sum_{h,t} KL(P_h(t) || softmax(scale * s_h(t))) over the selected slots (``q2k``),
+    divided by ``denominator``, s_h(t) each selected block's score; differentiable in index_q
+    and index_k through each block's argmax key.
 
-    Where the kernels run (:func:`_fused`), the forward is one Triton kernel that also writes
-    the unit score gradient, and the backward only scales it inside the gather/scatter kernel:
-    nothing of the forward is recomputed and no elementwise kernel runs around them. Elsewhere
-    the same function in torch (:func:`sparse_kl_forward_reference`).
+    Where the kernels run (:func:`_fused`), the forward is two Triton passes (the block scores
+    with their keys, then the KL with the unit score gradient) and the backward scales that
+    gradient inside its kernels: nothing of the forward is recomputed and no elementwise kernel
+    runs around them. Elsewhere the same function in torch (:func:`block_scores_reference`,
+    :func:`sparse_kl_forward_reference`).
     """
 
     @staticmethod
-    def forward(ctx, index_q, index_k, scores, keys, target, index_scale, denominator):
-        fused = _fused(scores, index_q)
-        forward = sparse_kl_forward_triton if fused else sparse_kl_forward_reference
-        row_kl, unit = forward(scores, target, index_scale, _EPS)
+    def forward(ctx, index_q, index_k, q2k, target, msa, queries, index_scale, denominator):
+        ctx.plan = None
+        if _fused(target, index_q):
+            scores, keys, ctx.plan = block_scores_triton(index_q, index_k, q2k, msa, queries)
+            row_kl, unit = sparse_kl_forward_triton(scores, target, index_scale, _EPS)
+        else:
+            scores, keys = block_scores_reference(index_q, index_k, q2k, msa, queries)
+            row_kl, unit = sparse_kl_forward_reference(scores, target, index_scale, _EPS)
         ctx.save_for_backward(index_q, index_k, keys, unit)
+        ctx.msa = msa
         ctx.denominator = denominator
         return row_kl.sum() / denominator
 
@@ -52,11 +69,12 @@ class _SparseKLFromByproducts(torch.autograd.Function):
         index_q, index_k, keys, unit = ctx.saved_tensors
         # d KL / d s_b = (Q_b * sum(P) - P_b) * scale, times d loss / d KL.
         factor = grad.to(unit.dtype) / ctx.denominator
-        if _fused(unit, index_q):
-            dq, dk = byproduct_grads_triton(unit, keys, index_q, index_k, factor=factor)
+        if ctx.plan is not None:
+            dq, dk = byproduct_grads_triton(unit, keys, index_q, index_k, ctx.msa, ctx.plan,
+                                            factor=factor)
         else:
             dq, dk = _gather_scatter_grads(unit * factor, keys, index_q, index_k)
-        return dq, dk, None, None, None, None, None
+        return dq, dk, None, None, None, None, None, None
 
 
 def sparse_kl_forward_reference(
@@ -87,20 +105,68 @@ def sparse_kl_forward_reference(
     return terms.sum(-1), unit
 
 
-def _fused(dscore: torch.Tensor, index_q: torch.Tensor) -> bool:
-    """The Triton kernels (:func:`sparse_kl_forward_triton`, :func:`byproduct_grads_triton`)
-    where they run: the kernels' device (CUDA, or the host under the interpreter), fp32 scores,
-    fp16/bf16 index tensors, d a power of two in 16..128, and no deterministic-algorithms
-    request (the backward's d index_k adds atomically, as ``index_add_`` does on CUDA; the torch
-    version is deterministic under that request)."""
+def _fused(target: torch.Tensor, index_q: torch.Tensor) -> bool:
+    """The Triton kernels (:mod:`nemo_msa.indexer_loss.triton_byproducts`) where they run: the
+    kernels' device (CUDA, or the host under the interpreter), an fp32 target, fp16/bf16 index
+    tensors, d a power of two in 16..128. They are deterministic (no atomics), so a
+    deterministic-algorithms request keeps them."""
     dim = index_q.shape[-1]
     return (
-        (dscore.is_cuda or INTERPRET)
-        and dscore.dtype == torch.float32
+        (target.is_cuda or INTERPRET)
+        and target.dtype == torch.float32
         and index_q.dtype in (torch.float16, torch.bfloat16)
         and dim in (16, 32, 64, 128)
-        and not torch.are_deterministic_algorithms_enabled()
     )
+
+
+def block_scores_reference(
+    index_q: torch.Tensor, index_k: torch.Tensor, q2k: torch.Tensor, msa,
+    queries: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each selected slot's block score and argmax key, in torch (the reference of
+    :func:`nemo_msa.indexer_loss.triton_byproducts.block_scores_triton`).
+
+    Args:
+        index_q: [Tq, H, d] index queries (Tq = T without ``queries``).
+        index_k: [T, d] the shared index key.
+        q2k: int32 [H, Tq, K] document-local block ids, -1 at unused slots.
+        msa: the layout (``MSAMicrobatch``).
+        queries: int64 [Tq] global compact rows of index_q's tokens, or None.
+
+    Returns:
+        ``(scores [H, Tq, K], keys int32 [H, Tq, K])``: the max of q.k (in the accumulation
+        dtype: fp32, fp64 for fp64 inputs) over the block's keys visible to the query (its own
+        block up to itself; NaN when one of them is NaN), and the global compact row of the
+        first key attaining it (the first NaN's); -inf and -1 at slots that are -1 or name a
+        block past the query's own.
+    """
+    heads, tokens, top_k = q2k.shape
+    block = msa.block_size
+    work = accumulation_dtype(index_q)
+    pos = query_rows(msa.document_positions, queries).long()
+    rows = torch.arange(tokens, device=q2k.device) if queries is None else queries
+    doc_start = rows - pos
+    keys = torch.full((heads, tokens, top_k), -1, dtype=torch.int32, device=q2k.device)
+    scores = torch.full((heads, tokens, top_k), -torch.inf, dtype=work, device=q2k.device)
+    key_rows = index_k.to(work)
+    offsets = torch.arange(block, device=q2k.device)
+    chunk = max(1, _ARGMAX_GATHER_ELEMENTS // max(1, heads * top_k * block * index_q.shape[-1]))
+    for start in range(0, tokens, chunk):
+        stop = min(tokens, start + chunk)
+        p = pos[start:stop].view(1, -1, 1, 1)
+        ids = q2k[:, start:stop].long()  # [H, C, K]
+        used = (ids >= 0) & (ids <= pos[start:stop].view(1, -1, 1) // block)
+        j = ids.clamp(min=0)[..., None] * block + offsets  # [H, C, K, B] document-local
+        visible = used[..., None] & (j <= p)
+        rows_ = (doc_start[start:stop].view(1, -1, 1, 1) + j).clamp(0, index_k.shape[0] - 1)
+        s = torch.einsum("chd,hckbd->hckb", index_q[start:stop].to(work), key_rows[rows_])
+        s = s.masked_fill(~visible, -torch.inf)
+        arg = s.argmax(-1)  # [H, C, K]; NaN counts as the largest
+        found = doc_start[start:stop].view(1, -1, 1) + ids * block + arg
+        keys[:, start:stop] = torch.where(used, found, -1).to(torch.int32)
+        best = s.gather(-1, arg[..., None]).squeeze(-1)
+        scores[:, start:stop] = torch.where(used, best, -torch.inf)
+    return scores, keys
 
 
 def _gather_scatter_grads(dscore, keys, index_q, index_k):
@@ -128,10 +194,11 @@ def _gather_scatter_grads(dscore, keys, index_q, index_k):
         used = keys[:, start:stop] >= 0  # [H, C, K]
         rows = keys[:, start:stop].long().clamp(min=0)
         g = torch.where(used, dscore[:, start:stop].to(work), 0.0)
-        gathered = key_rows[rows]  # [H, C, K, d]
+        # Unused slots add nothing, not 0 times their stand-in row (NaN for a non-finite one).
+        gathered = torch.where(used[..., None], key_rows[rows], 0.0)  # [H, C, K, d]
         dq[start:stop] = torch.einsum("hck,hckd->chd", g, gathered)
         q_rows = index_q[start:stop].to(work).permute(1, 0, 2)  # [H, C, d]
-        contrib = g[..., None] * q_rows[:, :, None, :]  # [H, C, K, d]
+        contrib = torch.where(used[..., None], g[..., None] * q_rows[:, :, None, :], 0.0)
         dk.index_add_(0, rows.reshape(-1), contrib.reshape(-1, dim))
     return dq.to(index_q.dtype), dk.to(index_k.dtype)
 
@@ -139,57 +206,60 @@ def _gather_scatter_grads(dscore, keys, index_q, index_k):
 def sparse_indexer_loss_from_byproducts(
     index_q: torch.Tensor,
     index_k: torch.Tensor,
-    block_scores: torch.Tensor,
-    block_keys: torch.Tensor,
+    q2k: torch.Tensor,
     block_mass: torch.Tensor,
+    msa,
     *,
     num_index_heads_total: int,
     loss_coeff: float,
     queries: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The sparse indexer loss (score ``"max"``) from the selection's and the forward's by-products.
+    """The sparse indexer loss (score ``"max"``) from the sparse forward's block mass.
 
     The same function as ``compute_indexer_loss(..., sparse=True, score_type="max")``, with no
-    pass over the keys: the target is the sparse forward's mass per selected slot and the
-    prediction the softmax of the selected blocks' real scores.
+    pass over the main attention's keys: the target is the sparse forward's mass per selected
+    slot, the prediction the softmax of the selected blocks' scores (max of index_q . index_k
+    over the block's visible keys), found with each block's argmax key, which the gradient
+    flows through, in one pass over the selected slots.
 
     Args:
         index_q: [T, H_local, d_idx] index queries (with gradient; [Tq, ...] with ``queries``).
         index_k: [T, d_idx] the shared index key (with gradient; every token).
-        block_scores: fp32 [H_local, T, top_k] unscaled block max of index_q . index_k per slot,
-            -inf at -1 slots (``select_blocks(..., return_scores=True)``).
-        block_keys: int32 [H_local, T, top_k] compact row of the key attaining each slot's max,
-            -1 at -1 slots.
+        q2k: int32 [H_local, T, top_k] the selection (document-local block ids, -1 at unused
+            slots; ``select_blocks``).
         block_mass: fp32 [H_local, T, top_k] the main attention's mean mass per slot over the
             group's query heads (``sparse_attention(..., return_block_mass=True)``).
+        msa: the layout (``MSAMicrobatch``) the selection ran on.
         num_index_heads_total: index heads of the whole layer (all TP ranks).
         loss_coeff: msa_indexer_loss_coeff.
         queries: optional int64 [Tq] global compact rows of index_q's tokens (a query subset:
-            context parallelism); the by-products then have Tq token rows and their keys are
-            global rows of index_k. The KL is divided by index_k's (global) token count, so the
-            ranks' losses add up to the unsplit loss.
+            context parallelism); q2k and the mass then have Tq token rows and the argmax keys
+            are global rows of index_k. The KL is divided by index_k's (global) token count, so
+            the ranks' losses add up to the unsplit loss.
 
     Returns:
         ``(loss, stats)`` as :func:`compute_indexer_loss`: ``coeff * sum_local KL / (T * H)``
         (T = index_k's rows) and ``{"kl": ...}``.
 
     Raises:
-        ValueError: by-products whose shapes disagree with ``index_q`` (named).
+        ValueError: a selection or mass whose shape disagrees with ``index_q``, or an index_k
+            whose rows disagree with the layout (named).
     """
     tokens, heads, index_dim = index_q.shape
     expected = (heads, tokens)
-    for name, x in (("block_scores", block_scores), ("block_keys", block_keys),
-                    ("block_mass", block_mass)):
+    for name, x in (("q2k", q2k), ("block_mass", block_mass)):
         if x.dim() != 3 or tuple(x.shape[:2]) != expected:
             raise ValueError(
                 f"{name} has shape {tuple(x.shape)}; expected [index_heads={heads}, "
                 f"tokens={tokens}, top_k] like index_q {tuple(index_q.shape)}"
             )
-    if block_keys.shape != block_scores.shape or block_mass.shape != block_scores.shape:
+    if block_mass.shape != q2k.shape:
         raise ValueError(
-            f"block_scores {tuple(block_scores.shape)}, block_keys {tuple(block_keys.shape)} and "
-            f"block_mass {tuple(block_mass.shape)} must have one shape"
+            f"q2k {tuple(q2k.shape)} and block_mass {tuple(block_mass.shape)} must have one "
+            "shape"
         )
+    if q2k.dtype != torch.int32:
+        raise ValueError(f"q2k must be int32 block ids, got {q2k.dtype}")
     if queries is not None and queries.shape != (tokens,):
         raise ValueError(
             f"queries has shape {tuple(queries.shape)}; expected [{tokens}] like index_q"
@@ -199,11 +269,14 @@ def sparse_indexer_loss_from_byproducts(
             f"index_k has {index_k.shape[0]} rows but index_q {tokens}; pass queries= for a "
             "query subset"
         )
+    if index_k.shape[0] != msa.num_tokens:
+        raise ValueError(
+            f"index_k has {index_k.shape[0]} rows but the layout msa has "
+            f"num_tokens={msa.num_tokens}"
+        )
     denominator = float(index_k.shape[0] * num_index_heads_total)
     kl = _SparseKLFromByproducts.apply(
-        index_q, index_k, block_scores, block_keys, block_mass.detach(),
+        index_q, index_k, q2k, block_mass.detach(), msa, queries,
         1.0 / math.sqrt(index_dim), denominator,
     )
     return kl * loss_coeff, {"kl": kl.detach()}
-
-

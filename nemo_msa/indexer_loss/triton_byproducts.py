@@ -1,33 +1,50 @@
-"""The by-product indexer loss in two Triton kernels: the KL with its score gradient, and
-d index_q / d index_k.
+"""The by-product indexer loss in Triton: the selected blocks' scores, the KL with its score
+gradient, and d index_q / d index_k through each selected block's argmax key.
 
-The forward (:func:`sparse_kl_forward_triton`; its torch reference
-:func:`nemo_msa.indexer_loss.byproducts.sparse_kl_forward_reference`) reads the selected
-slots' scores and the target once and writes each row's KL and the unit score gradient
-``(softmax(scale s) * sum(P) - P) * scale``, which the backward only scales: on the GPU about a
-dozen small kernels (log-softmax, log, masks, products, sums) each way became one (issue #28).
+The selection ranks blocks by their score (max of q.k over the block's visible keys) but keeps
+only the ids; the loss's scores and argmax keys come from a block-major pass over the selected
+slots (ADR 0033), and its gradients from a second one:
 
-``d index_q[t, h] = sum_k g[h, t, k] index_k[key[h, t, k]]`` (a gather of the argmax keys) and
-``d index_k[j] = sum over slots whose argmax key is j of g[h, t, k] index_q[t, h]`` (a scatter
-onto them), for g the fp32 gradient of each slot's scaled block score. The torch version
-(:func:`nemo_msa.indexer_loss.byproducts._gather_scatter_grads`, the reference) materializes
-the gathered rows and the scattered products as fp32 [H, T, top_k, d] tensors in chunks: on
-the H200 about 7 ms per layer at 32768 tokens (issue #28's profile). Here one program per
-(32 tokens, index head) reads its slots' keys once and writes d index_q once; d index_k is an
-fp32 atomic add per slot (as ``index_add_`` on CUDA: the summation order is not fixed; under
-``torch.use_deterministic_algorithms(True)`` the torch version runs instead).
+* :func:`block_plan` sorts the slots by (key block, head) once (a stable sort: a fixed order)
+  and splits each block's slots into chunks of at most ``_CHUNK``, so that a block every token
+  selects (the sink, the own block) is not one long program;
+* :func:`block_scores_triton` (forward): one program per chunk loads its block's index keys
+  once, scores the chunk's index queries against them (one MMA per ``_BE`` slots) and writes
+  each slot's max and the first key attaining it;
+* :func:`sparse_kl_forward_triton` reads the scores and the target (the attention's block mass)
+  once and writes each row's KL and the unit score gradient ``(softmax(scale s) * sum(P) - P)
+  * scale``, which the backward only scales;
+* :func:`byproduct_grads_triton` (backward): per chunk, ``d index_k`` of the block's keys as a
+  one-hot MMA ``onehot(key)^T (g q)`` (each chunk a partial sum, added in chunk order by a
+  second kernel), and per (32 tokens, head) ``d index_q = sum_k g index_k[key]``.
+
+No atomics anywhere: the result is the same bits run to run, and a deterministic-algorithms
+request keeps these kernels. The torch reference is :mod:`nemo_msa.indexer_loss.byproducts`.
 """
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["byproduct_grads_triton", "sparse_kl_forward_triton"]
+from nemo_msa.triton.kernel_layout import INTERPRET, kernel_layout, query_subset
+from nemo_msa.triton.tiles import doc_block, row_max_keep_nan
 
-# Tokens per program: the [BT, d] accumulator and index_q rows stay in registers.
+__all__ = ["BlockPlan", "block_plan", "block_scores_triton", "byproduct_grads_triton",
+           "sparse_kl_forward_triton"]
+
+# Tokens per program of d index_q: the [BT, d] accumulator and index_q rows stay in registers.
 _BT = 32
+# Slots per program of the block-major passes (at most: a block's slots split into chunks), and
+# per step of one (the rows of its MMAs; 32 keeps the [32, block] score tile and the [block, d]
+# accumulator of 8 warps free of spills, scripts/kernel_report.py).
+_CHUNK = 8192
+_BE = 32
+_WARPS = 8
 # Tokens per program of the KL forward: [BT, top_k] fp32 tiles.
 _BT_KL = 64
 
@@ -88,9 +105,148 @@ def sparse_kl_forward_triton(
 
 
 @triton.jit
-def _byproduct_grads_kernel(
-    dscore_ptr, keys_ptr, iq_ptr, ik_ptr, dq_ptr, dk_ptr, factor_ptr,
-    T, stride_sh, stride_st, stride_iqt, stride_iqh, stride_ikt, stride_dqt,
+def _chunk_span(p, chunk_block_ptr, offsets_ptr, end_ptr, bound, CHUNK: tl.constexpr):
+    """Chunk ``p`` of a :class:`BlockPlan`: ``(global block, lo, hi)``, its slots being
+    ``entries[lo:hi]`` (empty for the surplus chunks of the grid's host bound)."""
+    blk = tl.load(chunk_block_ptr + p)
+    real = blk < bound
+    blk = tl.minimum(blk, bound - 1)
+    b0 = tl.load(offsets_ptr + blk)
+    b1 = tl.load(offsets_ptr + blk + 1)
+    lo = b0 + (p - (tl.load(end_ptr + blk) - (b1 - b0 + CHUNK - 1) // CHUNK)) * CHUNK
+    return blk, lo, tl.where(real, tl.minimum(lo + CHUNK, b1), lo)
+
+
+@triton.jit
+def _slot_rows(entry_ptr, e, r, hi, TQ, K: tl.constexpr):
+    """Slots ``entries[e:e + BE]``: ``(ok, flat, t, h)``, flat the index into [H, TQ, K]."""
+    ok = e + r < hi
+    flat = tl.load(entry_ptr + e + r, mask=ok, other=0).to(tl.int64)
+    ht = flat // K
+    return ok, flat, ht % TQ, ht // TQ
+
+
+@triton.jit
+def _block_scores_kernel(
+    entry_ptr, chunk_block_ptr, offsets_ptr, end_ptr, bound, block_doc_ptr, block_local_ptr,
+    cu_ptr, tok_pos_ptr, iq_ptr, ik_ptr, score_ptr, keys_ptr,
+    TQ, stride_iqt, stride_iqh, stride_ikt,
+    K: tl.constexpr, BS: tl.constexpr, DI: tl.constexpr, BE: tl.constexpr,
+    CHUNK: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """Chunk ``program_id(0)``: each slot's block score (max of q.k over the keys its query
+    sees, NaN when one of them is) and the first key attaining it (the first NaN's where the
+    score is NaN), written at the slot's flat index of [H, TQ, K]."""
+    blk, lo, hi = _chunk_span(tl.program_id(0), chunk_block_ptr, offsets_ptr, end_ptr, bound,
+                              CHUNK)
+    if lo >= hi:
+        return
+    _, o, start, length = doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr)
+    cols = tl.arange(0, BS)
+    de = tl.arange(0, DI)
+    j = o * BS + cols  # document-local key positions of the block
+    kb = tl.load(ik_ptr + (start + j).to(tl.int64)[:, None] * stride_ikt + de[None, :],
+                 mask=(j < length)[:, None], other=0.0)
+    if FP32_DOT:
+        kb = kb.to(tl.float32)
+    r = tl.arange(0, BE)
+    for e in range(lo, hi, BE):
+        ok, flat, t, h = _slot_rows(entry_ptr, e, r, hi, TQ, K)
+        pos = tl.load(tok_pos_ptr + t, mask=ok, other=-1)
+        q = tl.load(iq_ptr + t[:, None] * stride_iqt + h[:, None] * stride_iqh + de[None, :],
+                    mask=ok[:, None], other=0.0)
+        if FP32_DOT:
+            q = q.to(tl.float32)
+        vis = j[None, :] <= pos[:, None]  # a slot's query sees key 0 of its block at least
+        s = tl.where(vis, tl.dot(q, tl.trans(kb)), float("-inf"))
+        smax = row_max_keep_nan(s)
+        top = vis & ((s == smax[:, None]) | ((s != s) & (smax != smax)[:, None]))
+        arg = tl.min(tl.where(top, cols[None, :], BS), axis=1)
+        tl.store(score_ptr + flat, smax, mask=ok)
+        tl.store(keys_ptr + flat, (start + o * BS + arg).to(tl.int32), mask=ok)
+
+
+@triton.jit
+def _dk_onehot_kernel(
+    entry_ptr, chunk_block_ptr, offsets_ptr, end_ptr, bound, block_doc_ptr, block_local_ptr,
+    cu_ptr, iq_ptr, keys_ptr, dscore_ptr, factor_ptr, part_ptr,
+    TQ, stride_iqt, stride_iqh,
+    K: tl.constexpr, BS: tl.constexpr, DI: tl.constexpr, BE: tl.constexpr,
+    CHUNK: tl.constexpr, FACTOR: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """Chunk ``program_id(0)``: ``part[chunk]`` [BS, DI] fp32, the sum over its slots of
+    ``g q`` onto the slot's argmax key (a row of the chunk's block)."""
+    p = tl.program_id(0)
+    blk, lo, hi = _chunk_span(p, chunk_block_ptr, offsets_ptr, end_ptr, bound, CHUNK)
+    if lo >= hi:
+        return
+    _, o, start, _ = doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr)
+    cols = tl.arange(0, BS)
+    de = tl.arange(0, DI)
+    factor = 1.0
+    if FACTOR:
+        factor = tl.load(factor_ptr).to(tl.float32)
+    r = tl.arange(0, BE)
+    acc = tl.zeros([BS, DI], tl.float32)
+    for e in range(lo, hi, BE):
+        ok, flat, t, h = _slot_rows(entry_ptr, e, r, hi, TQ, K)
+        col = tl.load(keys_ptr + flat, mask=ok, other=0) - (start + o * BS)
+        g = tl.load(dscore_ptr + flat, mask=ok, other=0.0) * factor
+        q = tl.load(iq_ptr + t[:, None] * stride_iqt + h[:, None] * stride_iqh + de[None, :],
+                    mask=ok[:, None], other=0.0).to(tl.float32)
+        gq = g[:, None] * q
+        # Rows holding a NaN/Inf stay out of the one-hot MMA (0 * inf is NaN for every other
+        # key of the block) and are added row by row below.
+        bad = ok & (tl.max(((gq != gq) | (tl.abs(gq) == float("inf"))).to(tl.int32), 1) > 0)
+        gq_ok = tl.where(bad[:, None], 0.0, gq)
+        hit_t = tl.where(cols[:, None] == tl.where(ok & ~bad, col, BS)[None, :], 1.0, 0.0)
+        if FP32_DOT:
+            acc += tl.dot(hit_t, gq_ok)
+        else:
+            # one-hot^T [BS, BE] is exact in bf16; g q as two bf16 terms keeps 16 bits of its
+            # mantissa, far below the bf16 d index_k's rounding.
+            hit_t = hit_t.to(tl.bfloat16)
+            high = gq_ok.to(tl.bfloat16)
+            acc += tl.dot(hit_t, high)
+            acc += tl.dot(hit_t, (gq_ok - high.to(tl.float32)).to(tl.bfloat16))
+        if tl.sum(bad.to(tl.int32)) > 0:
+            for m in range(BE):
+                one = (r == m) & bad
+                row = tl.sum(tl.where(one[:, None], gq, 0.0), axis=0)
+                at = tl.sum(tl.where(one, col, 0))
+                acc += tl.where((cols[:, None] == at) & (tl.sum(one.to(tl.int32)) > 0),
+                                row[None, :], 0.0)
+    tl.store(part_ptr + p.to(tl.int64) * BS * DI + cols[:, None] * DI + de[None, :], acc)
+
+
+@triton.jit
+def _dk_reduce_kernel(
+    part_ptr, offsets_ptr, end_ptr, block_doc_ptr, block_local_ptr, cu_ptr, dk_ptr, stride_dkt,
+    BS: tl.constexpr, DI: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Key block ``program_id(0)``: d index_k of its rows, its chunks' partials added in chunk
+    order (a block no slot selected keeps its zeros)."""
+    blk = tl.program_id(0)
+    n = (tl.load(offsets_ptr + blk + 1) - tl.load(offsets_ptr + blk) + CHUNK - 1) // CHUNK
+    if n == 0:
+        return
+    c0 = tl.load(end_ptr + blk) - n  # int64
+    cols = tl.arange(0, BS)
+    de = tl.arange(0, DI)
+    tile = cols[:, None] * DI + de[None, :]
+    acc = tl.zeros([BS, DI], tl.float32)
+    for i in range(0, n):
+        acc += tl.load(part_ptr + (c0 + i) * (BS * DI) + tile)
+    _, o, start, length = doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr)
+    j = o * BS + cols
+    tl.store(dk_ptr + (start + j).to(tl.int64)[:, None] * stride_dkt + de[None, :],
+             acc.to(dk_ptr.dtype.element_ty), mask=(j < length)[:, None])
+
+
+@triton.jit
+def _dq_kernel(
+    dscore_ptr, keys_ptr, ik_ptr, dq_ptr, factor_ptr,
+    T, stride_sh, stride_st, stride_ikt, stride_dqt,
     K: tl.constexpr, BT: tl.constexpr, DI: tl.constexpr, FACTOR: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -99,8 +255,6 @@ def _byproduct_grads_kernel(
     ok = t < T
     t64 = t.to(tl.int64)
     de = tl.arange(0, DI)
-    iq = tl.load(iq_ptr + t64[:, None] * stride_iqt + h * stride_iqh + de[None, :],
-                 mask=ok[:, None], other=0.0).to(tl.float32)
     acc = tl.zeros([BT, DI], tl.float32)
     base = h * stride_sh + t64 * stride_st
     factor = 1.0
@@ -115,43 +269,188 @@ def _byproduct_grads_kernel(
         ik = tl.load(ik_ptr + row[:, None] * stride_ikt + de[None, :], mask=used[:, None],
                      other=0.0).to(tl.float32)
         acc += g[:, None] * ik
-        tl.atomic_add(dk_ptr + row[:, None] * DI + de[None, :], g[:, None] * iq,
-                      mask=used[:, None])
     tl.store(dq_ptr + t64[:, None] * stride_dqt + h * DI + de[None, :], acc, mask=ok[:, None])
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The selected slots in block-major order, in chunks (built by :func:`block_plan`).
+
+    Attributes:
+        entries: int32 (int64 past 2^31 slots) [H * Tq * K]; flat slot indices of [H, Tq, K]
+            sorted by (global key block, head), ascending token within each; slots that are -1
+            or name a block past the query's own at the tail.
+        offsets: int64 [num_blocks_bound + 1]; block ``b``'s slots are
+            ``entries[offsets[b]:offsets[b + 1]]``.
+        end: int64 [num_blocks_bound]; cumulative chunk count: block ``b`` owns chunks
+            ``end[b] - ceil(n_b / chunk) .. end[b] - 1``.
+        chunk_block: int64 [num_chunks]; each chunk's block (``num_blocks_bound`` for the
+            surplus chunks of the host bound ``ceil(H Tq K / chunk) + num_blocks_bound``).
+        chunk: most slots per chunk.
+    """
+
+    entries: torch.Tensor
+    offsets: torch.Tensor
+    end: torch.Tensor
+    chunk_block: torch.Tensor
+    chunk: int
+
+    @property
+    def num_chunks(self) -> int:
+        return self.chunk_block.numel()
+
+
+#: Per rows object (a layout's kernel view or a query subset, built once per microbatch): the
+#: terms of :func:`block_plan` that depend on the layout only, shared by every layer.
+_PLAN_TERMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _plan_terms(rows, heads: int, bound: int, bs: int, idx: torch.dtype):
+    """``(own [1, Tq, 1], base [H, Tq, 1], seg [bound + 1])``: each query's own block, its sort
+    key base ``first_block * H + head``, and each block's first sort key."""
+    per_rows = _PLAN_TERMS.setdefault(rows, {})
+    key = (heads, bound, bs, idx)
+    found = per_rows.get(key)
+    if found is None:
+        tq = rows.token_pos.shape[0]
+        device = rows.token_pos.device
+        own = (rows.token_pos // bs).to(idx).view(1, tq, 1)
+        head = torch.arange(heads, device=device, dtype=idx).view(heads, 1, 1)
+        base = rows.token_first_block.to(idx).view(1, tq, 1) * heads + head
+        seg = torch.arange(bound + 1, device=device, dtype=idx) * heads
+        found = per_rows[key] = (own, base, seg)
+    return found
+
+
+def block_plan(q2k: torch.Tensor, msa, queries: torch.Tensor | None = None,
+               chunk: int = _CHUNK) -> BlockPlan:
+    """The block-major order of the selected slots and its chunks, with device ops only.
+
+    Args:
+        q2k: int32 [H, Tq, K] document-local block ids, -1 for none (Tq = T without
+            ``queries``).
+        msa: the layout (``MSAMicrobatch`` or ``KernelLayout``).
+        queries: int64 [Tq] global compact rows of the queries, or None for every token.
+        chunk: most slots per chunk (tests use small ones).
+
+    Returns:
+        The :class:`BlockPlan`.
+    """
+    heads, tq, top_k = q2k.shape
+    bs = msa.block_size
+    view = kernel_layout(msa, bs)
+    subset = query_subset(msa, bs, queries)
+    rows = view if subset is None else subset
+    bound = view.num_blocks_bound
+    total = heads * tq * top_k
+    wide = (bound + 1) * heads >= 2**31 or total >= 2**31
+    idx = torch.int64 if wide else torch.int32
+    own, base, seg = _plan_terms(rows, heads, bound, bs, idx)
+    b = q2k.to(idx)
+    key = torch.where((b >= 0) & (b <= own), base + b * heads, bound * heads)
+    sorted_keys, entries = torch.sort(key.reshape(-1), stable=True)
+    del key, b
+    offsets = torch.searchsorted(sorted_keys, seg).to(torch.int64)
+    end = torch.cumsum((offsets[1:] - offsets[:-1] + chunk - 1) // chunk, 0)
+    num_chunks = -(-total // chunk) + bound
+    ids = torch.arange(num_chunks, device=q2k.device, dtype=torch.int64)
+    return BlockPlan(entries=entries.to(idx), offsets=offsets, end=end,
+                     chunk_block=torch.searchsorted(end, ids, right=True), chunk=chunk)
+
+
+def _plan_args(plan: BlockPlan, view) -> dict:
+    return dict(entry_ptr=plan.entries, chunk_block_ptr=plan.chunk_block,
+                offsets_ptr=plan.offsets, end_ptr=plan.end, bound=view.num_blocks_bound,
+                block_doc_ptr=view.block_doc, block_local_ptr=view.block_local,
+                cu_ptr=view.cu_seqlens, CHUNK=plan.chunk)
+
+
+def block_scores_triton(
+    index_q: torch.Tensor, index_k: torch.Tensor, q2k: torch.Tensor, msa,
+    queries: torch.Tensor | None = None, chunk: int = _CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor, BlockPlan]:
+    """Each selected slot's block score and argmax key, block-major.
+
+    Args:
+        index_q: bf16/fp16 [Tq, H, d] index queries (Tq = T without ``queries``).
+        index_k: [T, d], index_q's dtype (d a power of two, 16..128).
+        q2k: int32 [H, Tq, K] the selection (document-local block ids, -1 at unused slots).
+        msa: the layout the selection ran on (its ``block_size``).
+        queries: int64 [Tq] global compact rows of index_q's tokens, or None for every token.
+        chunk: most slots per program.
+
+    Returns:
+        ``(scores fp32 [H, Tq, K], keys int32 [H, Tq, K], plan)``: the max of q.k over the
+        block's keys the query sees (its own block up to itself; NaN when one of them is NaN),
+        -inf at unused slots; the global compact row of the first key attaining it (the first
+        NaN's), -1 at unused slots; the :class:`BlockPlan` the backward reuses.
+    """
+    heads, tokens, top_k = q2k.shape
+    view = kernel_layout(msa, msa.block_size)
+    subset = query_subset(msa, msa.block_size, queries)
+    rows = view if subset is None else subset
+    iq = index_q.contiguous()
+    ik = index_k.contiguous()
+    scores = torch.full((heads, tokens, top_k), -torch.inf, dtype=torch.float32,
+                        device=iq.device)
+    keys = torch.full((heads, tokens, top_k), -1, dtype=torch.int32, device=iq.device)
+    plan = block_plan(q2k, msa, queries, chunk)
+    if tokens:
+        _block_scores_kernel[(plan.num_chunks,)](
+            **_plan_args(plan, view), tok_pos_ptr=rows.token_pos, iq_ptr=iq, ik_ptr=ik,
+            score_ptr=scores, keys_ptr=keys, TQ=tokens, stride_iqt=iq.stride(0),
+            stride_iqh=iq.stride(1), stride_ikt=ik.stride(0), K=top_k, BS=view.block_size,
+            DI=iq.shape[-1], BE=_BE, FP32_DOT=INTERPRET, num_warps=_WARPS,
+        )
+    return scores, keys, plan
 
 
 def byproduct_grads_triton(
     dscore: torch.Tensor, keys: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
-    factor: torch.Tensor | None = None,
+    msa, plan: BlockPlan, factor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """d index_q by a gather of the argmax keys, d index_k by atomic adds onto them.
+    """d index_q and d index_k through each selected slot's argmax key, without atomics.
 
     Args:
-        dscore: fp32 [H, T, K] gradient of each slot's block score (times ``factor``).
-        factor: optional fp32 one-element tensor multiplying ``dscore`` inside the kernel (the
+        dscore: fp32 [H, Tq, K] gradient of each slot's block score (times ``factor``).
+        keys: int32 [H, Tq, K] each slot's argmax key (:func:`block_scores_triton`), -1 at
+            unused slots.
+        index_q: [Tq, H, d] bf16/fp16; index_k: [T, d], same dtype.
+        msa: the layout; plan: the forward's :class:`BlockPlan` of the same selection.
+        factor: optional fp32 one-element tensor multiplying ``dscore`` inside the kernels (the
             incoming gradient over the loss's denominator: read on the device, no host sync,
             no extra kernel).
-        keys: int32 [H, T, K] compact row of each slot's argmax key, -1 at unused slots.
-        index_q: [T, H, d] bf16/fp16 ([Tq, H, d] for a query subset); index_k: [T, d], same
-            dtype (d a power of two, 16..128).
 
     Returns:
-        ``(d index_q [T, H, d], d index_k [T, d])`` in the inputs' dtypes (fp32 inside).
+        ``(d index_q [Tq, H, d], d index_k [T, d])`` in the inputs' dtypes (fp32 inside).
     """
     heads, tokens, top_k = dscore.shape
     dim = index_q.shape[-1]
+    view = kernel_layout(msa, msa.block_size)
     dscore = dscore.contiguous()
     keys = keys.contiguous()
     iq = index_q.contiguous()
     ik = index_k.contiguous()
     # d index_q is written once per element: stored in index_q's dtype directly (the same
-    # rounding as a cast after); d index_k is summed atomically, so it adds in fp32.
+    # rounding as a cast after); d index_k's rows are written once, by the reduce kernel.
     dq = torch.empty(tokens, heads, dim, dtype=index_q.dtype, device=iq.device)
-    dk = torch.zeros(ik.shape[0], dim, dtype=torch.float32, device=iq.device)
-    if tokens:
-        _byproduct_grads_kernel[(triton.cdiv(tokens, _BT), heads)](
-            dscore, keys, iq, ik, dq, dk, dscore if factor is None else factor, tokens,
-            dscore.stride(0), dscore.stride(1), iq.stride(0), iq.stride(1), ik.stride(0),
-            dq.stride(0), K=top_k, BT=_BT, DI=dim, FACTOR=factor is not None, num_warps=4,
-        )
-    return dq, dk.to(index_k.dtype)
+    dk = torch.zeros(ik.shape[0], dim, dtype=index_k.dtype, device=iq.device)
+    if not tokens:
+        return dq, dk
+    fac = dscore if factor is None else factor
+    bs = view.block_size
+    part = torch.empty(plan.num_chunks, bs, dim, dtype=torch.float32, device=iq.device)
+    _dk_onehot_kernel[(plan.num_chunks,)](
+        **_plan_args(plan, view), iq_ptr=iq, keys_ptr=keys, dscore_ptr=dscore, factor_ptr=fac,
+        part_ptr=part, TQ=tokens, stride_iqt=iq.stride(0), stride_iqh=iq.stride(1), K=top_k,
+        BS=bs, DI=dim, BE=_BE, FACTOR=factor is not None, FP32_DOT=INTERPRET, num_warps=_WARPS,
+    )
+    _dk_reduce_kernel[(view.num_blocks_bound,)](
+        part, plan.offsets, plan.end, view.block_doc, view.block_local, view.cu_seqlens, dk,
+        dk.stride(0), BS=bs, DI=dim, CHUNK=plan.chunk, num_warps=4,
+    )
+    _dq_kernel[(triton.cdiv(tokens, _BT), heads)](
+        dscore, keys, ik, dq, fac, tokens, dscore.stride(0), dscore.stride(1), ik.stride(0),
+        dq.stride(0), K=top_k, BT=_BT, DI=dim, FACTOR=factor is not None, num_warps=4,
+    )
+    return dq, dk

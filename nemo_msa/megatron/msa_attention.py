@@ -314,7 +314,7 @@ class MSASelfAttention(SelfAttention):
         plan = self.msa_plan
         byproducts = trains_indexer and sparse and plan.loss_from_byproducts
         replayed = entry.selection if entry is not None and sparse else None
-        selected = index_q = index_k = block_scores = block_keys = None
+        selected = index_q = index_k = None
         if sparse or need_loss:
             if replayed is None or need_loss:
                 index_q, index_k = self.indexer(hidden_states, cp, freqs, rope=rope)
@@ -328,15 +328,12 @@ class MSASelfAttention(SelfAttention):
                     top_k=self.config.msa_topk,
                     score=self.config.msa_score_type,
                     backend=plan.backend,
-                    return_scores=byproducts,
                     queries=queries,
                 )
         if replay == RECORD:
             self.selection_replay.record(
                 anchor, ReplayEntry(cp, selected if sparse else None, seq, batch)
             )
-        if byproducts:
-            selected, block_scores, block_keys = selected
         q2k = selected if sparse else None
         found = {}
 
@@ -362,9 +359,9 @@ class MSASelfAttention(SelfAttention):
             loss, stats = sparse_indexer_loss_from_byproducts(
                 index_q,
                 index_k,
-                block_scores,
-                block_keys,
+                selected,
                 found["block_mass"],
+                msa,
                 num_index_heads_total=self.config.msa_num_index_heads,
                 loss_coeff=self.config.msa_indexer_loss_coeff,
                 queries=queries,

@@ -7,9 +7,7 @@ forward what the recompute would otherwise compute again, and the recompute take
 
 - the microbatch layout (its build needs a host sync, and under context parallelism a
   collective);
-- the block selection of a sparse layer (the indexer's quadratic scoring and the top-k), with
-  the by-products of the sparse indexer loss (block scores and keys) where the layer's plan
-  takes them.
+- the block selection of a sparse layer (the indexer's quadratic scoring and the top-k).
 
 The recompute then attends exactly the blocks the first forward attended (no second scoring
 pass), so its output is the first forward's, bit for bit.
@@ -120,9 +118,8 @@ class ReplayEntry:
 
     Attributes:
         layout: the microbatch's :class:`nemo_msa.context_parallel.ContextParallelLayout`.
-        selection: a sparse layer's ``select_blocks`` result: int32 q2k [Hkv_local, Tq, top_k],
-            or the triple ``(q2k, block_scores, block_keys)`` when the layer's plan takes the
-            sparse indexer loss from by-products; None for a dense layer or the dense warm-up.
+        selection: a sparse layer's ``select_blocks`` result, int32 q2k [Hkv_local, Tq,
+            top_k]; None for a dense layer or the dense warm-up.
         seq_len: the activations' sequence length the layout was built for (checked on take).
         batch_size: the activations' batch size (checked on take).
     """

@@ -32,7 +32,6 @@ def select_blocks_reference(
     init_blocks: int,
     local_blocks: int,
     score: str = "max",
-    return_scores: bool = False,
     queries: torch.Tensor | None = None,
 ):
     """Top-k block selection, reference implementation.
@@ -46,23 +45,13 @@ def select_blocks_reference(
         init_blocks: forced sink blocks at each document start.
         local_blocks: forced blocks ending at the query's own block.
         score: ``"max"`` or ``"lse"`` (log-sum-exp of q.k / sqrt(d)).
-        return_scores: also return each slot's real block score (the unscaled max of q.k over
-            the block's visible keys, forced blocks included; -inf at -1 slots; fp32, fp64 for
-            fp64 inputs) and the compact row of the key attaining it (int32, -1 at -1 slots),
-            both [H, T, top_k]; ``score="max"`` only. Key rows are global compact rows.
         queries: optional int64 [Tq], the global compact rows of index_q's tokens (a query
             subset, ascending; context parallelism); None = every token.
 
     Returns:
         int32 [H, T, top_k] ([H, Tq, top_k] with ``queries``), ascending document-local block
-        ids, -1 at the tail; with
-        ``return_scores`` the tuple ``(ids, scores, keys)``.
-
-    Raises:
-        ValueError: ``return_scores`` with ``score="lse"``.
+        ids, -1 at the tail.
     """
-    if return_scores and score != "max":
-        raise ValueError(f"return_scores=True needs score='max'; got score={score!r}")
     tokens, heads, dim = index_q.shape
     block = msa.block_size
     nblocks = msa.num_workspace_blocks
@@ -82,14 +71,10 @@ def select_blocks_reference(
     positions = query_rows(msa.document_positions, queries).long()
     documents = query_rows(msa.token_documents, queries).long()
     first_block = query_rows(msa.token_workspace_block_starts, queries)  # [T] (or [Tq])
-    rows = torch.arange(tokens, device=device) if queries is None else queries
     scale = 1.0 / math.sqrt(dim)
 
     chunk = max(1, _SCORE_ELEMENTS_PER_CHUNK // max(1, heads * msa.workspace_size))
     out = torch.empty(heads, tokens, top_k, dtype=torch.int32, device=device)
-    if return_scores:
-        out_scores = torch.empty(heads, tokens, top_k, dtype=dtype, device=device)
-        out_keys = torch.empty(heads, tokens, top_k, dtype=torch.int32, device=device)
     for start in range(0, tokens, chunk):
         stop = min(tokens, start + chunk)
         q = index_q[start:stop].to(dtype)  # [C, H, d]
@@ -109,8 +94,8 @@ def select_blocks_reference(
         hidden = torch.arange(block, device=device)[None, :] > (p % block)[:, None]
         own_scores = own_scores.masked_fill(hidden, -math.inf)
         if score == "max":
-            block_scores, block_args = scores.view(heads, -1, nblocks, block).max(dim=-1)
-            own_value, own_arg = own_scores.max(dim=-1)
+            block_scores = scores.view(heads, -1, nblocks, block).amax(dim=-1)
+            own_value = own_scores.amax(dim=-1)
         else:
             block_scores = torch.logsumexp(scores.view(heads, -1, nblocks, block), dim=-1)
             own_value = torch.logsumexp(own_scores, dim=-1)
@@ -126,19 +111,7 @@ def select_blocks_reference(
         )
         ids = _rank(block_scores, candidate, forced, local, top_k)
         out[:, start:stop] = ids
-        if return_scores:
-            block_args.scatter_(2, own_block.view(1, -1, 1).expand(heads, -1, 1),
-                                own_arg.unsqueeze(-1))
-            used = ids >= 0
-            ws_block = first_block[start:stop, None] + ids.long().clamp(min=0)  # [H, C, K]
-            # Compact row of a key: the document's first row + block * B + offset in the block.
-            doc_start = rows[start:stop] - p
-            key_row = doc_start[:, None] + ids.long().clamp(min=0) * block + block_args.gather(
-                -1, ws_block)
-            out_scores[:, start:stop] = torch.where(used, block_scores.gather(-1, ws_block),
-                                                    -math.inf)
-            out_keys[:, start:stop] = torch.where(used, key_row, -1).to(torch.int32)
-    return (out, out_scores, out_keys) if return_scores else out
+    return out
 
 
 def _rank(

@@ -37,8 +37,10 @@ from nemo_msa.triton.kernel_layout import (
 from nemo_msa.triton.launch import SelectLaunch, current_launch
 from nemo_msa.triton.tiles import (
     doc_block,
+    max_keep_nan,
     next_pow2,
     row_descriptor,
+    row_max_keep_nan,
     subset_rows,
     subset_tile,
 )
@@ -46,18 +48,6 @@ from nemo_msa.triton.tiles import (
 _FORCED_CODE = tl.constexpr(0xFFFFFFF0)
 _NAN_CODE = tl.constexpr(1)
 _LOW_MASK = tl.constexpr(0x7FFFFFFF)
-
-@triton.jit
-def _max_keep_nan(a, b):
-    """max(a, b) that returns NaN when either is NaN (the combine of the block max)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _row_max_keep_nan(s):
-    """fp32 [R, N] -> [R]: each row's max, NaN when the row holds a NaN (like torch.amax)."""
-    return tl.reduce(s, 1, _max_keep_nan)
-
 
 @triton.jit
 def _order_code(score):
@@ -75,54 +65,38 @@ def _insert(cur, thr, cols, new_key, KP: tl.constexpr, BRANCH: tl.constexpr):
     ``(cur, thr)``. With BRANCH, blocks that no row takes cost one [R] comparison and a
     program-wide reduction: a trained indexer's neighbouring queries agree, so past the first
     blocks most blocks enter no row's top-k. Without it every block runs the update (no
-    program-wide reduction; rows that do not take the block keep their slots). The third value
-    is the bool [R, KP] slot each row replaced (none for rows that did not take the key)."""
+    program-wide reduction; rows that do not take the block keep their slots)."""
     take = new_key > thr
-    hit = cur < -1  # no slot replaced (cur holds -1 or more)
     if BRANCH:
         if tl.max(take.to(tl.int32), axis=0) > 0:
-            cur, thr, hit = _replace_smallest(cur, thr, cols, new_key, take, KP)
+            cur, thr = _replace_smallest(cur, thr, cols, new_key, take, KP)
     else:
-        cur, thr, hit = _replace_smallest(cur, thr, cols, new_key, take, KP)
-    return cur, thr, hit
+        cur, thr = _replace_smallest(cur, thr, cols, new_key, take, KP)
+    return cur, thr
 
 
 @triton.jit
 def _replace_smallest(cur, thr, cols, new_key, take, KP: tl.constexpr):
     """In the rows ``take``, new_key replaces the smallest key held (the threshold); returns
-    ``(cur, thr, hit)`` with ``hit`` the bool [R, KP] slot replaced."""
+    ``(cur, thr)``."""
     first = tl.min(tl.where(cur == thr[:, None], cols[None, :], KP), axis=1)
     hit = (cols[None, :] == first[:, None]) & take[:, None]
     cur = tl.where(hit, new_key[:, None], cur)
-    return cur, tl.min(cur, axis=1), hit
-
-
-@triton.jit
-def _tile_max_and_arg(s, best, arg, j0, N: tl.constexpr):
-    """Folds a score tile s [R, N] (keys j0 .. j0 + N - 1, -inf where not visible) into the
-    running block max ``best`` [R] and its key ``arg`` [R]: the first key of the tile that
-    attains the tile's max replaces ``arg`` when that max beats ``best`` (ties stay with the
-    earlier key). The max keeps NaN (see :func:`_row_max_keep_nan`)."""
-    tmax = _row_max_keep_nan(s)
-    tj = tl.min(tl.where(s == tmax[:, None], tl.arange(0, N)[None, :], N - 1), axis=1)
-    arg = tl.where(tmax > best, j0 + tj, arg)
-    return _max_keep_nan(best, tmax), arg
+    return cur, tl.min(cur, axis=1)
 
 
 @triton.jit
 def _select_kernel(
-    q_ptr, k_ptr, k_desc, out_ptr, score_ptr, arg_ptr,
+    q_ptr, k_ptr, k_desc, out_ptr,
     cu_ptr, block_doc_ptr, block_local_ptr,
     stride_qt, stride_qh, stride_kt, stride_oh, stride_ot,
     num_blocks_bound, top_k, init_blocks, local_blocks, tiles_ptr, qrow_ptr, num_tiles,
     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    KP: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr, EMIT: tl.constexpr,
-    SUBSET: tl.constexpr,
+    KP: tl.constexpr, FP32_DOT: tl.constexpr, TMA: tl.constexpr, SUBSET: tl.constexpr,
 ):
-    """With EMIT each row also keeps, per slot, the selected block's real score (the max of
-    q.k over its visible keys, forced blocks included) and the compact row of the key that
-    attains it, written to ``score`` / ``arg`` in the slots' (ascending block id) order.
-    With SUBSET (ADR 0021) the programs run the ``num_tiles`` entries of the tile list
+    """Only the ids are kept: the sparse indexer loss finds the selected blocks' scores and
+    argmax keys in its own pass over them (ADR 0033), which costs less than carrying them
+    here. With SUBSET (ADR 0021) the programs run the ``num_tiles`` entries of the tile list
     ``tiles`` and the rows are the tiles' local queries, read and written at their local rows
     (``query_row``)."""
     SPLIT: tl.constexpr = BS // BM
@@ -154,9 +128,6 @@ def _select_kernel(
     unused = tl.full((BM, KP), 0x7FFFFFFFFFFFFFFF, tl.int64)
     cur = tl.where(cols[None, :] < top_k, empty, unused)
     thr = tl.min(cur, axis=1)
-    cur_sc = tl.full((BM, KP), float("-inf"), tl.float32)
-    cur_arg = tl.full((BM, KP), -1, tl.int32)
-    zero_arg = tl.zeros((BM,), tl.int32)
     kn = tl.arange(0, BN)
     nan_code = tl.full((BM,), _NAN_CODE, tl.int64)
     forced_code = tl.full((BM,), _FORCED_CODE, tl.int64)
@@ -165,7 +136,6 @@ def _select_kernel(
     # Full blocks 0..o-1: every key visible to every row of the tile, no mask.
     for b in range(0, o):
         best = tl.full((BM,), float("-inf"), tl.float32)
-        arg = zero_arg
         for c in tl.static_range(0, BS, BN):
             krow = start + b * BS + c + kn
             if TMA:
@@ -175,22 +145,15 @@ def _select_kernel(
             if FP32_DOT:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k))
-            if EMIT:
-                best, arg = _tile_max_and_arg(s, best, arg, c, BN)
-            else:
-                best = _max_keep_nan(best, _row_max_keep_nan(s))
+            best = max_keep_nan(best, row_max_keep_nan(s))
         code = tl.where(best != best, nan_code, _order_code(best))
         forced = (b < init_blocks) | (b > o - local_blocks)
         code = tl.where(forced, forced_code, code)
         new_key = (code << 31) | (zero_row + (_LOW_MASK - b))
-        cur, thr, hit = _insert(cur, thr, cols, new_key, KP, False)
-        if EMIT:
-            cur_sc = tl.where(hit, best[:, None], cur_sc)
-            cur_arg = tl.where(hit, (start + b * BS + arg)[:, None], cur_arg)
+        cur, thr = _insert(cur, thr, cols, new_key, KP, False)
 
     # Own block o: keys j <= pos only.
     best = tl.full((BM,), float("-inf"), tl.float32)
-    arg = zero_arg
     for c in tl.static_range(0, BS, BN):
         j = o * BS + c + kn
         kmask = j < length
@@ -200,18 +163,12 @@ def _select_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k))
         vis = j[None, :] <= pos[:, None]
-        if EMIT:
-            best, arg = _tile_max_and_arg(tl.where(vis, s, float("-inf")), best, arg, c, BN)
-        else:
-            best = _max_keep_nan(best, _row_max_keep_nan(tl.where(vis, s, float("-inf"))))
+        best = max_keep_nan(best, row_max_keep_nan(tl.where(vis, s, float("-inf"))))
     code = tl.where(best != best, nan_code, _order_code(best))
     forced = (o < init_blocks) | (local_blocks > 0)
     code = tl.where(forced, forced_code, code)
     new_key = (code << 31) | (zero_row + (_LOW_MASK - o))
-    cur, thr, hit = _insert(cur, thr, cols, new_key, KP, True)
-    if EMIT:
-        cur_sc = tl.where(hit, best[:, None], cur_sc)
-        cur_arg = tl.where(hit, (start + o * BS + arg)[:, None], cur_arg)
+    cur, thr = _insert(cur, thr, cols, new_key, KP, True)
 
     # Canonical output: ascending block ids, -1 tail.
     big = 0x7FFFFFFF
@@ -219,28 +176,15 @@ def _select_kernel(
     low = tl.full((BM, KP), _LOW_MASK, tl.int64)
     row_off = h * stride_oh + qrow[:, None] * stride_ot + cols[None, :]
     store_mask = row_ok[:, None] & (cols[None, :] < top_k)
-    if EMIT:
-        # Sort (block id, slot) pairs so that each slot's score and key follow its id.
-        pair = tl.where(valid, (low - (cur & low)).to(tl.int32) * KP + cols[None, :], big)
-        pair = tl.sort(pair, dim=1)
-        used = pair != big
-        slot = pair % KP
-        tl.store(out_ptr + row_off, tl.where(used, pair // KP, -1), mask=store_mask)
-        tl.store(score_ptr + row_off,
-                 tl.where(used, tl.gather(cur_sc, slot, axis=1), float("-inf")), mask=store_mask)
-        tl.store(arg_ptr + row_off, tl.where(used, tl.gather(cur_arg, slot, axis=1), -1),
-                 mask=store_mask)
-    else:
-        ids = tl.where(valid, (low - (cur & low)).to(tl.int32), big)
-        ids = tl.sort(ids, dim=1)
-        ids = tl.where(ids == big, -1, ids)
-        tl.store(out_ptr + row_off, ids, mask=store_mask)
+    ids = tl.where(valid, (low - (cur & low)).to(tl.int32), big)
+    ids = tl.sort(ids, dim=1)
+    ids = tl.where(ids == big, -1, ids)
+    tl.store(out_ptr + row_off, ids, mask=store_mask)
 
 
 def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, top_k: int,
                          init_blocks: int, local_blocks: int, score: str = "max",
-                         block_size: int | None = None, return_scores: bool = False,
-                         launch: SelectLaunch | None = None,
+                         block_size: int | None = None, launch: SelectLaunch | None = None,
                          queries: torch.Tensor | None = None):
     """Selects ``top_k`` key blocks per (index head, query token) with one fused kernel.
 
@@ -255,10 +199,6 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
         score: block score; only ``"max"`` is implemented.
         block_size: key block size in tokens (16, 32, 64 or 128); defaults to
             ``msa.block_size``.
-        return_scores: also return, per slot, the block's real score (fp32 [H, T, top_k], the
-            unscaled max of q.k over its visible keys, forced blocks included; -inf at -1
-            slots) and the compact row of the key attaining it (int32 [H, T, top_k], -1 at -1
-            slots), found in the same pass (the indexer loss's by-products).
         launch: launch parameters; None takes
             :func:`~nemo_msa.triton.launch.current_launch` ``("sel")``.
         queries: int64 [Tq] global compact rows of the local queries (context parallelism:
@@ -267,8 +207,7 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
             row equals the full launch's row of its token (ADR 0021).
 
     Returns:
-        int32 [H, T, top_k]: document-local block ids ascending, -1 at the tail; with
-        ``return_scores`` the tuple ``(ids, scores, keys)``.
+        int32 [H, T, top_k]: document-local block ids ascending, -1 at the tail.
 
     Raises:
         ValueError: on a bad argument; the message names it, its value and the expectation.
@@ -300,12 +239,8 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
         raise ValueError(f"index_q has T={t} tokens but msa.num_tokens={view.num_tokens}")
     check_kernel_devices(view, index_q=index_q, index_k=index_k)
     out = torch.empty((h, t, top_k), dtype=torch.int32, device=index_q.device)
-    scores = (torch.empty((h, t, top_k), dtype=torch.float32, device=index_q.device)
-              if return_scores else out)
-    keys = torch.empty_like(out) if return_scores else out
-    result = (out, scores, keys) if return_scores else out
     if t == 0:
-        return result
+        return out
     q = index_q.contiguous()
     k = index_k.contiguous()
     bm = min(bs, cfg.bm)
@@ -315,14 +250,14 @@ def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, t
     num_tiles = tiles.numel() if subset is not None else view.num_blocks_bound * (bs // bm)
     _select_kernel[(num_tiles, h)](
         q_ptr=q, k_ptr=k, k_desc=k if k_desc is None else k_desc, out_ptr=out,
-        score_ptr=scores, arg_ptr=keys, cu_ptr=view.cu_seqlens, block_doc_ptr=view.block_doc,
+        cu_ptr=view.cu_seqlens, block_doc_ptr=view.block_doc,
         block_local_ptr=view.block_local, stride_qt=q.stride(0), stride_qh=q.stride(1),
         stride_kt=k.stride(0), stride_oh=out.stride(0), stride_ot=out.stride(1),
         num_blocks_bound=view.num_blocks_bound, top_k=top_k, init_blocks=init_blocks,
         local_blocks=local_blocks, tiles_ptr=tiles,
         qrow_ptr=view.cu_seqlens if subset is None else subset.query_row, num_tiles=num_tiles,
         BS=bs, BM=bm, BN=bn, D=d, KP=max(next_pow2(top_k), 2),
-        FP32_DOT=INTERPRET, TMA=k_desc is not None, EMIT=return_scores, SUBSET=subset is not None,
+        FP32_DOT=INTERPRET, TMA=k_desc is not None, SUBSET=subset is not None,
         num_warps=cfg.num_warps if bm * bn >= 64 * 64 else 4, num_stages=cfg.num_stages,
     )
-    return result
+    return out

@@ -29,6 +29,19 @@ def next_pow2(x: int) -> int:
 
 
 @triton.jit
+def max_keep_nan(a, b):
+    """max(a, b) that returns NaN when either is NaN (``tl.max`` drops NaN: it lowers to the
+    IEEE maxNum; ``max.NaN.f32`` keeps it at the same instruction cost)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def row_max_keep_nan(s):
+    """fp32 [R, N] -> [R]: each row's max, NaN when the row holds a NaN (like torch.amax)."""
+    return tl.reduce(s, 1, max_keep_nan)
+
+
+@triton.jit
 def doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr):
     """Global block ``blk`` of the doc-block map (``kernel_layout.KernelLayout``): ``(doc,
     local block, document start row, document length)``. ``doc`` is -1 for the surplus ids

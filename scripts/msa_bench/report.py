@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-HEAD = ("| case | tokens | sel ms | sel+scores ms | fwd ms | fwd+mass ms | bwd ms | bwd det ms "
+HEAD = ("| case | tokens | sel ms | scores ms | fwd ms | fwd+mass ms | bwd ms | bwd det ms "
         "| MSA fwd ms | MSA f+b ms "
         "| dense fwd ms "
         "| dense f+b ms | speedup fwd | speedup f+b | fwd TF/s | bwd TF/s | sel TF/s "
@@ -24,7 +24,7 @@ def fmt_row(r: dict) -> str:
         dk_err = f"{r['dk_err_full']:.1e}f"
         dv_err = f"{r['dv_err_full']:.1e}f"
     return (f"| {r['case']} | {r['tokens']} | {r['sel_ms']:.2f} "
-            f"| {r['sel_scores_ms']:.2f} | {r['fwd_ms']:.2f} "
+            f"| {r['scores_ms']:.2f} | {r['fwd_ms']:.2f} "
             f"| {r['fwd_mass_ms']:.2f} | {r['bwd_ms']:.2f} | {r['bwd_det_ms']:.2f} "
             f"| {r['msa_fwd_ms']:.2f} "
             f"| {r['msa_fwdbwd_ms']:.2f} "
@@ -57,9 +57,9 @@ def fmt_notes(coherent: bool, launches: dict, settings: list[str]) -> list[str]:
         "TF/s: fwd on selected, causally visible block FLOPs (4 d G per key); bwd counts 2.5x "
         "fwd; sel counts 2 H d per causal (q, k) pair. Dense runs causal over each padded row.",
         "extra MiB: peak allocation during the call beyond inputs and outputs.",
-        "sel+scores: the selection that also returns each slot's block score and key; "
-        "fwd+mass: the forward that also returns the attention mass per selected block (the "
-        "sparse indexer loss's by-products and target, as the layer runs them).",
+        "scores: the sparse indexer loss's pass over the selected blocks (each slot's block "
+        "score and argmax key, ADR 0033); fwd+mass: the forward that also returns the "
+        "attention mass per selected block (the loss's target), as the layer runs them.",
     ]
 
 

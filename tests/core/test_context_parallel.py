@@ -143,8 +143,7 @@ def test_selection_attention_and_losses_match_the_unsplit_ops(rows, cp_size):
     gen = torch.Generator().manual_seed(cp_size)
     q, k, v, iq, ik = _inputs(msa, gen)
     scale = 0.3
-    ids, scores, keys = select_blocks(iq, ik, msa, top_k=3, backend="reference",
-                                      return_scores=True)
+    ids = select_blocks(iq, ik, msa, top_k=3, backend="reference")
     dout = torch.randn(q.shape, generator=gen, dtype=torch.float64)
 
     out_full, lse_full, mass_full = sparse_attention_forward_reference(
@@ -168,10 +167,8 @@ def test_selection_attention_and_losses_match_the_unsplit_ops(rows, cp_size):
     covered = torch.zeros((), dtype=torch.float64)
     for layout in _ranks(msa, cp_size):
         qs = layout.queries
-        lids, lscores, lkeys = select_blocks(iq[qs], ik, msa, top_k=3, backend="reference",
-                                             return_scores=True, queries=qs)
-        assert torch.equal(lids, ids[:, qs]) and torch.equal(lkeys, keys[:, qs])
-        torch.testing.assert_close(lscores, scores[:, qs])
+        lids = select_blocks(iq[qs], ik, msa, top_k=3, backend="reference", queries=qs)
+        assert torch.equal(lids, ids[:, qs])
         out, lse, mass = sparse_attention_forward_reference(
             q[qs], k, v, lids, msa, scale, return_block_mass=True, queries=qs)
         assert _rel(out, out_full[qs]) < 1e-12 and _rel(mass, mass_full[:, qs]) < 1e-12
@@ -195,14 +192,14 @@ def test_selection_attention_and_losses_match_the_unsplit_ops(rows, cp_size):
                                      num_index_heads_total=2, loss_coeff=1.0, q2k=lids,
                                      sparse=True, queries=qs)
         lb, _ = sparse_indexer_loss_from_byproducts(
-            liq, lik, lscores, lkeys, mass, num_index_heads_total=2, loss_coeff=1.0,
+            liq, lik, lids, mass, msa, num_index_heads_total=2, loss_coeff=1.0,
             queries=qs)
         losses += torch.stack([ld.detach(), ls.detach(), lb.detach()])
         ld.backward()
         dik += lik.grad
         lib = ik.clone().requires_grad_()
         lb2, _ = sparse_indexer_loss_from_byproducts(
-            iq[qs], lib, lscores, lkeys, mass, num_index_heads_total=2, loss_coeff=1.0,
+            iq[qs], lib, lids, mass, msa, num_index_heads_total=2, loss_coeff=1.0,
             queries=qs)
         lb2.backward()
         dik_byproducts += lib.grad
@@ -222,7 +219,7 @@ def test_selection_attention_and_losses_match_the_unsplit_ops(rows, cp_size):
                          loss_coeff=1.0)[0].backward()
     assert ikf.grad.abs().sum() > 0 and _rel(dik, ikf.grad) < 1e-10
     ikb = ik.clone().requires_grad_()
-    sparse_indexer_loss_from_byproducts(iq, ikb, scores, keys, mass_full,
+    sparse_indexer_loss_from_byproducts(iq, ikb, ids, mass_full, msa,
                                         num_index_heads_total=2, loss_coeff=1.0)[0].backward()
     assert ikb.grad.abs().sum() > 0 and _rel(dik_byproducts, ikb.grad) < 1e-10
 

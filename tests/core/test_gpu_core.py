@@ -113,12 +113,11 @@ def test_byproduct_loss_and_recall_add_no_synchronization():
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                q2k, scores, keys = select_blocks(iq.detach(), ik.detach(), msa, top_k=16,
-                                                  backend="triton", return_scores=True)
+                q2k = select_blocks(iq.detach(), ik.detach(), msa, top_k=16, backend="triton")
                 out, mass = document_attention(q, k, v, msa, softmax_scale=128**-0.5, q2k=q2k,
                                                backend="triton", return_block_mass=True)
                 loss, _ = sparse_indexer_loss_from_byproducts(
-                    iq, ik, scores, keys, mass, num_index_heads_total=4, loss_coeff=1.0)
+                    iq, ik, q2k, mass, msa, num_index_heads_total=4, loss_coeff=1.0)
                 stats = sampled_selection_recall(q, k, q2k, msa, softmax_scale=128**-0.5,
                                                  num_rows=256)
                 ((out.float() * dout.float()).sum() + loss).backward()

@@ -1,4 +1,5 @@
-"""The sparse indexer loss from by-products (selection scores and keys, forward block mass).
+"""The sparse indexer loss from the forward's block mass (the selected blocks' scores and argmax
+keys from one pass over them).
 
 Reference side: ``compute_indexer_loss(..., sparse=True)``, which gathers the selected keys
 again and recomputes both distributions per query chunk. Both run here in float64 on the CPU,
@@ -22,6 +23,7 @@ from nemo_msa.indexer_loss import (
     sampled_selection_recall,
     sparse_indexer_loss_from_byproducts,
 )
+from nemo_msa.indexer_loss.byproducts import block_scores_reference
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -40,13 +42,13 @@ def _inputs(msa, heads, group, dim, generator, dtype=torch.float64):
 
 
 def _both_losses(msa, index_q, index_k, query, key, value, top_k, scale):
-    q2k, scores, keys = select_blocks(index_q, index_k, msa, top_k=top_k, return_scores=True)
+    q2k = select_blocks(index_q, index_k, msa, top_k=top_k)
     _, _, mass = sparse_attention_forward_reference(query, key, value, q2k, msa, scale,
                                                     return_block_mass=True)
     iq = index_q.clone().requires_grad_(True)
     ik = index_k.clone().requires_grad_(True)
     fused, stats = sparse_indexer_loss_from_byproducts(
-        iq, ik, scores, keys, mass, num_index_heads_total=index_q.shape[1], loss_coeff=0.7)
+        iq, ik, q2k, mass, msa, num_index_heads_total=index_q.shape[1], loss_coeff=0.7)
     fused.backward()
     rq = index_q.clone().requires_grad_(True)
     rk = index_k.clone().requires_grad_(True)
@@ -83,12 +85,14 @@ def test_byproduct_loss_equals_the_recomputing_reference(pack, top_k, init, loca
 
 def test_byproducts_hold_forced_blocks_real_scores_and_minus_one_tails():
     """Forced blocks rank first in the selection but carry their real score; slots past the
-    document's block count are -1 with score -inf, key -1 and mass 0."""
+    document's block count are -1 with score -inf, key -1 and mass 0; a slot's key is a
+    visible key of its block attaining the score."""
     ids = torch.tensor([[1] * 70 + [2] * 9 + [0] * 17])
     msa = MSAMicrobatch.from_document_map(ids, block_size=16, init_blocks=1, local_blocks=1)
     generator = torch.Generator().manual_seed(3)
     index_q, index_k, query, key, value = _inputs(msa, 2, 2, 8, generator)
-    q2k, scores, keys = select_blocks(index_q, index_k, msa, top_k=4, return_scores=True)
+    q2k = select_blocks(index_q, index_k, msa, top_k=4)
+    scores, keys = block_scores_reference(index_q, index_k, q2k, msa)
     _, _, mass = sparse_attention_forward_reference(query, key, value, q2k, msa, 0.3,
                                                     return_block_mass=True)
     docs = msa.token_documents.long()
@@ -175,16 +179,20 @@ def test_byproduct_shapes_are_checked():
     index_q = torch.randn(10, 2, 8)
     index_k = torch.randn(10, 8)
     good = torch.zeros(2, 10, 3)
-    with pytest.raises(ValueError, match=r"block_keys has shape \(2, 9, 3\)"):
-        sparse_indexer_loss_from_byproducts(index_q, index_k, good, torch.zeros(2, 9, 3).int(),
-                                            good, num_index_heads_total=2, loss_coeff=1.0)
+    msa = MSAMicrobatch.from_document_map(torch.ones(1, 10, dtype=torch.long), block_size=16)
+    with pytest.raises(ValueError, match=r"q2k has shape \(2, 9, 3\)"):
+        sparse_indexer_loss_from_byproducts(index_q, index_k, torch.zeros(2, 9, 3).int(), good,
+                                            msa, num_index_heads_total=2, loss_coeff=1.0)
     with pytest.raises(ValueError, match="must have one shape"):
-        sparse_indexer_loss_from_byproducts(index_q, index_k, good, good.int(),
-                                            torch.zeros(2, 10, 4), num_index_heads_total=2,
-                                            loss_coeff=1.0)
-    with pytest.raises(ValueError, match="return_scores=True needs score='max'"):
-        msa = MSAMicrobatch.from_document_map(torch.ones(1, 10, dtype=torch.long), block_size=16)
-        select_blocks(index_q, index_k, msa, top_k=1, score="lse", return_scores=True)
+        sparse_indexer_loss_from_byproducts(index_q, index_k, good.int(), torch.zeros(2, 10, 4),
+                                            msa, num_index_heads_total=2, loss_coeff=1.0)
+    with pytest.raises(ValueError, match="q2k must be int32 block ids, got torch.int64"):
+        sparse_indexer_loss_from_byproducts(index_q, index_k, good.long(), good, msa,
+                                            num_index_heads_total=2, loss_coeff=1.0)
+    other = MSAMicrobatch.from_document_map(torch.ones(1, 12, dtype=torch.long), block_size=16)
+    with pytest.raises(ValueError, match="num_tokens=12"):
+        sparse_indexer_loss_from_byproducts(index_q, index_k, good.int(), good, other,
+                                            num_index_heads_total=2, loss_coeff=1.0)
 
 
 def test_sampled_recall_is_exact_on_every_row_and_a_mean_on_a_sample():

@@ -1,6 +1,7 @@
 """The indexer loss's by-products from the Triton kernels vs float64 references.
 
-Selection: each slot's real block score and the key attaining it (forced blocks included).
+The sparse indexer loss's pass over the selected blocks: each slot's real block score (forced
+blocks included) and the key attaining it.
 Forward: each slot's attention mass, averaged over the group's query heads, on the union, the
 per-token and the hybrid paths. The kernels run under the interpreter on CPU-only machines and
 compiled on a CUDA GPU; inputs and references are the same host tensors either way.
@@ -15,6 +16,7 @@ import torch
 from _msa_support import layout_on_kernel_device, make_layout, on_kernel_device, random_q2k
 
 from nemo_msa.attention.triton_fwd import triton_attention_forward
+from nemo_msa.indexer_loss.triton_byproducts import block_scores_triton
 from nemo_msa.selection.triton_select import triton_select_blocks
 from nemo_msa.testing.oracle import block_scores_f64, doc_spans, rel_err, select_f64
 
@@ -50,24 +52,21 @@ def block_mass_f64(q, k, q2k, msa, scale, block_size):
         ([[150, 3], [97]], 160, 32, 16, 4, 0, 1),
     ],
 )
-def test_selection_scores_and_keys(rows, seq_len, bs, d, top_k, init, local):
+def test_selected_block_scores_and_keys(rows, seq_len, bs, d, top_k, init, local):
     gen = torch.Generator().manual_seed(seq_len + bs + d)
     msa = make_layout(rows, seq_len, bs)
     t = msa.num_tokens
     q = torch.randn((t, 2, d), generator=gen).to(torch.bfloat16)
     k = torch.randn((t, d), generator=gen).to(torch.bfloat16)
-    ids, scores, keys = (x.cpu() for x in triton_select_blocks(
-        *on_kernel_device(q, k), layout_on_kernel_device(msa), top_k=top_k, init_blocks=init,
-        local_blocks=local, block_size=bs, return_scores=True))
+    dmsa = layout_on_kernel_device(msa)
+    dev_ids = triton_select_blocks(*on_kernel_device(q, k), dmsa, top_k=top_k, init_blocks=init,
+                                   local_blocks=local, block_size=bs)
+    scores, keys, _ = block_scores_triton(*on_kernel_device(q, k), dev_ids, dmsa)
+    ids, scores, keys = dev_ids.cpu(), scores.cpu(), keys.cpu()
     ref_ids, _ = select_f64(q, k, msa, top_k=top_k, init_blocks=init, local_blocks=local,
-                                  block_size=bs)
+                            block_size=bs)
     assert torch.equal(ids, ref_ids)
     assert scores.dtype == torch.float32 and keys.dtype == torch.int32
-    # The same ids without return_scores: emitting the by-products leaves the selection alone.
-    plain = triton_select_blocks(*on_kernel_device(q, k), layout_on_kernel_device(msa),
-                                 top_k=top_k, init_blocks=init, local_blocks=local,
-                                 block_size=bs).cpu()
-    assert torch.equal(plain, ids)
     ref_scores = block_scores_f64(q, k, msa, bs)
     docs = msa.token_documents.tolist()
     pos = msa.document_positions.tolist()

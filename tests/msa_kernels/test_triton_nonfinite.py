@@ -24,6 +24,8 @@ from _msa_support import (
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
 from nemo_msa.indexer_loss import compute_indexer_loss, dense_indexer_loss_triton
+from nemo_msa.indexer_loss.byproducts import block_scores_reference
+from nemo_msa.indexer_loss.triton_byproducts import block_scores_triton
 from nemo_msa.selection.naive import select_blocks_reference
 from nemo_msa.selection.triton_select import triton_select_blocks
 from nemo_msa.testing.containment import check_containment
@@ -192,21 +194,29 @@ SELECTIONS = {"triton": ("max",), "reference": ("max", "lse")}
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_selection_ignores_an_index_key_a_query_cannot_see(backend, score, value):
     """A NaN/Inf index key changes only the selection of the queries that see it (its
-    document, positions >= its own); with the ``max`` score also the by-products (block
-    score and arg-max key). The Triton kernel and the reference."""
+    document, positions >= its own); with the ``max`` score also the sparse indexer loss's
+    block scores and argmax keys of the selected blocks. The Triton kernels and the
+    references."""
     gen = torch.Generator().manual_seed(3)
     msa = make_layout(ROWS, SEQ, BS)
     t = msa.num_tokens
     iq = torch.randn((t, HKV, D), generator=gen).to(torch.bfloat16)
     ik = torch.randn((t, D), generator=gen).to(torch.bfloat16)
-    kwargs = dict(top_k=3, init_blocks=1, local_blocks=1, score=score,
-                  return_scores=score == "max")
+    kwargs = dict(top_k=3, init_blocks=1, local_blocks=1, score=score)
     if backend == "triton":
         dmsa = layout_on_kernel_device(msa)
-        select = lambda ik_: triton_select_blocks(*on_kernel_device(iq, ik_), dmsa, **kwargs)  # noqa: E731
+
+        def select(ik_):
+            q_, k_ = on_kernel_device(iq, ik_)
+            ids = triton_select_blocks(q_, k_, dmsa, **kwargs)
+            return (ids, *block_scores_triton(q_, k_, ids, dmsa)[:2])
     else:
-        select = lambda ik_: select_blocks_reference(iq, ik_, msa, **kwargs)  # noqa: E731
-    as_tuple = lambda r: tuple(x.cpu() for x in (r if score == "max" else (r,)))  # noqa: E731
+        def select(ik_):
+            ids = select_blocks_reference(iq, ik_, msa, **kwargs)
+            if score != "max":
+                return (ids,)
+            return (ids, *block_scores_reference(iq.float(), ik_.float(), ids, msa))
+    as_tuple = lambda r: tuple(x.cpu() for x in r)  # noqa: E731
     clean = as_tuple(select(ik))
     for token in (15, 79 + 20):
         bad = ik.clone()

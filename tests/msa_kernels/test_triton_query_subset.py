@@ -93,19 +93,14 @@ def test_subset_selection_equals_full_rows(set_launch, bm):
     ik = torch.randn((msa.num_tokens, 16), generator=gen).to(torch.bfloat16)
     kw = dict(top_k=3, init_blocks=1, local_blocks=1)
     dq_, dk_ = iq.to(KERNEL_DEVICE), ik.to(KERNEL_DEVICE)
-    ids, scores, keys = triton_select_blocks(dq_, dk_, msa, return_scores=True, **kw)
+    ids = triton_select_blocks(dq_, dk_, msa, **kw)
     for cp, r in _ranks():
         rows = local_queries(msa_h, cp, r)
         dev_rows = rows.to(KERNEL_DEVICE)
-        sub = triton_select_blocks(dq_[dev_rows], dk_, msa, return_scores=True,
-                                   queries=dev_rows, **kw)
-        plain = triton_select_blocks(dq_[dev_rows], dk_, msa, queries=dev_rows, **kw)
-        assert torch.equal(sub[0], ids[:, dev_rows]), (cp, r)
-        assert torch.equal(sub[1], scores[:, dev_rows]), (cp, r)
-        assert torch.equal(sub[2], keys[:, dev_rows]), (cp, r)  # global compact rows
-        assert torch.equal(plain, sub[0])
+        sub = triton_select_blocks(dq_[dev_rows], dk_, msa, queries=dev_rows, **kw)
+        assert torch.equal(sub, ids[:, dev_rows]), (cp, r)
         ref = select_rows_f64(iq, ik, msa_h, rows, block_size=BS, **kw)
-        assert torch.equal(sub[0].cpu(), ref), (cp, r)
+        assert torch.equal(sub.cpu(), ref), (cp, r)
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
@@ -307,18 +302,18 @@ def test_subset_matches_full_rows_on_gpu_default_launch(cp):
             for _ in range(2))
     dout = torch.randn(t, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
     kw = dict(top_k=top_k, init_blocks=1, local_blocks=2)
-    sel, sc, keys = triton_select_blocks(iq, ik, msa, return_scores=True, **kw)
+    sel = triton_select_blocks(iq, ik, msa, **kw)
     out, lse, mass = triton_attention_forward(q, k, v, sel, msa, return_block_mass=True)
     gq, _, _ = triton_attention_backward(dout, q, k, v, out, lse, sel, msa)
     for r in range(cp):
         lr = local_queries(msa, cp, r).cuda()
-        s2 = triton_select_blocks(iq[lr], ik, msa, return_scores=True, queries=lr, **kw)
-        assert all(torch.equal(a, b[:, lr]) for a, b in zip(s2, (sel, sc, keys), strict=True))
-        o2, l2, m2 = triton_attention_forward(q[lr], k, v, s2[0], msa, return_block_mass=True,
+        s2 = triton_select_blocks(iq[lr], ik, msa, queries=lr, **kw)
+        assert torch.equal(s2, sel[:, lr])
+        o2, l2, m2 = triton_attention_forward(q[lr], k, v, s2, msa, return_block_mass=True,
                                               queries=lr)
         assert rel_err(o2, out[lr]) < 2e-3 and rel_err(m2, mass[:, lr]) < 1e-4
         assert rel_err(l2, lse[:, lr]) < 1e-5
-        g2 = triton_attention_backward(dout[lr], q[lr], k, v, o2, l2, s2[0], msa, queries=lr)
+        g2 = triton_attention_backward(dout[lr], q[lr], k, v, o2, l2, s2, msa, queries=lr)
         assert rel_err(g2[0], gq[lr]) < 5e-3
         local = torch.zeros(t, dtype=torch.bool, device="cuda")
         local[lr] = True
@@ -338,15 +333,14 @@ def test_byproduct_loss_takes_subset_rows_with_global_keys():
     gen = torch.Generator().manual_seed(7)
     iq = torch.randn(t, heads, d, generator=gen, dtype=torch.float64)
     ik = torch.randn(t, d, generator=gen, dtype=torch.float64)
-    scores = torch.randn(heads, t, top_k, generator=gen, dtype=torch.float64)
-    keys = torch.randint(0, t, (heads, t, top_k), generator=gen, dtype=torch.int32)
+    q2k = random_q2k(msa, heads, top_k, BS, gen)
     mass = torch.softmax(torch.randn(heads, t, top_k, generator=gen, dtype=torch.float64), -1)
 
     def grads(rows, queries):
         a = iq[rows].clone().requires_grad_(True)
         b = ik.clone().requires_grad_(True)
         loss, _ = sparse_indexer_loss_from_byproducts(
-            a, b, scores[:, rows], keys[:, rows], mass[:, rows], num_index_heads_total=heads,
+            a, b, q2k[:, rows], mass[:, rows], msa, num_index_heads_total=heads,
             loss_coeff=1.0, queries=queries)
         loss.backward()
         return a.grad, b.grad

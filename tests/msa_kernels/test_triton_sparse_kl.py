@@ -76,7 +76,7 @@ def test_fused_kl_forward_spreads_nan_like_the_reference():
     [([[1, 16, 33, 64, 5]], 128, 16, 2), ([[40, 1], [16, 57], [80]], 112, 16, 3)],
 )
 def test_fused_loss_and_gradients_equal_the_float64_torch_path(rows, seq_len, block, top_k):
-    """By-products of the Triton selection and the sparse forward on random packed
+    """The Triton selection and the sparse forward's block mass on random packed
     documents; the loss and the gradients of index_q / index_k through the fused kernels
     (bf16 index tensors) against the torch path on the same values in float64."""
     gen = torch.Generator().manual_seed(seq_len + top_k)
@@ -88,16 +88,15 @@ def test_fused_loss_and_gradients_equal_the_float64_torch_path(rows, seq_len, bl
 
     q, k, v = rand(t, hkv * group, d), rand(t, hkv, d), rand(t, hkv, d)
     iq, ik = rand(t, hkv, di), rand(t, di)
-    selected, scores, keys = select_blocks(iq, ik, msa, top_k=top_k, backend=BACKEND,
-                                           return_scores=True)
+    selected = select_blocks(iq, ik, msa, top_k=top_k, backend=BACKEND)
     _, mass = document_attention(q, k, v, msa, softmax_scale=d**-0.5, q2k=selected,
                                  backend=BACKEND, return_block_mass=True)
-    assert _fused(scores, iq)
+    assert _fused(mass, iq)
 
     def loss_and_grads(index_q, index_k):
         index_q, index_k = index_q.clone().requires_grad_(), index_k.clone().requires_grad_()
         loss, _ = sparse_indexer_loss_from_byproducts(
-            index_q, index_k, scores, keys, mass, num_index_heads_total=hkv, loss_coeff=0.7)
+            index_q, index_k, selected, mass, msa, num_index_heads_total=hkv, loss_coeff=0.7)
         loss.backward()
         return [x.detach().cpu().double() for x in (loss, index_q.grad, index_k.grad)]
 
