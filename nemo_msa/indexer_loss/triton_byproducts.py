@@ -24,14 +24,18 @@ request keeps these kernels. The torch reference is :mod:`nemo_msa.indexer_loss.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.triton.kernel_layout import INTERPRET, kernel_layout, query_subset
+from nemo_msa.triton.kernel_layout import (
+    INTERPRET,
+    kernel_layout,
+    query_subset,
+    slot_sort_terms,
+)
 from nemo_msa.triton.tiles import doc_block, row_max_keep_nan
 
 __all__ = ["BlockPlan", "block_plan", "block_scores_triton", "byproduct_grads_triton",
@@ -300,28 +304,6 @@ class BlockPlan:
         return self.chunk_block.numel()
 
 
-#: Per rows object (a layout's kernel view or a query subset, built once per microbatch): the
-#: terms of :func:`block_plan` that depend on the layout only, shared by every layer.
-_PLAN_TERMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _plan_terms(rows, heads: int, bound: int, bs: int, idx: torch.dtype):
-    """``(own [1, Tq, 1], base [H, Tq, 1], seg [bound + 1])``: each query's own block, its sort
-    key base ``first_block * H + head``, and each block's first sort key."""
-    per_rows = _PLAN_TERMS.setdefault(rows, {})
-    key = (heads, bound, bs, idx)
-    found = per_rows.get(key)
-    if found is None:
-        tq = rows.token_pos.shape[0]
-        device = rows.token_pos.device
-        own = (rows.token_pos // bs).to(idx).view(1, tq, 1)
-        head = torch.arange(heads, device=device, dtype=idx).view(heads, 1, 1)
-        base = rows.token_first_block.to(idx).view(1, tq, 1) * heads + head
-        seg = torch.arange(bound + 1, device=device, dtype=idx) * heads
-        found = per_rows[key] = (own, base, seg)
-    return found
-
-
 def block_plan(q2k: torch.Tensor, msa, queries: torch.Tensor | None = None,
                chunk: int = _CHUNK) -> BlockPlan:
     """The block-major order of the selected slots and its chunks, with device ops only.
@@ -345,7 +327,7 @@ def block_plan(q2k: torch.Tensor, msa, queries: torch.Tensor | None = None,
     total = heads * tq * top_k
     wide = (bound + 1) * heads >= 2**31 or total >= 2**31
     idx = torch.int64 if wide else torch.int32
-    own, base, seg = _plan_terms(rows, heads, bound, bs, idx)
+    own, base, seg = slot_sort_terms(rows, heads, bound, bs, idx, block_major=True)
     b = q2k.to(idx)
     key = torch.where((b >= 0) & (b <= own), base + b * heads, bound * heads)
     sorted_keys, entries = torch.sort(key.reshape(-1), stable=True)

@@ -168,3 +168,8 @@ def test_passes_at_minimax_m3_shape_gpu():
     assert rel_err(scores[used].double(), want_scores[used]) < 1e-6
     want_q, want_k = _gather_scatter_grads(dscore, keys, iq.float(), ik.float())
     assert rel_err(dq.float(), want_q) < 1e-2 and rel_err(dk.float(), want_k) < 1e-2
+    # No atomics: the compiled passes give the same bits again.
+    scores2, keys2, plan2 = block_scores_triton(iq, ik, q2k, msa)
+    again = byproduct_grads_triton(dscore, keys2, iq, ik, msa, plan2)
+    assert torch.equal(scores2, scores) and torch.equal(keys2, keys)
+    assert torch.equal(again[0], dq) and torch.equal(again[1], dk)
