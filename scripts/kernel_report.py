@@ -162,7 +162,8 @@ def _byproduct_pass(fn_name, extra):
     constexprs = dict(K=TOPK, BS=BS, DI=D, BE=tb._BE, CHUNK=tb._CHUNK, FP32_DOT=False, **extra)
     pointers = {"iq_ptr": "*bf16", "ik_ptr": "*bf16", "dscore_ptr": "*fp32", "score_ptr": "*fp32",
                 "factor_ptr": "*fp32", "part_ptr": "*fp32", "chunk_block_ptr": "*i64",
-                "offsets_ptr": "*i64", "end_ptr": "*i64"}
+                "offsets_ptr": "*i64", "end_ptr": "*i64", "split_end_ptr": "*i64",
+                "dk_ptr": "*bf16"}
     sig = _signature(fn, constexprs, pointers, set(), {})
     return fn, sig, constexprs, {"num_warps": tb._WARPS, "num_stages": 2}
 

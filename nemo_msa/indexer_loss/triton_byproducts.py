@@ -15,8 +15,9 @@ slots (ADR 0033), and its gradients from a second one:
   once and writes each row's KL and the unit score gradient ``(softmax(scale s) * sum(P) - P)
   * scale``, which the backward only scales;
 * :func:`byproduct_grads_triton` (backward): per chunk, ``d index_k`` of the block's keys as a
-  one-hot MMA ``onehot(key)^T (g q)`` (each chunk a partial sum, added in chunk order by a
-  second kernel), and per (32 tokens, head) ``d index_q = sum_k g index_k[key]``.
+  one-hot MMA ``onehot(key)^T (g q)`` (written directly where the block is one chunk; a block
+  split into several gets partial sums, added in chunk order by a second kernel), and per
+  (32 tokens, head) ``d index_q = sum_k g index_k[key]``.
 
 No atomics anywhere: the result is the same bits run to run, and a deterministic-algorithms
 request keeps these kernels. The torch reference is :mod:`nemo_msa.indexer_loss.byproducts`.
@@ -110,15 +111,18 @@ def sparse_kl_forward_triton(
 
 @triton.jit
 def _chunk_span(p, chunk_block_ptr, offsets_ptr, end_ptr, bound, CHUNK: tl.constexpr):
-    """Chunk ``p`` of a :class:`BlockPlan`: ``(global block, lo, hi)``, its slots being
-    ``entries[lo:hi]`` (empty for the surplus chunks of the grid's host bound)."""
+    """Chunk ``p`` of a :class:`BlockPlan`: ``(global block, lo, hi, c, n)``, its slots being
+    ``entries[lo:hi]`` (empty for the surplus chunks of the grid's host bound), chunk ``c`` of
+    the block's ``n``."""
     blk = tl.load(chunk_block_ptr + p)
     real = blk < bound
     blk = tl.minimum(blk, bound - 1)
     b0 = tl.load(offsets_ptr + blk)
     b1 = tl.load(offsets_ptr + blk + 1)
-    lo = b0 + (p - (tl.load(end_ptr + blk) - (b1 - b0 + CHUNK - 1) // CHUNK)) * CHUNK
-    return blk, lo, tl.where(real, tl.minimum(lo + CHUNK, b1), lo)
+    n = (b1 - b0 + CHUNK - 1) // CHUNK
+    c = p - (tl.load(end_ptr + blk) - n)
+    lo = b0 + c * CHUNK
+    return blk, lo, tl.where(real, tl.minimum(lo + CHUNK, b1), lo), c, n
 
 
 @triton.jit
@@ -141,8 +145,8 @@ def _block_scores_kernel(
     """Chunk ``program_id(0)``: each slot's block score (max of q.k over the keys its query
     sees, NaN when one of them is) and the first key attaining it (the first NaN's where the
     score is NaN), written at the slot's flat index of [H, TQ, K]."""
-    blk, lo, hi = _chunk_span(tl.program_id(0), chunk_block_ptr, offsets_ptr, end_ptr, bound,
-                              CHUNK)
+    blk, lo, hi, _, _ = _chunk_span(tl.program_id(0), chunk_block_ptr, offsets_ptr, end_ptr,
+                                    bound, CHUNK)
     if lo >= hi:
         return
     _, o, start, length = doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr)
@@ -173,18 +177,19 @@ def _block_scores_kernel(
 @triton.jit
 def _dk_onehot_kernel(
     entry_ptr, chunk_block_ptr, offsets_ptr, end_ptr, bound, block_doc_ptr, block_local_ptr,
-    cu_ptr, iq_ptr, keys_ptr, dscore_ptr, factor_ptr, part_ptr,
-    TQ, stride_iqt, stride_iqh,
+    cu_ptr, iq_ptr, keys_ptr, dscore_ptr, factor_ptr, split_end_ptr, part_ptr, dk_ptr,
+    TQ, stride_iqt, stride_iqh, stride_dkt,
     K: tl.constexpr, BS: tl.constexpr, DI: tl.constexpr, BE: tl.constexpr,
     CHUNK: tl.constexpr, FACTOR: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """Chunk ``program_id(0)``: ``part[chunk]`` [BS, DI] fp32, the sum over its slots of
-    ``g q`` onto the slot's argmax key (a row of the chunk's block)."""
-    p = tl.program_id(0)
-    blk, lo, hi = _chunk_span(p, chunk_block_ptr, offsets_ptr, end_ptr, bound, CHUNK)
+    """Chunk ``program_id(0)``: the sum over its slots of ``g q`` onto the slot's argmax key (a
+    row of the chunk's block), written as the block's d index_k where the block has one chunk,
+    else as the chunk's partial [BS, DI] fp32 in ``part`` (slot ``split_end[blk] - n + c``)."""
+    blk, lo, hi, c, n = _chunk_span(tl.program_id(0), chunk_block_ptr, offsets_ptr, end_ptr,
+                                    bound, CHUNK)
     if lo >= hi:
         return
-    _, o, start, _ = doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr)
+    _, o, start, length = doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr)
     cols = tl.arange(0, BS)
     de = tl.arange(0, DI)
     factor = 1.0
@@ -220,21 +225,28 @@ def _dk_onehot_kernel(
                 at = tl.sum(tl.where(one, col, 0))
                 acc += tl.where((cols[:, None] == at) & (tl.sum(one.to(tl.int32)) > 0),
                                 row[None, :], 0.0)
-    tl.store(part_ptr + p.to(tl.int64) * BS * DI + cols[:, None] * DI + de[None, :], acc)
+    if n == 1:
+        j = o * BS + cols
+        tl.store(dk_ptr + (start + j).to(tl.int64)[:, None] * stride_dkt + de[None, :],
+                 acc.to(dk_ptr.dtype.element_ty), mask=(j < length)[:, None])
+    else:
+        slot = tl.load(split_end_ptr + blk) - n + c  # int64
+        tl.store(part_ptr + slot * (BS * DI) + cols[:, None] * DI + de[None, :], acc)
 
 
 @triton.jit
 def _dk_reduce_kernel(
-    part_ptr, offsets_ptr, end_ptr, block_doc_ptr, block_local_ptr, cu_ptr, dk_ptr, stride_dkt,
-    BS: tl.constexpr, DI: tl.constexpr, CHUNK: tl.constexpr,
+    part_ptr, offsets_ptr, split_end_ptr, block_doc_ptr, block_local_ptr, cu_ptr, dk_ptr,
+    stride_dkt, BS: tl.constexpr, DI: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """Key block ``program_id(0)``: d index_k of its rows, its chunks' partials added in chunk
-    order (a block no slot selected keeps its zeros)."""
+    """Key block ``program_id(0)`` of more than one chunk: d index_k of its rows, its chunks'
+    partials added in chunk order (a block of one chunk was written by its chunk, a block no
+    slot selected keeps its zeros)."""
     blk = tl.program_id(0)
     n = (tl.load(offsets_ptr + blk + 1) - tl.load(offsets_ptr + blk) + CHUNK - 1) // CHUNK
-    if n == 0:
+    if n <= 1:
         return
-    c0 = tl.load(end_ptr + blk) - n  # int64
+    c0 = tl.load(split_end_ptr + blk) - n  # int64
     cols = tl.arange(0, BS)
     de = tl.arange(0, DI)
     tile = cols[:, None] * DI + de[None, :]
@@ -288,6 +300,9 @@ class BlockPlan:
             ``entries[offsets[b]:offsets[b + 1]]``.
         end: int64 [num_blocks_bound]; cumulative chunk count: block ``b`` owns chunks
             ``end[b] - ceil(n_b / chunk) .. end[b] - 1``.
+        split_end: int64 [num_blocks_bound]; the same count over the blocks of more than one
+            chunk only: the partial sums of block ``b``'s chunks are rows
+            ``split_end[b] - ceil(n_b / chunk) ..`` of the backward's buffer.
         chunk_block: int64 [num_chunks]; each chunk's block (``num_blocks_bound`` for the
             surplus chunks of the host bound ``ceil(H Tq K / chunk) + num_blocks_bound``).
         chunk: most slots per chunk.
@@ -296,12 +311,19 @@ class BlockPlan:
     entries: torch.Tensor
     offsets: torch.Tensor
     end: torch.Tensor
+    split_end: torch.Tensor
     chunk_block: torch.Tensor
     chunk: int
 
     @property
     def num_chunks(self) -> int:
         return self.chunk_block.numel()
+
+    @property
+    def num_split_chunks(self) -> int:
+        """A host bound on the chunks of blocks of more than one chunk: such a block has more
+        than ``chunk`` slots, so its ``ceil(n / chunk)`` chunks are fewer than ``2 n / chunk``."""
+        return max(1, -(-2 * self.entries.numel() // self.chunk))
 
 
 def block_plan(q2k: torch.Tensor, msa, queries: torch.Tensor | None = None,
@@ -333,10 +355,12 @@ def block_plan(q2k: torch.Tensor, msa, queries: torch.Tensor | None = None,
     sorted_keys, entries = torch.sort(key.reshape(-1), stable=True)
     del key, b
     offsets = torch.searchsorted(sorted_keys, seg).to(torch.int64)
-    end = torch.cumsum((offsets[1:] - offsets[:-1] + chunk - 1) // chunk, 0)
+    count = (offsets[1:] - offsets[:-1] + chunk - 1) // chunk
+    end = torch.cumsum(count, 0)
+    split_end = torch.cumsum(count * (count > 1), 0)
     num_chunks = -(-total // chunk) + bound
     ids = torch.arange(num_chunks, device=q2k.device, dtype=torch.int64)
-    return BlockPlan(entries=entries.to(idx), offsets=offsets, end=end,
+    return BlockPlan(entries=entries.to(idx), offsets=offsets, end=end, split_end=split_end,
                      chunk_block=torch.searchsorted(end, ids, right=True), chunk=chunk)
 
 
@@ -421,15 +445,17 @@ def byproduct_grads_triton(
         return dq, dk
     fac = dscore if factor is None else factor
     bs = view.block_size
-    part = torch.empty(plan.num_chunks, bs, dim, dtype=torch.float32, device=iq.device)
+    # Partial sums only for the chunks of blocks split into several (most blocks have one).
+    part = torch.empty(plan.num_split_chunks, bs, dim, dtype=torch.float32, device=iq.device)
     _dk_onehot_kernel[(plan.num_chunks,)](
         **_plan_args(plan, view), iq_ptr=iq, keys_ptr=keys, dscore_ptr=dscore, factor_ptr=fac,
-        part_ptr=part, TQ=tokens, stride_iqt=iq.stride(0), stride_iqh=iq.stride(1), K=top_k,
+        split_end_ptr=plan.split_end, part_ptr=part, dk_ptr=dk, TQ=tokens,
+        stride_iqt=iq.stride(0), stride_iqh=iq.stride(1), stride_dkt=dk.stride(0), K=top_k,
         BS=bs, DI=dim, BE=_BE, FACTOR=factor is not None, FP32_DOT=INTERPRET, num_warps=_WARPS,
     )
     _dk_reduce_kernel[(view.num_blocks_bound,)](
-        part, plan.offsets, plan.end, view.block_doc, view.block_local, view.cu_seqlens, dk,
-        dk.stride(0), BS=bs, DI=dim, CHUNK=plan.chunk, num_warps=4,
+        part, plan.offsets, plan.split_end, view.block_doc, view.block_local, view.cu_seqlens,
+        dk, dk.stride(0), BS=bs, DI=dim, CHUNK=plan.chunk, num_warps=4,
     )
     _dq_kernel[(triton.cdiv(tokens, _BT), heads)](
         dscore, keys, ik, dq, fac, tokens, dscore.stride(0), dscore.stride(1), ik.stride(0),
