@@ -25,18 +25,14 @@ request keeps these kernels. The torch reference is :mod:`nemo_msa.indexer_loss.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.triton.kernel_layout import (
-    INTERPRET,
-    kernel_layout,
-    query_subset,
-    slot_sort_terms,
-)
+from nemo_msa.triton.kernel_layout import INTERPRET, kernel_layout, query_subset
 from nemo_msa.triton.tiles import doc_block, row_max_keep_nan
 
 __all__ = ["BlockPlan", "block_plan", "block_scores_triton", "byproduct_grads_triton",
@@ -50,8 +46,11 @@ _BT = 32
 _CHUNK = 8192
 _BE = 32
 _WARPS = 8
-# Tokens per program of the KL forward: [BT, top_k] fp32 tiles.
+# Tokens per program of the KL forward and of the plan's sort keys: [BT, top_k] tiles.
 _BT_KL = 64
+#: Per kernel view (built once per microbatch): each block's first sort key, shared by every
+#: layer.
+_SEGMENT_STARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @triton.jit
@@ -132,6 +131,27 @@ def _slot_rows(entry_ptr, e, r, hi, TQ, K: tl.constexpr):
     flat = tl.load(entry_ptr + e + r, mask=ok, other=0).to(tl.int64)
     ht = flat // K
     return ok, flat, ht % TQ, ht // TQ
+
+
+@triton.jit
+def _plan_keys_kernel(
+    q2k_ptr, pos_ptr, first_ptr, key_ptr, TQ, heads, sentinel,
+    K: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
+):
+    """Sort keys of the slots of ``BT`` queries x one head: ``(global block) * H + head``, and
+    ``sentinel`` (past every block) for a slot that is -1 or names a block past the query's
+    own, so that the sort puts it at the tail."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    kk = tl.arange(0, KP)
+    ok = (t < TQ)[:, None] & (kk < K)[None, :]
+    offs = (h.to(tl.int64) * TQ + t.to(tl.int64))[:, None] * K + kk[None, :]
+    b = tl.load(q2k_ptr + offs, mask=ok, other=-1).to(tl.int64)
+    own = (tl.load(pos_ptr + t, mask=t < TQ, other=0) // BS).to(tl.int64)
+    first = tl.load(first_ptr + t, mask=t < TQ, other=0).to(tl.int64)
+    valid = (b >= 0) & (b <= own[:, None])
+    key = tl.where(valid, (first[:, None] + b) * heads + h, sentinel)
+    tl.store(key_ptr + offs, key.to(key_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -326,6 +346,17 @@ class BlockPlan:
         return max(1, -(-2 * self.entries.numel() // self.chunk))
 
 
+def _segment_starts(view, heads: int, idx: torch.dtype) -> torch.Tensor:
+    """``[num_blocks_bound + 1]`` the first sort key of each global block (``b * H``), kept
+    on the layout's kernel view for every layer of the microbatch."""
+    per_view = _SEGMENT_STARTS.setdefault(view, {})
+    found = per_view.get((heads, idx))
+    if found is None:
+        found = per_view[(heads, idx)] = torch.arange(
+            view.num_blocks_bound + 1, device=view.cu_seqlens.device, dtype=idx) * heads
+    return found
+
+
 def block_plan(q2k: torch.Tensor, msa, queries: torch.Tensor | None = None,
                chunk: int = _CHUNK) -> BlockPlan:
     """The block-major order of the selected slots and its chunks, with device ops only.
@@ -349,12 +380,16 @@ def block_plan(q2k: torch.Tensor, msa, queries: torch.Tensor | None = None,
     total = heads * tq * top_k
     wide = (bound + 1) * heads >= 2**31 or total >= 2**31
     idx = torch.int64 if wide else torch.int32
-    own, base, seg = slot_sort_terms(rows, heads, bound, bs, idx, block_major=True)
-    b = q2k.to(idx)
-    key = torch.where((b >= 0) & (b <= own), base + b * heads, bound * heads)
-    sorted_keys, entries = torch.sort(key.reshape(-1), stable=True)
-    del key, b
-    offsets = torch.searchsorted(sorted_keys, seg).to(torch.int64)
+    q2k = q2k.contiguous()
+    key = torch.empty(total, dtype=idx, device=q2k.device)
+    if total:
+        _plan_keys_kernel[(triton.cdiv(tq, _BT_KL), heads)](
+            q2k, rows.token_pos, rows.token_first_block, key, tq, heads, bound * heads,
+            K=top_k, KP=max(2, triton.next_power_of_2(top_k)), BS=bs, BT=_BT_KL, num_warps=4,
+        )
+    sorted_keys, entries = torch.sort(key, stable=True)
+    del key
+    offsets = torch.searchsorted(sorted_keys, _segment_starts(view, heads, idx))
     count = (offsets[1:] - offsets[:-1] + chunk - 1) // chunk
     end = torch.cumsum(count, 0)
     split_end = torch.cumsum(count * (count > 1), 0)

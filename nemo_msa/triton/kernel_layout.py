@@ -228,33 +228,23 @@ class BlockQueryCSR:
 
 
 #: Per rows object (a layout's kernel view or a query subset, both built once per microbatch):
-#: the sort terms of :func:`block_query_csr` and the sparse loss's block plan that depend on the
-#: layout only, shared by every layer.
-_SORT_TERMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: the terms of :func:`block_query_csr` that depend on the layout only, shared by every layer.
+_CSR_TERMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def slot_sort_terms(rows, heads: int, bound: int, bs: int, idx: torch.dtype,
-                    block_major: bool = False):
-    """The layout-only terms of a sort of the selected slots by (head, global block), or by
-    (global block, head) with ``block_major``: ``(own [1, T, 1], base [H, T, 1], seg)`` in
-    ``idx``, each query's own block, its sort key at document block 0, and the first sort key
-    of each segment (``[H * bound + 1]`` per (head, block); ``[bound + 1]`` per block with
-    ``block_major``). A slot's key is ``base + b`` (``base + b * H`` with ``block_major``)."""
-    per_rows = _SORT_TERMS.setdefault(rows, {})
-    key = (heads, bound, bs, idx, block_major)
+def _csr_terms(rows, hkv: int, bound: int, bs: int, idx: torch.dtype):
+    """``(own [1, T, 1], base [Hkv, T, 1], seg [Hkv * bound + 1])`` in ``idx``: each query's
+    own block, its (head, document block 0) sort key base, and the segment ids."""
+    per_rows = _CSR_TERMS.setdefault(rows, {})
+    key = (hkv, bound, bs, idx)
     found = per_rows.get(key)
     if found is None:
         t = rows.token_pos.shape[0]
         device = rows.token_pos.device
         own = (rows.token_pos // bs).to(idx).view(1, t, 1)
-        head = torch.arange(heads, device=device, dtype=idx).view(heads, 1, 1)
-        first = rows.token_first_block.to(idx).view(1, t, 1)
-        if block_major:
-            base = first * heads + head
-            seg = torch.arange(bound + 1, device=device, dtype=idx) * heads
-        else:
-            base = head * bound + first
-            seg = torch.arange(heads * bound + 1, device=device, dtype=idx)
+        head = torch.arange(hkv, device=device, dtype=idx).view(hkv, 1, 1)
+        base = head * bound + rows.token_first_block.to(idx).view(1, t, 1)
+        seg = torch.arange(hkv * bound + 1, device=device, dtype=idx)
         found = per_rows[key] = (own, base, seg)
     return found
 
@@ -286,7 +276,7 @@ def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout,
     idx = torch.int64 if wide else torch.int32
     b = q2k.to(idx)
     rows = blocks if subset is None else subset
-    own, base, seg = slot_sort_terms(rows, hkv, bound, bs, idx)
+    own, base, seg = _csr_terms(rows, hkv, bound, bs, idx)
     key = torch.where((b >= 0) & (b <= own), base + b, hkv * bound)
     sorted_keys, order = torch.sort(key.reshape(-1), stable=True)
     del key, b
