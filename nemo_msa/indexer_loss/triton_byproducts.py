@@ -109,10 +109,12 @@ def sparse_kl_forward_triton(
 
 
 @triton.jit
-def _chunk_span(p, chunk_block_ptr, offsets_ptr, end_ptr, bound, CHUNK: tl.constexpr):
-    """Chunk ``p`` of a :class:`BlockPlan`: ``(global block, lo, hi, c, n)``, its slots being
-    ``entries[lo:hi]`` (empty for the surplus chunks of the grid's host bound), chunk ``c`` of
-    the block's ``n``."""
+def _chunk_span(p, chunk_block_ptr, offsets_ptr, end_ptr, bound, block_doc_ptr,
+                block_local_ptr, cu_ptr, CHUNK: tl.constexpr):
+    """Chunk ``p`` of a :class:`BlockPlan`: ``(blk, lo, hi, c, n, o, start, length)``: its
+    global block, its slots ``entries[lo:hi]`` (empty for the surplus chunks of the grid's host
+    bound), chunk ``c`` of the block's ``n``, and the block's document-local id, document start
+    row and document length."""
     blk = tl.load(chunk_block_ptr + p)
     real = blk < bound
     blk = tl.minimum(blk, bound - 1)
@@ -121,7 +123,8 @@ def _chunk_span(p, chunk_block_ptr, offsets_ptr, end_ptr, bound, CHUNK: tl.const
     n = (b1 - b0 + CHUNK - 1) // CHUNK
     c = p - (tl.load(end_ptr + blk) - n)
     lo = b0 + c * CHUNK
-    return blk, lo, tl.where(real, tl.minimum(lo + CHUNK, b1), lo), c, n
+    _, o, start, length = doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr)
+    return blk, lo, tl.where(real, tl.minimum(lo + CHUNK, b1), lo), c, n, o, start, length
 
 
 @triton.jit
@@ -165,11 +168,11 @@ def _block_scores_kernel(
     """Chunk ``program_id(0)``: each slot's block score (max of q.k over the keys its query
     sees, NaN when one of them is) and the first key attaining it (the first NaN's where the
     score is NaN), written at the slot's flat index of [H, TQ, K]."""
-    blk, lo, hi, _, _ = _chunk_span(tl.program_id(0), chunk_block_ptr, offsets_ptr, end_ptr,
-                                    bound, CHUNK)
+    _, lo, hi, _, _, o, start, length = _chunk_span(
+        tl.program_id(0), chunk_block_ptr, offsets_ptr, end_ptr, bound, block_doc_ptr,
+        block_local_ptr, cu_ptr, CHUNK)
     if lo >= hi:
         return
-    _, o, start, length = doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr)
     cols = tl.arange(0, BS)
     de = tl.arange(0, DI)
     j = o * BS + cols  # document-local key positions of the block
@@ -205,11 +208,11 @@ def _dk_onehot_kernel(
     """Chunk ``program_id(0)``: the sum over its slots of ``g q`` onto the slot's argmax key (a
     row of the chunk's block), written as the block's d index_k where the block has one chunk,
     else as the chunk's partial [BS, DI] fp32 in ``part`` (slot ``split_end[blk] - n + c``)."""
-    blk, lo, hi, c, n = _chunk_span(tl.program_id(0), chunk_block_ptr, offsets_ptr, end_ptr,
-                                    bound, CHUNK)
+    blk, lo, hi, c, n, o, start, length = _chunk_span(
+        tl.program_id(0), chunk_block_ptr, offsets_ptr, end_ptr, bound, block_doc_ptr,
+        block_local_ptr, cu_ptr, CHUNK)
     if lo >= hi:
         return
-    _, o, start, length = doc_block(blk, block_doc_ptr, block_local_ptr, cu_ptr)
     cols = tl.arange(0, BS)
     de = tl.arange(0, DI)
     factor = 1.0
