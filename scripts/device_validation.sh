@@ -48,7 +48,10 @@
 # as the spread of a variant's rounds); the first process also runs dense. Each row goes to
 # $OUT/sweep.log under "== sweep <round> <variant>: ..." headers, every process's JSON into
 # $OUT/sweep.json (keyed "<round>/<variant>"); SWEEP_S bounds each process (default 90 s),
-# SWEEP_ARGS adds arguments (e.g. "--steps 5").
+# SWEEP_ARGS adds arguments (e.g. "--steps 5"). A variant's token "tree=DIR" runs it in the tree
+# DIR instead of this one (its own scripts and package): SWEEP_SETS=";tree=.base" times a change
+# on whole training steps, this tree and the base commit's (carried as .base, as for "ab")
+# alternating in each round. (A trailing empty entry is dropped: the defaults go first.)
 # "profile" runs PROFILE_ROWS (default issue #28's five rows) dense and MSA in one
 # scripts/bench_layer.py process (PROFILE_S, default 420 s) with --profile and each step's Chrome
 # trace (in PROFILE_TRACE_DIR, default /tmp/msa_profile_traces), writing $OUT/profile.log and
@@ -82,6 +85,7 @@ bench_msa_logged() {
 }
 OUT="${OUT:-runs/device}"
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: a stage may run a script from another tree (.base)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -168,13 +172,16 @@ cases=dense,msa_sparse_loss
 for round in $(seq 1 "${SWEEP_ROUNDS:-2}"); do
   for v in "${!variants[@]}"; do
     sets=()
-    for setting in ${variants[$v]}; do sets+=(--set "$setting"); done
+    tree=.
+    for setting in ${variants[$v]}; do
+      if [[ $setting == tree=* ]]; then tree=${setting#tree=}; else sets+=(--set "$setting"); fi
+    done
     echo "== sweep $round $v: ${variants[$v]:-defaults}" | tee -a "$OUT/sweep.log"
     # shellcheck disable=SC2086  # SWEEP_ARGS is a list
-    timeout "${SWEEP_S:-90}" python3 scripts/bench_layer.py \
-      --tokens "${SWEEP_ROWS:-8192,32768:4096}" --cases "$cases" --no-attention-rows \
-      ${SWEEP_ARGS:-} "${sets[@]}" --json "$OUT/sweep_json/$round-$v.json" \
-      > "$OUT/sweep_run.log" 2>&1
+    (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" timeout "${SWEEP_S:-90}" python3 \
+      scripts/bench_layer.py --tokens "${SWEEP_ROWS:-8192,32768:4096}" --cases "$cases" \
+      --no-attention-rows ${SWEEP_ARGS:-} ${sets[@]+"${sets[@]}"} \
+      --json "$OUT/sweep_json/$round-$v.json") > "$OUT/sweep_run.log" 2>&1
     echo "rc $?" >> "$OUT/sweep_run.log"
     grep -E '^\|  +[0-9]|^rc ' "$OUT/sweep_run.log" | tee -a "$OUT/sweep.log"
     cases=msa_sparse_loss

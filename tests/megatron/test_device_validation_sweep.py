@@ -39,3 +39,42 @@ def test_sweep_stage_runs_every_variant_each_round(tmp_path):
         else:
             assert not settings, settings
     assert not (out / "sweep_json").exists() and not (out / "sweep_run.log").exists()
+
+
+_STUB_BENCH = '''
+import json, sys
+args = sys.argv[1:]
+path = args[args.index("--json") + 1]
+json.dump({"stub_tree": True, "argv": args, "rows": []}, open(path, "w"))
+print("|   64 | stub row")
+'''
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_sweep_stage_runs_a_variant_in_another_tree(tmp_path):
+    # A base tree whose bench_layer.py only records how it was called: the variant naming it
+    # must run that script (from its own directory), the other one this tree's.
+    base = tmp_path / "base"
+    (base / "scripts").mkdir(parents=True)
+    (base / "scripts" / "bench_layer.py").write_text(_STUB_BENCH)
+    out = tmp_path / "out"
+    run_stages(
+        out,
+        STAGES="sweep",
+        SWEEP_ROWS="64",
+        SWEEP_SETS=f";tree={base} fwd.union_max=8",
+        SWEEP_ROUNDS="1",
+        SWEEP_ARGS="--tiny --cpu --steps 1 --warmup 1",
+        SWEEP_S="300",
+    )
+    log = (out / "sweep.log").read_text()
+    assert log.count("rc 0") == 2 and "stub row" in log, log
+    runs = json.loads((out / "sweep.json").read_text())
+    here = runs["1/0"]
+    assert "stub_tree" not in here
+    assert {row["case"] for row in here["rows"]} == {"dense", "msa_sparse_loss"}
+    assert all(row["status"] == "ok" for row in here["rows"]), here["rows"]
+    assert runs["1/1"]["stub_tree"] is True
+    argv = runs["1/1"]["argv"]
+    assert argv[argv.index("--set") + 1] == "fwd.union_max=8" and "tree=" not in " ".join(argv)
+    assert argv[argv.index("--cases") + 1] == "msa_sparse_loss"
