@@ -51,7 +51,8 @@
 # SWEEP_ARGS adds arguments (e.g. "--steps 5"). A variant's token "tree=DIR" runs it in the tree
 # DIR instead of this one (its own scripts and package): SWEEP_SETS=";tree=.base" times a change
 # on whole training steps, this tree and the base commit's (carried as .base, as for "ab")
-# alternating in each round. (A trailing empty entry is dropped: the defaults go first.)
+# alternating in each round (a trailing empty entry is dropped: the defaults go first); the JSON
+# records the tree's commit from its .commit file.
 # "profile" runs PROFILE_ROWS (default issue #28's five rows) dense and MSA in one
 # scripts/bench_layer.py process (PROFILE_S, default 420 s) with --profile and each step's Chrome
 # trace (in PROFILE_TRACE_DIR, default /tmp/msa_profile_traces), writing $OUT/profile.log and
@@ -173,13 +174,21 @@ for round in $(seq 1 "${SWEEP_ROUNDS:-2}"); do
   for v in "${!variants[@]}"; do
     sets=()
     tree=.
+    commit=${NEMO_MSA_COMMIT:-}
     for setting in ${variants[$v]}; do
-      if [[ $setting == tree=* ]]; then tree=${setting#tree=}; else sets+=(--set "$setting"); fi
+      if [[ $setting == tree=* ]]; then
+        tree=${setting#tree=}
+        # The JSON's commit: the tree's .commit file (a carried tree has no .git of its own).
+        commit=$(cat "$tree/.commit" 2>/dev/null || echo "tree $tree")
+      else
+        sets+=(--set "$setting")
+      fi
     done
     echo "== sweep $round $v: ${variants[$v]:-defaults}" | tee -a "$OUT/sweep.log"
     # shellcheck disable=SC2086  # SWEEP_ARGS is a list
-    (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" timeout "${SWEEP_S:-90}" python3 \
-      scripts/bench_layer.py --tokens "${SWEEP_ROWS:-8192,32768:4096}" --cases "$cases" \
+    (cd "$tree" && NEMO_MSA_COMMIT=$commit PYTHONPATH="/tmp/site:$PWD" \
+      timeout "${SWEEP_S:-90}" python3 scripts/bench_layer.py \
+      --tokens "${SWEEP_ROWS:-8192,32768:4096}" --cases "$cases" \
       --no-attention-rows ${SWEEP_ARGS:-} ${sets[@]+"${sets[@]}"} \
       --json "$OUT/sweep_json/$round-$v.json") > "$OUT/sweep_run.log" 2>&1
     echo "rc $?" >> "$OUT/sweep_run.log"

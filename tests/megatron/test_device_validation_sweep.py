@@ -42,10 +42,11 @@ def test_sweep_stage_runs_every_variant_each_round(tmp_path):
 
 
 _STUB_BENCH = '''
-import json, sys
+import json, os, sys
 args = sys.argv[1:]
 path = args[args.index("--json") + 1]
-json.dump({"stub_tree": True, "argv": args, "rows": []}, open(path, "w"))
+json.dump({"stub_tree": True, "argv": args, "rows": [],
+           "commit": os.environ.get("NEMO_MSA_COMMIT")}, open(path, "w"))
 print("|   64 | stub row")
 '''
 
@@ -57,6 +58,7 @@ def test_sweep_stage_runs_a_variant_in_another_tree(tmp_path):
     base = tmp_path / "base"
     (base / "scripts").mkdir(parents=True)
     (base / "scripts" / "bench_layer.py").write_text(_STUB_BENCH)
+    (base / ".commit").write_text("abc1234\n")
     out = tmp_path / "out"
     run_stages(
         out,
@@ -74,7 +76,7 @@ def test_sweep_stage_runs_a_variant_in_another_tree(tmp_path):
     assert "stub_tree" not in here
     assert {row["case"] for row in here["rows"]} == {"dense", "msa_sparse_loss"}
     assert all(row["status"] == "ok" for row in here["rows"]), here["rows"]
-    assert runs["1/1"]["stub_tree"] is True
+    assert runs["1/1"]["stub_tree"] is True and runs["1/1"]["commit"] == "abc1234"
     argv = runs["1/1"]["argv"]
     assert argv[argv.index("--set") + 1] == "fwd.union_max=8" and "tree=" not in " ".join(argv)
     assert argv[argv.index("--cases") + 1] == "msa_sparse_loss"
