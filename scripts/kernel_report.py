@@ -1,7 +1,9 @@
 """Compiles the hot MSA kernels for the H200 (sm_90a) on any machine and reports their resources.
 
 No GPU is needed: Triton compiles to PTX for a named target and its bundled ``ptxas`` and
-``cuobjdump`` give the registers, spills and machine code. For each kernel it prints registers
+``cuobjdump`` give the registers, spills and machine code. Each kernel is specialized as the
+JIT specializes a launch at the production shape (aligned pointers, strides divisible by 16,
+an integer 1 made a constant; ADR 0034). For each kernel it prints registers
 per thread, spill bytes, shared memory, and, per loop that issues tensor-core MMAs (Hopper's
 HGMMA, or the HMMA of the per-token kernels' 16-row tiles), its
 size in instructions, its program-wide barriers (BAR.SYNC) and its local-memory accesses
@@ -27,41 +29,84 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The production topology (MSA_SPEC.md): d = 128, block 128, top-k 16, 16 query heads per KV head.
 D, BS, TOPK, G = 128, 128, 16, 16
+#: The runtime integers (not strides) at the production shape, one 131072-token document and
+#: the recipe's forced blocks (none at the start, the own block): the JIT specializes an integer
+#: argument that is 1 into a constant and marks one divisible by 16 (``tt.divisibility``), and
+#: the report must compile the code the launch runs. ``max_count`` (the largest union of a
+#: tile) depends on the selection: 31 stands for a count the JIT gets no hint on.
+_T = 131072
+PRODUCTION_INTS = {"num_blocks_bound": _T // BS, "bound": _T // BS, "TQ": _T, "top_k": TOPK,
+                   "init_blocks": 0, "local_blocks": 1, "num_tiles": _T // 8, "max_count": 31}
+#: Every stride at the production shape is a multiple of 16 elements (d = 128, top-k 16, token
+#: counts a multiple of the block), and every tensor a 16-byte aligned allocation or view.
+_STRIDE = 16 * D
+
+
+@dataclass
+class Source:
+    """What ``triton.compile`` takes for one kernel: signature, constants, attributes."""
+
+    signature: dict
+    constexprs: dict
+    attrs: dict
 
 
 def _signature(fn, constexprs, pointers, floats, descs):
-    """Triton signature strings for ``fn``'s arguments: constexprs, typed pointers, fp32
-    scalars, tensor descriptors (name -> block shape), and i32 for the rest."""
-    sig = {}
-    for name in fn.arg_names:
+    """The :class:`Source` of ``fn`` as the JIT would build it at the production shape:
+    constexprs; typed pointers (``pointers``, ``*i32`` otherwise), 16-byte aligned; fp32
+    scalars; tensor descriptors (name -> block shape); integers from :data:`PRODUCTION_INTS`
+    or, for ``stride_*``, a multiple of 16, specialized by Triton's own rule."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
+    if missing:
+        raise ValueError(f"{fn.__name__}: constexpr arguments without a value: {missing}")
+    sig, consts, attrs = {}, dict(constexprs), {}
+    for index, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in descs:
+            continue
+        if name in descs:
             rows, cols = descs[name]
             sig[name] = f"tensordesc<bf16[{rows}, {cols}]>"
-        elif name.endswith("_ptr"):
-            sig[name] = pointers.get(name, "*i32")
+            continue
+        if name.endswith("_ptr"):
+            kind, spec = pointers.get(name, "*i32"), "D"
         elif name in floats:
-            sig[name] = "fp32"
+            kind, spec = "fp32", None
+        elif name.startswith("stride_"):
+            kind, spec = native_specialize_impl(BaseBackend, _STRIDE, False, True, True)
+        elif name in PRODUCTION_INTS:
+            kind, spec = native_specialize_impl(BaseBackend, PRODUCTION_INTS[name], False, True,
+                                                True)
         else:
-            sig[name] = "i32"
-    return sig
+            raise ValueError(f"{fn.__name__}: no production value for the integer {name!r}; "
+                             "add it to PRODUCTION_INTS")
+        if kind == "constexpr":
+            sig[name], consts[name] = "constexpr", spec
+            continue
+        sig[name] = kind
+        if spec:
+            attrs[(index,)] = BaseBackend.parse_attr(spec)
+    return Source(sig, consts, attrs)
 
 
 def _selection(cfg, emit, guarded):
     import nemo_msa.selection.triton_select as ts
 
-    constexprs = dict(BS=BS, BM=cfg.bm, BN=cfg.bn, D=D, KP=TOPK, FP32_DOT=False, TMA=cfg.tma)
+    constexprs = dict(BS=BS, BM=cfg.bm, BN=cfg.bn, D=D, KP=TOPK, FP32_DOT=False, TMA=cfg.tma,
+                      SUBSET=False)
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16"}
-    sig = _signature(ts._select_kernel, constexprs, pointers, set(), {"k_desc": (cfg.bn, D)})
-    return ts._select_kernel, sig, constexprs, {"num_warps": cfg.num_warps,
-                                                 "num_stages": cfg.num_stages}
+    src = _signature(ts._select_kernel, constexprs, pointers, set(), {"k_desc": (cfg.bn, D)})
+    return ts._select_kernel, src, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
 def _union_kernel(cfg, prefix, fn, pointers, floats, emit, guarded):
@@ -78,7 +123,7 @@ def _union_kernel(cfg, prefix, fn, pointers, floats, emit, guarded):
     bn = field("bn")
     qt = union_tile_tokens(field("qt"), BS, G)  # the tile the launch would use
     constexprs = dict(TOPK=TOPK, KP=TOPK, G=G, GP=G, QT=qt, BS=BS, BN=bn, D=D, FP32_DOT=False,
-                      TMA=field("tma"), UW=next_pow2(qt * TOPK), GUARD=guarded)
+                      TMA=field("tma"), UW=next_pow2(qt * TOPK), GUARD=guarded, SUBSET=False)
     options = {"num_warps": field("warps"), "num_stages": field("stages")}
     if "OWN_TMA" in fn.arg_names:  # the forward
         import nemo_msa.attention.triton_fwd as tf
@@ -87,8 +132,8 @@ def _union_kernel(cfg, prefix, fn, pointers, floats, emit, guarded):
         constexprs.update(OWN_TMA=own_tma, EMIT=emit)
         options.update(register_cap(tf.union_register_cap(field("maxnreg"), own_tma),
                                     interpret=False))
-    sig = _signature(fn, constexprs, pointers, floats, {"k_desc": (bn, D), "v_desc": (bn, D)})
-    return fn, sig, constexprs, options
+    return fn, _signature(fn, constexprs, pointers, floats,
+                          {"k_desc": (bn, D), "v_desc": (bn, D)}), options
 
 
 def _forward_union(cfg, emit, guarded):
@@ -120,8 +165,8 @@ def _per_token(cfg, fn, pointers, floats, fields, emit):
                       QT=union_tile_tokens(qt, BS, G), TPP=tpp, SUBSET=False)
     if "EMIT" in fn.arg_names:
         constexprs.update(KP=TOPK, EMIT=emit)
-    sig = _signature(fn, constexprs, pointers, floats, {})
-    return fn, sig, constexprs, {"num_warps": warps, "num_stages": stages}
+    return fn, _signature(fn, constexprs, pointers, floats, {}), {"num_warps": warps,
+                                                                  "num_stages": stages}
 
 
 def _forward_token(cfg, emit, guarded):
@@ -149,9 +194,9 @@ def _union_build(cfg, emit, guarded):
 
     qt = tu.union_tile_tokens(cfg.union_qt, BS, G)
     constexprs = dict(TOPK=TOPK, QT=qt, BS=BS, WIDTH=qt * TOPK, W=next_pow2(qt * TOPK),
-                      TP=cfg.union_build_tiles)
-    sig = _signature(tu._tile_union_kernel, constexprs, {}, set(), {})
-    return tu._tile_union_kernel, sig, constexprs, {"num_warps": cfg.union_build_warps}
+                      TP=cfg.union_build_tiles, SUBSET=False)
+    return (tu._tile_union_kernel, _signature(tu._tile_union_kernel, constexprs, {}, set(), {}),
+            {"num_warps": cfg.union_build_warps})
 
 
 def _byproduct_pass(fn_name, extra):
@@ -164,8 +209,8 @@ def _byproduct_pass(fn_name, extra):
                 "factor_ptr": "*fp32", "part_ptr": "*fp32", "chunk_block_ptr": "*i64",
                 "offsets_ptr": "*i64", "end_ptr": "*i64", "split_end_ptr": "*i64",
                 "dk_ptr": "*bf16"}
-    sig = _signature(fn, constexprs, pointers, set(), {})
-    return fn, sig, constexprs, {"num_warps": tb._WARPS, "num_stages": 2}
+    return fn, _signature(fn, constexprs, pointers, set(), {}), {"num_warps": tb._WARPS,
+                                                                  "num_stages": 2}
 
 
 def _loss_scores(cfg, emit, guarded):
@@ -224,8 +269,9 @@ def report(kernel, cfg, emit=False, guarded=False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, sig, constexprs, options = KERNELS[kernel][1](cfg, emit, guarded)
-    compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs),
+    fn, src, options = KERNELS[kernel][1](cfg, emit, guarded)
+    compiled = triton.compile(ASTSource(fn, src.signature, constexprs=src.constexprs,
+                                        attrs=src.attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"

@@ -3,6 +3,7 @@ registers, spills and MMA loops from ptxas and the disassembly."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -77,3 +78,46 @@ def test_kernel_report_shows_the_per_token_kernels_hmma_loops():
         other = _run("--kernel", kernel, "--set", variant)
         assert other.returncode == 0, other.stderr[-2000:]
         assert other.stdout.splitlines()[0] != res.stdout.splitlines()[0], other.stdout
+
+
+_SOURCE_OF_SEL = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import kernel_report as kr
+from bench_msa import apply_overrides
+import nemo_msa.selection.triton_select as ts
+
+with apply_overrides([]) as launches:
+    _, src, _ = kr.KERNELS["sel"][1](launches["sel"], False, False)
+names = ts._select_kernel.arg_names
+try:
+    kr._signature(ts._select_kernel, {"BS": 128}, {}, set(), {})
+    missing = None
+except ValueError as err:
+    missing = str(err)
+print(json.dumps({
+    "local_blocks": [src.signature["local_blocks"], src.constexprs.get("local_blocks")],
+    "attrs": {names[k[0]]: v for k, v in src.attrs.items()},
+    "subset": src.constexprs.get("SUBSET"),
+    "missing": missing,
+}))
+"""
+
+
+def test_kernel_report_compiles_what_the_jit_launches():
+    """The report's source is specialized by the JIT's own rule at the production shape: an
+    integer 1 (local_blocks) becomes a constant, aligned pointers and strides and integers
+    divisible by 16 get tt.divisibility, and every constexpr has a value; without that the
+    compiled code is not the launched code (unvectorized loads, and spills it does not have)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _SOURCE_OF_SEL, str(SCRIPT.parent)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["local_blocks"] == ["constexpr", 1]
+    hint = [["tt.divisibility", 16]]
+    for name in ("q_ptr", "k_ptr", "out_ptr", "stride_qt", "stride_kt", "top_k", "init_blocks",
+                 "num_blocks_bound"):
+        assert out["attrs"].get(name) == hint, (name, out["attrs"])
+    assert out["subset"] is False
+    assert out["missing"] and "constexpr arguments without a value" in out["missing"]
