@@ -4,7 +4,8 @@
 #   2. a few hundred steps of single-GPU pretraining, bf16, Triton backend (issue 5, item 9);
 #   3. the pipeline integration recipe collapsed to TP=1/PP=1 on one GPU (issue 6, what one GPU
 #      allows).
-# Needs the megatron-core and omegaconf wheels in .whl/ (see README "GPU"); writes to $OUT.
+# Needs the megatron-core and omegaconf wheels in .whl/ (`pip download`, as the device tool's
+# README says; carried with `carry`); writes to $OUT.
 # PRETRAIN_ARGS adds recipe overrides to stage 2 (e.g. model.msa_indexer_loss_type=sparse).
 # STAGES picks the parts to run (default: all three, "tests pretrain pp1"; GPU_TEST_PATHS narrows
 # the first pytest call of "tests", e.g. to tests/core/test_dense_attention.py); "bench" adds
