@@ -12,7 +12,8 @@
 # (400 s) and GPU_MARKED_S (120 s), fill one call: in session 10 on an H100, 367 of the first's
 # 531 tests ran in 230 s, and the second took 9 s;
 # "pretrain pp1" is a second call; GPU_TEST_PATHS narrows the first pytest call, e.g. to
-# tests/core/test_dense_attention.py; a call stopped by its bound says so in the log); "bench" adds
+# tests/core/test_dense_attention.py; the log gives each pytest call's exit status, 124 where
+# its bound stopped it); "bench" adds
 # scripts/bench_msa.py runs, one per ';'-separated argument list in BENCH_RUNS, all logged to
 # $OUT/bench.log under "== bench <n>" headers (one file: the device tool returns only a few).
 # "rows" runs issue #28's five bench_layer.py rows (ROWS_TOKENS) twice: dense and MSA with the
@@ -107,27 +108,18 @@ export PYTHONUNBUFFERED=1
 # The gpu-marked tests everywhere, plus every core and kernel test: the interpreter-sized checks
 # also run compiled on the GPU. The whole log is kept (a failure's traceback included).
 STAGES="${STAGES:-tests}"
-# bounded SECONDS LOG CMD...: CMD bounded by SECONDS, appended to LOG, and a line saying so where
-# the bound stopped it (pytest then prints no summary: its progress line shows how far it got).
-bounded() {
-  local seconds=$1 log=$2
-  shift 2
-  timeout "$seconds" "$@" >> "$log" 2>&1
-  local rc=$?
-  if (( rc == 124 )); then
-    echo "== stopped at its ${seconds} s bound: $*" | cut -c1-200 >> "$log"
-  fi
-  return $rc
-}
 if [[ " $STAGES " == *" tests "* ]]; then
-: > "$OUT/gpu_tests.log"
+# Each pytest call's exit status follows its output, as in the other stages: a call its bound
+# stopped ("rc 124") prints no summary, only the progress line that shows how far it got.
 # shellcheck disable=SC2086  # GPU_TEST_PATHS (default: tests/core tests/msa_kernels) is a list
-bounded "${GPU_TESTS_S:-400}" "$OUT/gpu_tests.log" python3 -m pytest -q -m "gpu or not slow" \
-  ${GPU_TEST_PATHS:-tests/core tests/msa_kernels} -rs -p no:cacheprovider -W ignore::UserWarning
-echo >> "$OUT/gpu_tests.log"
-bounded "${GPU_MARKED_S:-120}" "$OUT/gpu_tests.log" python3 -m pytest -q -m gpu tests/megatron \
-  tests/training -rs -p no:cacheprovider -W ignore::UserWarning
-grep -E "passed|failed|error|^== stopped" "$OUT/gpu_tests.log"
+timeout "${GPU_TESTS_S:-400}" python3 -m pytest -q -m "gpu or not slow" \
+  ${GPU_TEST_PATHS:-tests/core tests/msa_kernels} -rs -p no:cacheprovider -W ignore::UserWarning \
+  > "$OUT/gpu_tests.log" 2>&1
+echo -e "\nrc $?" >> "$OUT/gpu_tests.log"
+timeout "${GPU_MARKED_S:-120}" python3 -m pytest -q -m gpu tests/megatron tests/training -rs \
+  -p no:cacheprovider -W ignore::UserWarning >> "$OUT/gpu_tests.log" 2>&1
+echo -e "\nrc $?" >> "$OUT/gpu_tests.log"
+grep -E "passed|failed|error|^rc " "$OUT/gpu_tests.log"
 fi
 
 if [[ " $STAGES " == *" pretrain "* ]]; then
