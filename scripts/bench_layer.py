@@ -57,9 +57,10 @@ the union of a ``union_qt``-token tile), ``union_kernel_share`` (the share of th
 ``union_inflation`` (the union kernel's work over that exact work). ``--index coherent`` makes
 the MSA layers' index queries coherent within each 128-token block, as a trained indexer's
 selections are (``layer_bench/selection.py``); the default, ``fresh``, keeps the untrained
-indexer's random ones. A row that runs out of memory or one of whose warm-up steps exceeds
-``--max-step-s`` is reported as ``oom`` / ``too_slow`` and the run continues (larger sizes of
-that case are then skipped and reported as such).
+indexer's random ones. A row that runs out of memory or one of whose warm-up steps after the first
+(which compiles the kernels; the only one with ``--warmup 1``) exceeds ``--max-step-s`` is
+reported as ``oom`` / ``too_slow`` and the run continues (larger sizes of that case are then
+skipped and reported as such).
 
 Usage::
 
@@ -218,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per row (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1)")
     ap.add_argument("--max-step-s", type=float, default=30.0,
-                    help="a row with a warm-up step longer than this is reported too_slow")
+                    help="a row with a warm-up step after the first (which compiles) longer "
+                    "than this is reported too_slow")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default 8192; tiny 256)")
     ap.add_argument("--no-attention-rows", action="store_true",
                     help="skip the dense_attention / cudnn_attention rows")
