@@ -9,11 +9,13 @@
 # README says; carried with `carry`); writes to $OUT.
 # PRETRAIN_ARGS adds recipe overrides to stage 2 (e.g. model.msa_indexer_loss_type=sparse).
 # STAGES picks the parts to run (default "tests": its two pytest calls, bounded by GPU_TESTS_S
-# (400 s) and GPU_MARKED_S (120 s), fill one call: in session 10 on an H100, 367 of the first's
-# 531 tests ran in 230 s, and the second took 9 s;
+# (400 s) and GPU_MARKED_S (120 s), fill one call, but the first does not finish in it: on an
+# H100, 367 of its 531 tests ran in 230 s and 101 of the rest in 290 s, and the second 9-17 s;
 # "pretrain pp1" is a second call; GPU_TEST_PATHS narrows the first pytest call, e.g. to
-# tests/core/test_dense_attention.py; the log gives each pytest call's exit status, 124 where
-# its bound stopped it); "bench" adds
+# tests/core/test_dense_attention.py, or to the files from where a bound stopped the last call;
+# the log gives each pytest call's exit status, 124 where its bound stopped it, and the bound
+# interrupts pytest, which still prints its counts; the output names the last test the first
+# call finished); "bench" adds
 # scripts/bench_msa.py runs, one per ';'-separated argument list in BENCH_RUNS, all logged to
 # $OUT/bench.log under "== bench <n>" headers (one file: the device tool returns only a few).
 # "rows" runs issue #28's five bench_layer.py rows (ROWS_TOKENS) twice: dense and MSA with the
@@ -109,17 +111,22 @@ export PYTHONUNBUFFERED=1
 # also run compiled on the GPU. The whole log is kept (a failure's traceback included).
 STAGES="${STAGES:-tests}"
 if [[ " $STAGES " == *" tests "* ]]; then
-# Each pytest call's exit status follows its output, as in the other stages: a call its bound
-# stopped ("rc 124") prints no summary, only the progress line that shows how far it got.
+# Each pytest call's exit status follows its output, as in the other stages ("rc 124" where its
+# bound stopped it). The bound interrupts pytest (SIGINT; a kill 30 s later if that does not end
+# it), so a stopped call still prints its counts and skip reasons; the first call names each test
+# as it ends (-v), so the log shows where its bound stopped it and the next call can start there.
 # shellcheck disable=SC2086  # GPU_TEST_PATHS (default: tests/core tests/msa_kernels) is a list
-timeout "${GPU_TESTS_S:-400}" python3 -m pytest -q -m "gpu or not slow" \
+timeout -s INT -k 30 "${GPU_TESTS_S:-400}" python3 -m pytest -v -m "gpu or not slow" \
   ${GPU_TEST_PATHS:-tests/core tests/msa_kernels} -rs -p no:cacheprovider -W ignore::UserWarning \
   > "$OUT/gpu_tests.log" 2>&1
 echo -e "\nrc $?" >> "$OUT/gpu_tests.log"
-timeout "${GPU_MARKED_S:-120}" python3 -m pytest -q -m gpu tests/megatron tests/training -rs \
-  -p no:cacheprovider -W ignore::UserWarning >> "$OUT/gpu_tests.log" 2>&1
+timeout -s INT -k 30 "${GPU_MARKED_S:-120}" python3 -m pytest -q -m gpu tests/megatron \
+  tests/training -rs -p no:cacheprovider -W ignore::UserWarning >> "$OUT/gpu_tests.log" 2>&1
 echo -e "\nrc $?" >> "$OUT/gpu_tests.log"
-grep -E "passed|failed|error|^rc " "$OUT/gpu_tests.log"
+# The summaries, failures and statuses, and the last test the first call finished.
+grep -E "^(=+ )?[0-9]+ (passed|failed|skipped|error)|^(FAILED|ERROR) |^rc " "$OUT/gpu_tests.log"
+grep -E "::.* (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)" "$OUT/gpu_tests.log" | tail -n 1 \
+  | sed 's/^/last test: /'
 fi
 
 if [[ " $STAGES " == *" pretrain "* ]]; then

@@ -23,3 +23,20 @@ def test_tests_stage_gives_each_pytest_calls_exit_status(tmp_path):
     statuses = [line for line in log.splitlines() if line.startswith("rc ")]
     assert statuses == ["rc 0", "rc 124"], log
     assert "rc 124" in proc.stdout.splitlines(), proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_a_stopped_call_still_counts_and_names_the_last_test(tmp_path):
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("import time\n\n\ndef test_fast():\n    assert 1 + 1 == 2\n\n\n"
+                     "def test_slow():\n    time.sleep(120)\n")
+    out = tmp_path / "out"
+    proc = run_stages(out, STAGES="tests", GPU_TEST_PATHS=str(probe), GPU_TESTS_S="20",
+                      GPU_MARKED_S="1")
+    log = (out / "gpu_tests.log").read_text()
+    # The bound interrupts the first call in test_slow: pytest still prints its count.
+    assert "1 passed" in log and "KeyboardInterrupt" in log, log
+    statuses = [line for line in log.splitlines() if line.startswith("rc ")]
+    assert statuses == ["rc 124", "rc 124"], log
+    last = [line for line in proc.stdout.splitlines() if line.startswith("last test: ")]
+    assert len(last) == 1 and "test_probe.py::test_fast PASSED" in last[0], proc.stdout
