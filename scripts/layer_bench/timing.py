@@ -159,8 +159,8 @@ def run_timed(bench, args, on_gpu: bool, row: dict, key: str) -> None:
     timer = Timer(on_gpu)
     reset_peak(on_gpu)
     warm: list[float] = []
-    steps = max(1, args.warmup)
-    for i in range(steps):
+    warmups = max(1, args.warmup)
+    for i in range(warmups):
         inputs = prepare()
         with timer.region(warm):
             run(inputs)
@@ -169,7 +169,7 @@ def run_timed(bench, args, on_gpu: bool, row: dict, key: str) -> None:
         # The first step compiles every kernel the row launches (32.6 s at 8192 tokens on a cold
         # Triton cache on the H100), so it decides only where it is the only warm-up step; after
         # it, one slow step is all a too-slow row costs.
-        if (i > 0 or steps == 1) and warm[-1] > args.max_step_s * 1e3:
+        if (i > 0 or warmups == 1) and warm[-1] > args.max_step_s * 1e3:
             row.update(status="too_slow", peak_gib=peak_gib(on_gpu))
             row["note"] = f"a warm-up step took {warm[-1] / 1e3:.1f} s > --max-step-s"
             return
