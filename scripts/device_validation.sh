@@ -65,8 +65,9 @@
 # scripts/bench_layer.py process (PROFILE_S, default 420 s) with --profile and each step's Chrome
 # trace (in PROFILE_TRACE_DIR, default /tmp/msa_profile_traces), writing $OUT/profile.log and
 # $OUT/profile.json; then scripts/layer_bench/trace_attribution.py attributes every MSA trace by
-# site and minus the dense trace of its row (what the MSA step adds) into $OUT/attribution.txt.
-# PROFILE_ARGS adds arguments.
+# site, and the GPU's idle time by the kernel it waited for, each also minus the dense trace of
+# its row (what the MSA step adds), into $OUT/attribution.txt; the traces of the rows of up to
+# 32768 tokens come back gzipped in $OUT/traces_short.tgz. PROFILE_ARGS adds arguments.
 set -uo pipefail
 # table_or_tail LOG HEADER FALLBACK: LOG from the line matching HEADER (a basic regex) on, or,
 # where the run printed no table, LOG's lines matching FALLBACK (extended) and its last 15.
@@ -246,6 +247,13 @@ for msa in "$traces"/msa_sparse_loss_*.json; do
     ${against[@]+"${against[@]}"} >> "$OUT/attribution.txt" 2>&1
 done
 grep -E '^== |minus|by kind' "$OUT/attribution.txt"
+# The short rows' traces (about 0.3 MB gzipped) for reading their idle gaps here.
+short=()
+for t in "$traces"/*.json; do
+  [[ ${t##*/} =~ _([0-9]+)(_mean[0-9]+)?\.json$ ]] && ((BASH_REMATCH[1] <= 32768)) \
+    && short+=("${t##*/}")
+done
+[[ ${#short[@]} -gt 0 ]] && tar -C "$traces" -czf "$OUT/traces_short.tgz" "${short[@]}"
 fi
 
 if [[ " $STAGES " == *" layer "* ]]; then

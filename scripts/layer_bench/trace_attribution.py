@@ -3,14 +3,18 @@ op that launched them: the autograd node for backward kernels, the outermost > i
 for forward ones; GEMMs and Triton kernels are grouped apart from the small kernels, so the
 fixed cost around the indexer, the selection and the loss shows by the code that causes it.
 
+The GPU's idle time is attributed the same way: each gap between GPU events is charged to the
+group of the kernel that ends it, whose launch the GPU was waiting for. Where the host issues a
+step more slowly than the GPU runs it, these waits show which host work the GPU waits on.
+
 With ``--against DENSE_TRACE`` each trace is also compared with that one (the dense layer's step
-on the same row): GPU busy and idle time and every group's time as this trace minus that one,
-so what the MSA step adds over the dense step shows by site.
+on the same row): GPU busy and idle time, every group's time and every group's waits as this
+trace minus that one, so what the MSA step adds over the dense step shows by site.
 
 Usage::
 
     python scripts/layer_bench/trace_attribution.py TRACE.json[.gz] [...] [--top N]
-        [--against DENSE_TRACE.json]
+        [--top-waits N] [--against DENSE_TRACE.json]
 """
 
 from __future__ import annotations
@@ -54,17 +58,16 @@ def gpu_span(trace: dict) -> float:
     return max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)
 
 
-def attribute(trace: dict) -> tuple[float, collections.Counter, collections.Counter]:
-    """GPU busy time (us), and time (us) and count per (kind, launching op) group."""
+def _groups(trace: dict):
+    """The trace's GPU events in start order, each with its (kind, launching op) group."""
     events = trace["traceEvents"]
-    kernels = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    kernels = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     ops_by_thread = collections.defaultdict(list)
     for e in events:
         if e.get("cat") == "cpu_op":
             ops_by_thread[e["tid"]].append(e)
-    time, count = collections.Counter(), collections.Counter()
     for k in kernels:
         launch = launches.get(k.get("args", {}).get("correlation"))
         stack = host_stack(launch, ops_by_thread) if launch else []
@@ -73,9 +76,31 @@ def attribute(trace: dict) -> tuple[float, collections.Counter, collections.Coun
         kind = kernel_kind(k["name"])
         if kind == "small":
             owner = f"{owner} > {stack[-1] if stack else '?'}"
-        time[(kind, owner)] += k["dur"]
-        count[(kind, owner)] += 1
-    return sum(k["dur"] for k in kernels), time, count
+        yield k, (kind, owner)
+
+
+def attribute(trace: dict) -> tuple[float, collections.Counter, collections.Counter]:
+    """GPU busy time (us), and time (us) and count per (kind, launching op) group."""
+    time, count = collections.Counter(), collections.Counter()
+    busy = 0.0
+    for k, group in _groups(trace):
+        time[group] += k["dur"]
+        count[group] += 1
+        busy += k["dur"]
+    return busy, time, count
+
+
+def waits(trace: dict) -> collections.Counter:
+    """GPU idle time (us) per (kind, launching op) group: each gap between GPU events (after
+    the latest end so far, so overlapping events leave none) goes to the event that ends it.
+    Where no two events overlap, the values sum to the trace's idle time (:func:`summarize`)."""
+    wait = collections.Counter()
+    end = None
+    for k, group in _groups(trace):
+        if end is not None and k["ts"] > end:
+            wait[group] += k["ts"] - end
+        end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
+    return wait
 
 
 def by_kind(time: collections.Counter) -> collections.Counter:
@@ -87,37 +112,43 @@ def by_kind(time: collections.Counter) -> collections.Counter:
 
 
 def summarize(trace: dict) -> dict:
-    """A trace's GPU span, busy and idle time (us), and its per-group times and counts.
+    """A trace's GPU span, busy and idle time (us), and its per-group times, counts and waits.
 
     Returns:
-        ``{"span", "busy", "idle": float, "time", "count": Counter}`` (groups as
-        :func:`attribute`'s).
+        ``{"span", "busy", "idle": float, "time", "count", "wait": Counter}`` (groups as
+        :func:`attribute`'s; ``wait`` as :func:`waits`).
     """
     busy, time, count = attribute(trace)
     span = gpu_span(trace)
-    return {"span": span, "busy": busy, "idle": span - busy, "time": time, "count": count}
+    return {"span": span, "busy": busy, "idle": span - busy, "time": time, "count": count,
+            "wait": waits(trace)}
 
 
 def difference(a: dict, b: dict) -> dict:
     """Summary ``a`` minus summary ``b`` (:func:`summarize`; us): GPU span, busy and idle time,
-    and per kind and group.
+    and per kind and group, of the kernels' time and of the GPU's waits.
 
     Returns:
-        ``{"span", "busy", "idle": float, "kinds": Counter, "groups": Counter}``; a group present
-        on one side only counts as zero on the other. Counters keep negative values (what ``b``
-        spends more).
+        ``{"span", "busy", "idle": float, "kinds", "groups", "waits": Counter}``; a group
+        present on one side only counts as zero on the other. Counters keep negative values
+        (what ``b`` spends more).
     """
-    groups = collections.Counter()
+    groups, wait = collections.Counter(), collections.Counter()
     for key in set(a["time"]) | set(b["time"]):
         groups[key] = a["time"][key] - b["time"][key]
+    for key in set(a["wait"]) | set(b["wait"]):
+        wait[key] = a["wait"][key] - b["wait"][key]
     return {"span": a["span"] - b["span"], "busy": a["busy"] - b["busy"],
-            "idle": a["idle"] - b["idle"], "kinds": by_kind(groups), "groups": groups}
+            "idle": a["idle"] - b["idle"], "kinds": by_kind(groups), "groups": groups,
+            "waits": wait}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--top-waits", type=int, default=15,
+                    help="groups listed by the GPU idle time before their kernels")
     ap.add_argument("--against", default=None, metavar="TRACE",
                     help="also print each trace minus this one (the dense step of the same row)")
     args = ap.parse_args()
@@ -130,6 +161,9 @@ def main() -> None:
         print("  by kind (ms):", {k: round(v / 1e3, 1) for k, v in by_kind(time).items()})
         for key, us in time.most_common(args.top):
             print(f"  {us / 1e3:8.3f} ms {count[key]:4d}  {key[0][:22]:22s} {key[1][:110]}")
+        print("  GPU idle before the kernels of (ms):")
+        for key, us in this["wait"].most_common(args.top_waits):
+            print(f"  {us / 1e3:8.3f} ms  {key[0][:22]:22s} {key[1][:110]}")
         if base is not None:
             diff = difference(this, base)
             print(f"  -- minus {args.against}: span {diff['span'] / 1e3:+.1f} ms, busy "
@@ -137,6 +171,10 @@ def main() -> None:
             print("  by kind (ms):", {k: round(v / 1e3, 1) for k, v in diff["kinds"].items()})
             ranked = sorted(diff["groups"].items(), key=lambda kv: -abs(kv[1]))
             for key, us in ranked[: args.top]:
+                print(f"  {us / 1e3:+8.3f} ms  {key[0][:22]:22s} {key[1][:110]}")
+            print("  GPU idle before the kernels of, minus the base's (ms):")
+            ranked = sorted(diff["waits"].items(), key=lambda kv: -abs(kv[1]))
+            for key, us in ranked[: args.top_waits]:
                 print(f"  {us / 1e3:+8.3f} ms  {key[0][:22]:22s} {key[1][:110]}")
 
 

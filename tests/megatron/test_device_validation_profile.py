@@ -1,11 +1,12 @@
 """scripts/device_validation.sh's "profile" stage on the CPU (bench_layer.py --tiny --cpu): dense
-and MSA rows are profiled with their traces in one process, and every MSA trace is attributed
-minus the dense trace of its row."""
+and MSA rows are profiled with their traces in one process, every MSA trace is attributed
+minus the dense trace of its row, and the short rows' traces come back gzipped."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import tarfile
 
 import pytest
 from _device_validation import run_stages
@@ -38,4 +39,7 @@ def test_profile_stage_attributes_each_msa_trace_against_its_dense_row(tmp_path)
         msa, dense = traces / f"msa_sparse_loss_{row}.json", traces / f"dense_{row}.json"
         assert f"== {msa}: GPU busy" in attribution, attribution
         assert f"-- minus {dense}: span" in attribution, attribution
+        assert "GPU idle before the kernels of, minus the base's (ms):" in attribution
     assert "Traceback" not in attribution, attribution
+    with tarfile.open(out / "traces_short.tgz") as tar:
+        assert sorted(tar.getnames()) == names

@@ -1,5 +1,6 @@
 """scripts/layer_bench/trace_attribution.py on synthetic Chrome traces: kernels land on the host
-op (or backward node) that launched them, and ``--against`` subtracts the dense step's trace."""
+op (or backward node) that launched them, the GPU's idle gaps on the kernel that ends each, and
+``--against`` subtracts the dense step's trace."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from layer_bench.trace_attribution import (  # noqa: E402
     difference,
     gpu_span,
     summarize,
+    waits,
 )
 
 
@@ -68,6 +70,32 @@ def test_difference_is_msa_minus_dense_by_site():
     assert back["groups"][("TRITON:_fwd_kernel", "_SparseAttention")] == -70.0
 
 
+def test_waits_charge_each_gap_to_the_kernel_that_ends_it():
+    wait = waits(MSA)
+    add = ("small", "aten::add > aten::add")
+    silu = ("small", "SiluBackward0 > autograd::engine::evaluate_function: SiluBackward0")
+    fwd = ("TRITON:_fwd_kernel", "_SparseAttention")
+    assert wait == {add: 50.0, silu: 70.0, fwd: 80.0}
+    # The first kernel waits for nothing, and the waits add up to the idle time.
+    assert ("GEMM", "aten::mm") not in wait
+    assert sum(wait.values()) == summarize(MSA)["idle"] == 200.0
+    diff = difference(summarize(MSA), summarize(DENSE))
+    assert diff["waits"][fwd] == 80.0 and diff["waits"][silu] == -20.0
+    assert diff["waits"][add] == 0.0
+
+
+def test_waits_count_no_gap_under_an_overlapping_kernel():
+    # The second kernel starts before the first ends and ends after the third starts: no gap
+    # until the fourth, which waits from the latest end (300), not from the third's (230).
+    trace = _trace([
+        ("aten::mm", "nvjet_gemm_a", 100.0, 200.0),
+        ("aten::add", "elementwise_add", 150.0, 50.0),
+        ("aten::mul", "elementwise_mul", 210.0, 20.0),
+        ("_Rope", "_rope_kernel", 340.0, 10.0),
+    ])
+    assert waits(trace) == {("TRITON:_rope_kernel", "_Rope"): 40.0}
+
+
 def test_cli_prints_the_difference(tmp_path):
     (tmp_path / "dense.json").write_text(json.dumps(DENSE))
     (tmp_path / "msa.json").write_text(json.dumps(MSA))
@@ -80,3 +108,6 @@ def test_cli_prints_the_difference(tmp_path):
     assert "idle 0.2 ms" in proc.stdout
     assert "span +0.1 ms, busy +0.1 ms, idle +0.1 ms" in proc.stdout
     assert "+0.070 ms  TRITON:_fwd_kernel" in proc.stdout
+    assert "GPU idle before the kernels of (ms):" in proc.stdout
+    assert "0.080 ms  TRITON:_fwd_kernel" in proc.stdout
+    assert "GPU idle before the kernels of, minus the base's (ms):" in proc.stdout
