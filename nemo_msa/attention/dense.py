@@ -28,6 +28,7 @@ See docs/adr/0012-dense-document-attention.md and 0020-context-parallelism.md.
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -243,24 +244,34 @@ def dense_attention_runs(
         with :mod:`nemo_msa.attention.finite`): SDPA multiplies masked probabilities with them.
     """
     heads_q, heads_kv, dim = q.shape[1], k.shape[1], q.shape[2]
+    # One split per tensor, not a slice per run: a slice's backward writes a gradient of the
+    # whole tensor (zeros around the run) and autograd adds them up, a pass over all of q, k
+    # and v per run (6 ms of a 188 ms packed 32768-token step on an H100); a split's backward
+    # is one concatenation.
+    sizes = [run.count * run.length for run in runs]
+    starts = [0, *itertools.accumulate(sizes)]
+    if [run.start for run in runs] != starts[:-1] or starts[-1] != q.shape[0]:
+        raise ValueError(
+            f"runs={tuple(runs)}; expected runs covering q's rows [0, {q.shape[0]}) in order, "
+            f"back to back (each run.start the previous run's start + count * length)"
+        )
+    parts = zip(*(x.split(sizes) if len(runs) > 1 else (x,) for x in (q, k, v)), strict=True)
     outputs = []
     with _backend_preference(backends):
-        for run in runs:
-            stop = run.start + run.count * run.length
-
+        for run, (q_run, k_run, v_run) in zip(runs, parts, strict=True):
             tail = (pad_to(run.length) if pad_to is not None else run.length) - run.length
 
-            def view(x: torch.Tensor, heads: int, run=run, stop=stop, tail=tail):
+            def view(part: torch.Tensor, heads: int, run=run, tail=tail):
                 # [n * L, H, d] -> [n, H, L (+ tail), d]: a strided view of contiguous compact
                 # tensors (SDPA takes any strides with the last dim contiguous), or a copy with
                 # zero rows appended to each document when it is padded.
-                part = x[run.start : stop].reshape(run.count, run.length, heads, dim)
+                part = part.reshape(run.count, run.length, heads, dim)
                 if tail:
                     part = F.pad(part, (0, 0, 0, 0, 0, tail))
                 return part.transpose(1, 2)
 
             out = _causal_gqa_sdpa(
-                view(q, heads_q), view(k, heads_kv), view(v, heads_kv), softmax_scale
+                view(q_run, heads_q), view(k_run, heads_kv), view(v_run, heads_kv), softmax_scale
             )
             out = out.transpose(1, 2)[:, : run.length]
             outputs.append(out.reshape(run.count * run.length, heads_q, dim))
@@ -447,9 +458,13 @@ def dense_document_attention_queries(
     heads_q, heads_kv = q.shape[1], k.shape[1]
     k, v, reached = finite_keys_and_values(k, v, msa, queries)
     outputs = []
+    runs = query_runs(msa, queries)
+    # One split of q rather than a slice per run (see dense_attention_runs); the key ranges of
+    # two runs can overlap, so k and v stay sliced (Hkv heads, Hq / Hkv times smaller).
+    q_runs = q.split([run.count for run in runs]) if len(runs) > 1 else (q,) * len(runs)
     with _backend_preference(backends):
-        for run in query_runs(msa, queries):
-            qs = q[run.query_start : run.query_start + run.count].transpose(0, 1)[None]
+        for run, q_run in zip(runs, q_runs, strict=True):
+            qs = q_run.transpose(0, 1)[None]
             ks = k[run.key_start : run.key_stop].transpose(0, 1)[None]
             vs = v[run.key_start : run.key_stop].transpose(0, 1)[None]
             out = F.scaled_dot_product_attention(

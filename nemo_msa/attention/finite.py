@@ -41,9 +41,13 @@ def finite_keys_and_values(
         KV head that is not finite.
     """
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [T, Hkv]
-    seen = torch.cumsum(bad.to(torch.int32), dim=0)  # non-finite rows at compact rows <= t
+    # Non-finite rows at compact rows <= t, per KV head: one flat scan of the head-major copy.
+    # Each head's counts are offset by the heads before it, which the difference below
+    # cancels; a scan down dim 0 of [T, Hkv] runs torch's outer-dimension kernel over Hkv
+    # columns (1.4 ms at 8192 tokens and 22.9 ms at 131072 on an H100, against microseconds).
+    seen = torch.cumsum(bad.t().reshape(-1), dim=0).view(bad.shape[1], -1).t()  # int64
     first = msa.cu_seqlens.long()[msa.token_documents.long()]  # the document's first row
-    reached = (seen - seen[first] + bad[first].to(torch.int32)) > 0
+    reached = (seen - seen[first] + bad[first]) > 0
     if queries is not None:
         reached = reached[queries]
     # Whole (token, head) rows are zeroed: their attenders are NaN anyway, and autograd keeps

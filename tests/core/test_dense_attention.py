@@ -131,6 +131,50 @@ def test_one_batched_call_per_run(monkeypatch):
     assert [c[3] - calls[0][3] for c in calls] == [s * 2 * 4 * element for s in starts]
 
 
+def _graph_nodes(out: torch.Tensor) -> list[str]:
+    """Names of the autograd nodes ``out`` reaches."""
+    seen, stack, names = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return names
+
+
+def test_runs_split_the_inputs_once_rather_than_slicing_per_run():
+    """Each run's q, k, v come from one split per tensor: a slice's backward would write a
+    gradient of the whole tensor per run (a pass over all of q per document in packed rows)."""
+    rows = [[(6, 0)] * 4 + [(3, 0)], [(9, 0), (6, 0)]]
+    msa = MSAMicrobatch.from_document_map(document_map_from_rows(rows, 27), block_size=16)
+    q, k, v, dout = _inputs(msa, 6, 2, 4, torch.float64, torch.Generator().manual_seed(0))
+    out = dense_document_attention_per_document(q, k, v, msa, 0.5, pad_to=None)
+    names = _graph_nodes(out)
+    assert len(document_runs(msa)) == 4
+    assert names.count("SplitWithSizesBackward0") == 3, names
+    assert "SliceBackward0" not in names, names
+    # The same function as the masked rows (the split changes only the plan's graph).
+    reference = _forward_and_grads(dense_document_attention_rows, q, k, v, dout, msa, 0.5)
+    got = _forward_and_grads(
+        lambda *a: dense_document_attention_per_document(*a, pad_to=None), q, k, v, dout, msa,
+        0.5,
+    )
+    assert max(_max_errors(got, reference)) < 1e-12
+
+
+def test_runs_that_do_not_cover_q_in_order_are_refused():
+    from nemo_msa.attention.dense import dense_attention_runs
+
+    q, k, v = (torch.randn(10, h, 4) for h in (2, 1, 1))
+    for runs in ((DocumentRun(0, 1, 4),), (DocumentRun(4, 1, 6), DocumentRun(0, 1, 4))):
+        with pytest.raises(ValueError, match=r"runs=.*expected runs covering q's rows \[0, 10\)"):
+            dense_attention_runs(q, k, v, runs, 0.5)
+    out = dense_attention_runs(q, k, v, (DocumentRun(0, 1, 4), DocumentRun(4, 1, 6)), 0.5)
+    assert out.shape == q.shape
+
+
 def test_dense_document_attention_takes_the_masked_rows_on_the_cpu(monkeypatch):
     import nemo_msa.attention.dense as dense
 

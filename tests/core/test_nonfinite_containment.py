@@ -20,6 +20,7 @@ from nemo_msa.attention.dense import (
     dense_document_attention_queries,
     dense_document_attention_rows,
 )
+from nemo_msa.attention.finite import finite_keys_and_values
 from nemo_msa.ops import sparse_attention
 from nemo_msa.testing.containment import check_containment
 from nemo_msa.testing.nonfinite import visible_pairs
@@ -147,3 +148,31 @@ def test_gpu_dense_attention_contains_a_non_finite_key_or_value(which, value):
         check_containment(run, q, k, v, dout, visible, scale, which, token, 0, value, tol=1e-2,
                           device="cuda")
 
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_finite_keys_and_values_reached_rows_per_head(seed):
+    """The rows reached by non-finite keys or values, per KV head, against a direct scan: several
+    bad (token, head) rows in several documents and heads, so a count leaking across documents
+    or heads would show."""
+    msa = _layout()
+    t, hkv = msa.num_tokens, 3
+    gen = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn((t, hkv, D), generator=gen) for _ in range(2))
+    for _ in range(5):
+        row, head, col = (int(torch.randint(n, (1,), generator=gen)) for n in (t, hkv, D))
+        (k if torch.rand((), generator=gen) < 0.5 else v)[row, head, col] = math.inf
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
+    docs, pos = msa.token_documents.tolist(), msa.document_positions.tolist()
+    expected = torch.zeros((t, hkv), dtype=torch.bool)
+    for i in range(t):
+        first = i - pos[i]
+        assert docs[first] == docs[i]
+        expected[i] = bad[first:i + 1].any(0)
+    k0, v0, reached = finite_keys_and_values(k, v, msa)
+    assert torch.equal(reached, expected)
+    assert expected.any() and not expected.all()
+    assert torch.isfinite(k0).all() and torch.isfinite(v0).all()
+    assert torch.equal(k0[~bad], k[~bad]) and torch.equal(v0[~bad], v[~bad])
+    queries = torch.tensor([0, 20, 64 + 31, t - 1])
+    assert torch.equal(finite_keys_and_values(k, v, msa, queries)[2], expected[queries])
