@@ -79,28 +79,32 @@ def _groups(trace: dict):
         yield k, (kind, owner)
 
 
-def attribute(trace: dict) -> tuple[float, collections.Counter, collections.Counter]:
-    """GPU busy time (us), and time (us) and count per (kind, launching op) group."""
-    time, count = collections.Counter(), collections.Counter()
-    busy = 0.0
+def _tally(trace: dict) -> tuple[float, collections.Counter, collections.Counter,
+                                  collections.Counter]:
+    """One pass over the trace: GPU busy time (us), and per group its time (us), count and
+    waits (us; see :func:`waits`)."""
+    time, count, wait = collections.Counter(), collections.Counter(), collections.Counter()
+    busy, end = 0.0, None
     for k, group in _groups(trace):
         time[group] += k["dur"]
         count[group] += 1
         busy += k["dur"]
-    return busy, time, count
+        if end is not None and k["ts"] > end:
+            wait[group] += k["ts"] - end
+        end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
+    return busy, time, count, wait
+
+
+def attribute(trace: dict) -> tuple[float, collections.Counter, collections.Counter]:
+    """GPU busy time (us), and time (us) and count per (kind, launching op) group."""
+    return _tally(trace)[:3]
 
 
 def waits(trace: dict) -> collections.Counter:
     """GPU idle time (us) per (kind, launching op) group: each gap between GPU events (after
     the latest end so far, so overlapping events leave none) goes to the event that ends it.
     Where no two events overlap, the values sum to the trace's idle time (:func:`summarize`)."""
-    wait = collections.Counter()
-    end = None
-    for k, group in _groups(trace):
-        if end is not None and k["ts"] > end:
-            wait[group] += k["ts"] - end
-        end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
-    return wait
+    return _tally(trace)[3]
 
 
 def by_kind(time: collections.Counter) -> collections.Counter:
@@ -118,10 +122,10 @@ def summarize(trace: dict) -> dict:
         ``{"span", "busy", "idle": float, "time", "count", "wait": Counter}`` (groups as
         :func:`attribute`'s; ``wait`` as :func:`waits`).
     """
-    busy, time, count = attribute(trace)
+    busy, time, count, wait = _tally(trace)
     span = gpu_span(trace)
     return {"span": span, "busy": busy, "idle": span - busy, "time": time, "count": count,
-            "wait": waits(trace)}
+            "wait": wait}
 
 
 def difference(a: dict, b: dict) -> dict:
@@ -133,11 +137,11 @@ def difference(a: dict, b: dict) -> dict:
         present on one side only counts as zero on the other. Counters keep negative values
         (what ``b`` spends more).
     """
-    groups, wait = collections.Counter(), collections.Counter()
-    for key in set(a["time"]) | set(b["time"]):
-        groups[key] = a["time"][key] - b["time"][key]
-    for key in set(a["wait"]) | set(b["wait"]):
-        wait[key] = a["wait"][key] - b["wait"][key]
+    def minus(field: str) -> collections.Counter:
+        return collections.Counter({key: a[field][key] - b[field][key]
+                                    for key in set(a[field]) | set(b[field])})
+
+    groups, wait = minus("time"), minus("wait")
     return {"span": a["span"] - b["span"], "busy": a["busy"] - b["busy"],
             "idle": a["idle"] - b["idle"], "kinds": by_kind(groups), "groups": groups,
             "waits": wait}
