@@ -242,6 +242,9 @@ def dense_attention_runs(
     Returns:
         [T, Hq, d] in q's dtype. K and V must be finite (callers contain non-finite ones
         with :mod:`nemo_msa.attention.finite`): SDPA multiplies masked probabilities with them.
+
+    Raises:
+        ValueError: runs that do not cover q's rows in order, back to back.
     """
     heads_q, heads_kv, dim = q.shape[1], k.shape[1], q.shape[2]
     # One split per tensor, not a slice per run: a slice's backward writes a gradient of the
