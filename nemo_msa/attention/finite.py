@@ -51,13 +51,18 @@ def finite_keys_and_values(
     if queries is not None:
         reached = reached[queries]
     # Whole (token, head) rows are zeroed: their attenders are NaN anyway, and autograd keeps
-    # a [T, Hkv, 1] mask rather than one of K's size.
+    # a [T, Hkv, 1] mask rather than one of K's size. torch.where reads and writes each tensor
+    # once, forward and backward; an out-of-place masked_fill is a copy and then a fill.
     hidden = bad[..., None]
-    return k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0), reached
+    return torch.where(hidden, 0.0, k), torch.where(hidden, 0.0, v), reached
 
 
 def mark_attending_rows(out: torch.Tensor, reached: torch.Tensor) -> torch.Tensor:
     """``out`` [Tq, Hq, d] with NaN in the rows of ``reached`` bool [Tq, Hkv] (query head h
     reads KV head h // (Hq / Hkv)); their gradient is 0 (a constant NaN)."""
-    group = out.shape[1] // reached.shape[1]
-    return out.masked_fill(reached.repeat_interleave(group, dim=1)[..., None], float("nan"))
+    hq = out.shape[1]
+    hkv = reached.shape[1]
+    # The query heads of a KV head are adjacent: a [Tq, Hkv, 1, 1] mask broadcasts over them
+    # without a per-head copy, and one torch.where reads and writes the output once.
+    grouped = out.unflatten(1, (hkv, hq // hkv))
+    return torch.where(reached[:, :, None, None], float("nan"), grouped).flatten(1, 2)

@@ -155,6 +155,9 @@ def test_runs_split_the_inputs_once_rather_than_slicing_per_run():
     assert len(document_runs(msa)) == 4
     assert names.count("SplitWithSizesBackward0") == 3, names
     assert "SliceBackward0" not in names, names
+    # NaN containment reads and writes each tensor once (no masked_fill copy, no per-head mask).
+    assert "MaskedFillBackward0" not in names and "RepeatInterleaveBackward0" not in names, names
+    assert names.count("WhereBackward0") == 3, names
     # The same function as the masked rows (the split changes only the plan's graph).
     reference = _forward_and_grads(dense_document_attention_rows, q, k, v, dout, msa, 0.5)
     got = _forward_and_grads(

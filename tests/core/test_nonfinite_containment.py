@@ -20,7 +20,7 @@ from nemo_msa.attention.dense import (
     dense_document_attention_queries,
     dense_document_attention_rows,
 )
-from nemo_msa.attention.finite import finite_keys_and_values
+from nemo_msa.attention.finite import finite_keys_and_values, mark_attending_rows
 from nemo_msa.ops import sparse_attention
 from nemo_msa.testing.containment import check_containment
 from nemo_msa.testing.nonfinite import visible_pairs
@@ -176,3 +176,26 @@ def test_finite_keys_and_values_reached_rows_per_head(seed):
     assert torch.equal(k0[~bad], k[~bad]) and torch.equal(v0[~bad], v[~bad])
     queries = torch.tensor([0, 20, 64 + 31, t - 1])
     assert torch.equal(finite_keys_and_values(k, v, msa, queries)[2], expected[queries])
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_mark_attending_rows_per_kv_head(permuted):
+    """Every query head of a reached (row, KV head) is NaN, every other element is out's value
+    bit for bit, and the gradient is 0 exactly where NaN was set; on a contiguous and on a
+    permuted (non-contiguous, as SDPA's output is) tensor."""
+    gen = torch.Generator().manual_seed(3)
+    tq, hkv, group, d = 7, 3, 4, 5
+    base = torch.randn((hkv * group, tq, d), generator=gen, dtype=torch.float64)
+    out = (base.permute(1, 0, 2) if permuted else base.permute(1, 0, 2).contiguous())
+    out.requires_grad_(True)
+    reached = torch.rand((tq, hkv), generator=gen) < 0.4
+    assert reached.any() and not reached.all()
+    marked = mark_attending_rows(out, reached)
+    assert marked.shape == out.shape and marked.dtype == out.dtype
+    rows = reached.repeat_interleave(group, dim=1)  # [Tq, Hq]: head h reads KV head h // group
+    assert torch.isnan(marked[rows]).all()
+    assert torch.equal(marked[~rows], out.detach()[~rows])
+    grad = torch.randn(marked.shape, generator=gen, dtype=torch.float64)
+    marked.backward(grad)
+    assert torch.equal(out.grad[rows], torch.zeros_like(out.grad[rows]))
+    assert torch.equal(out.grad[~rows], grad[~rows])
