@@ -184,14 +184,18 @@ def test_mark_attending_rows_per_kv_head(permuted):
     bit for bit, and the gradient is 0 exactly where NaN was set; on a contiguous and on a
     permuted (non-contiguous, as SDPA's output is) tensor."""
     gen = torch.Generator().manual_seed(3)
-    tq, hkv, group, d = 7, 3, 4, 5
+    tq, hkv, group, d = 64, 4, 3, 8
     base = torch.randn((hkv * group, tq, d), generator=gen, dtype=torch.float64)
     out = (base.permute(1, 0, 2) if permuted else base.permute(1, 0, 2).contiguous())
     out.requires_grad_(True)
-    reached = torch.rand((tq, hkv), generator=gen) < 0.4
+    # Head-major, as finite_keys_and_values returns it.
+    reached = (torch.rand((hkv, tq), generator=gen) < 0.4).t()
     assert reached.any() and not reached.all()
     marked = mark_attending_rows(out, reached)
     assert marked.shape == out.shape and marked.dtype == out.dtype
+    # Laid out as the output, not as the mask: flattening the heads back is a view, no copy.
+    assert type(marked.grad_fn).__name__ == "ViewBackward0", marked.grad_fn
+    assert type(marked.grad_fn.next_functions[0][0]).__name__ == "WhereBackward0"
     rows = reached.repeat_interleave(group, dim=1)  # [Tq, Hq]: head h reads KV head h // group
     assert torch.isnan(marked[rows]).all()
     assert torch.equal(marked[~rows], out.detach()[~rows])
