@@ -6,8 +6,9 @@ only the ids; the loss's scores and argmax keys come from a block-major pass ove
 slots (ADR 0033), and its gradients from a second one:
 
 * :func:`block_plan` sorts the slots by (key block, head) once (a stable sort: a fixed order)
-  and splits each block's slots into chunks of at most ``_CHUNK``, so that a block every token
-  selects (the sink, the own block) is not one long program;
+  and splits each block's slots into chunks (:func:`plan_chunk`: at most ``_CHUNK``, fewer
+  where the row is short), so that a block many tokens select is not one long program and the
+  chunks outnumber the SMs;
 * :func:`block_scores_triton` (forward): one program per chunk loads its block's index keys
   once, scores the chunk's index queries against them (one MMA per ``_BE`` slots) and writes
   each slot's max and the first key attaining it;
@@ -36,7 +37,7 @@ from nemo_msa.triton.kernel_layout import INTERPRET, kernel_layout, query_subset
 from nemo_msa.triton.tiles import doc_block, row_max_keep_nan
 
 __all__ = ["BlockPlan", "block_plan", "block_scores_triton", "byproduct_grads_triton",
-           "sparse_kl_forward_triton"]
+           "plan_chunk", "sparse_kl_forward_triton"]
 
 # Tokens per program of d index_q: the [BT, d] accumulator and index_q rows stay in registers.
 _BT = 32
@@ -44,6 +45,15 @@ _BT = 32
 # per step of one (the rows of its MMAs; 32 keeps the [32, block] score tile and the [block, d]
 # accumulator of 8 warps free of spills, scripts/kernel_report.py).
 _CHUNK = 8192
+# The chunk shrinks (by powers of two, to _MIN_CHUNK) until the slots make about _PROGRAMS
+# chunks, four per SM of an H100/H200 (132). A chunk's program runs its steps in series, and a
+# block's slots scale with the row: at 8192 tokens a block averages 8192 slots (4 heads x 16
+# slots x 8192 tokens / 64 blocks), so chunks of 8192 made fewer programs than SMs, each
+# running 256 steps, and the two passes took 1.7-3x their per-slot time at 131072 tokens
+# (0.65 / 0.55 ms against 3.4 / 5.3 ms for 16x the slots). Depending on the slot count alone,
+# the chunking (and so d index_k's summation order) is the same on any GPU and every run.
+_MIN_CHUNK = 1024
+_PROGRAMS = 512
 _BE = 32
 _WARPS = 8
 # Tokens per program of the KL forward and of the plan's sort keys: [BT, top_k] tiles.
@@ -360,8 +370,15 @@ def _segment_starts(view, heads: int, idx: torch.dtype) -> torch.Tensor:
     return found
 
 
+def plan_chunk(slots: int) -> int:
+    """Most slots per chunk of a plan over ``slots`` selected slots: the power of two that
+    makes about ``_PROGRAMS`` chunks, within ``[_MIN_CHUNK, _CHUNK]``."""
+    want = -(-max(int(slots), 1) // _PROGRAMS)
+    return min(_CHUNK, max(_MIN_CHUNK, triton.next_power_of_2(want)))
+
+
 def block_plan(q2k: torch.Tensor, msa, queries: torch.Tensor | None = None,
-               chunk: int = _CHUNK) -> BlockPlan:
+               chunk: int | None = None) -> BlockPlan:
     """The block-major order of the selected slots and its chunks, with device ops only.
 
     Args:
@@ -369,7 +386,8 @@ def block_plan(q2k: torch.Tensor, msa, queries: torch.Tensor | None = None,
             ``queries``).
         msa: the layout (``MSAMicrobatch`` or ``KernelLayout``).
         queries: int64 [Tq] global compact rows of the queries, or None for every token.
-        chunk: most slots per chunk (tests use small ones).
+        chunk: most slots per chunk; None takes :func:`plan_chunk` of the slot count (tests
+            give small ones).
 
     Returns:
         The :class:`BlockPlan`.
@@ -381,6 +399,7 @@ def block_plan(q2k: torch.Tensor, msa, queries: torch.Tensor | None = None,
     rows = view if subset is None else subset
     bound = view.num_blocks_bound
     total = heads * tq * top_k
+    chunk = plan_chunk(total) if chunk is None else int(chunk)
     wide = (bound + 1) * heads >= 2**31 or total >= 2**31
     idx = torch.int64 if wide else torch.int32
     q2k = q2k.contiguous()
@@ -411,7 +430,7 @@ def _plan_args(plan: BlockPlan, view) -> dict:
 
 def block_scores_triton(
     index_q: torch.Tensor, index_k: torch.Tensor, q2k: torch.Tensor, msa,
-    queries: torch.Tensor | None = None, chunk: int = _CHUNK,
+    queries: torch.Tensor | None = None, chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, BlockPlan]:
     """Each selected slot's block score and argmax key, block-major.
 
@@ -421,7 +440,7 @@ def block_scores_triton(
         q2k: int32 [H, Tq, K] the selection (document-local block ids, -1 at unused slots).
         msa: the layout the selection ran on (its ``block_size``).
         queries: int64 [Tq] global compact rows of index_q's tokens, or None for every token.
-        chunk: most slots per program.
+        chunk: most slots per program; None takes :func:`plan_chunk` (see :func:`block_plan`).
 
     Returns:
         ``(scores fp32 [H, Tq, K], keys int32 [H, Tq, K], plan)``: the max of q.k over the

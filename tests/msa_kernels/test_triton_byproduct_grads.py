@@ -14,7 +14,11 @@ from nemo_msa import MSAMicrobatch, select_blocks
 from nemo_msa.indexer_loss import byproducts as byproducts_module
 from nemo_msa.indexer_loss import sparse_indexer_loss_from_byproducts
 from nemo_msa.indexer_loss.byproducts import _gather_scatter_grads, block_scores_reference
-from nemo_msa.indexer_loss.triton_byproducts import block_scores_triton, byproduct_grads_triton
+from nemo_msa.indexer_loss.triton_byproducts import (
+    block_scores_triton,
+    byproduct_grads_triton,
+    plan_chunk,
+)
 from nemo_msa.testing.oracle import rel_err
 from nemo_msa.testing.packs import document_map_from_lengths
 
@@ -58,17 +62,20 @@ def _finite_parts_close(got, want, tol):
     assert rel_err(got[fin], want[fin]) < tol
 
 
-@pytest.mark.parametrize("chunk", [8192, 5])
+@pytest.mark.parametrize("chunk", [8192, 5, None])
 @pytest.mark.parametrize(
     ("rows", "seq_len", "bs", "heads", "top_k", "dim"),
     [([[70, 5], [33, 64]], 128, 16, 2, 3, 16), ([[150, 3], [97]], 160, 32, 3, 4, 32)],
 )
 def test_keys_and_gradients_equal_the_torch_version(rows, seq_len, bs, heads, top_k, dim, chunk):
-    msa, q2k, iq, ik, dscore = _inputs(rows, seq_len, bs, heads, top_k, dim, seq_len + chunk)
+    msa, q2k, iq, ik, dscore = _inputs(rows, seq_len, bs, heads, top_k, dim,
+                                       seq_len + (chunk or 1))
     want_q, want_k, want_keys, want_scores = _reference(msa, q2k, iq, ik, dscore)
     dq, dk, keys, scores, plan = _triton(msa, q2k, iq, ik, dscore, chunk=chunk)
-    chunks = (plan.offsets[1:] - plan.offsets[:-1] + chunk - 1) // chunk
-    if chunk < 8192:  # blocks of one chunk (written directly) and split ones (partials)
+    if chunk is None:  # the default: the slot count's chunk
+        assert plan.chunk == plan_chunk(q2k.numel())
+    chunks = (plan.offsets[1:] - plan.offsets[:-1] + plan.chunk - 1) // plan.chunk
+    if chunk == 5:  # blocks of one chunk (written directly) and split ones (partials)
         assert bool((chunks == 1).any()) and bool((chunks > 1).any())
     assert keys.dtype == torch.int32 and torch.equal(keys.cpu(), want_keys)
     assert scores.dtype == torch.float32
@@ -85,6 +92,22 @@ def test_keys_and_gradients_equal_the_torch_version(rows, seq_len, bs, heads, to
     # No atomics: a second run gives the same bits.
     again = _triton(msa, q2k, iq, ik, dscore, chunk=chunk)
     assert all(torch.equal(a, b) for a, b in zip((dq, dk, keys, scores), again[:4], strict=True))
+
+
+def test_plan_chunk_gives_short_rows_several_chunks_per_sm():
+    """The default chunk: a power of two in [1024, 8192], making about 512 chunks (four per SM
+    of an H100/H200) where the slots allow; capped at 8192 for long rows."""
+    heads, top_k = 4, 16  # MiniMax-M3's index heads and top_k
+    assert plan_chunk(heads * 8192 * top_k) == 1024
+    assert plan_chunk(heads * 32768 * top_k) == 4096
+    assert plan_chunk(heads * 131072 * top_k) == 8192
+    assert plan_chunk(0) == plan_chunk(1) == 1024
+    for slots in (1, 1000, 524_288, 524_289, 2_097_152, 10**9):
+        chunk = plan_chunk(slots)
+        assert chunk & (chunk - 1) == 0 and 1024 <= chunk <= 8192
+        chunks = -(-slots // chunk)
+        assert chunks <= 512 or chunk == 8192
+        assert chunk == 1024 or chunks > 256  # a chunk half as large would exceed 512 chunks
 
 
 def test_nonfinite_rows_reach_only_their_own_keys():
