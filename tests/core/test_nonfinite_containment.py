@@ -182,7 +182,7 @@ def test_finite_keys_and_values_reached_rows_per_head(seed):
 def test_mark_attending_rows_per_kv_head(permuted):
     """Every query head of a reached (row, KV head) is NaN, every other element is out's value
     bit for bit, and the gradient is 0 exactly where NaN was set; on a contiguous and on a
-    permuted (non-contiguous, as SDPA's output is) tensor."""
+    permuted (non-contiguous) tensor, with the head-major mask the scan gives."""
     gen = torch.Generator().manual_seed(3)
     tq, hkv, group, d = 64, 4, 3, 8
     base = torch.randn((hkv * group, tq, d), generator=gen, dtype=torch.float64)
