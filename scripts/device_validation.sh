@@ -60,7 +60,10 @@
 # DIR instead of this one (its own scripts and package): SWEEP_SETS=";tree=.base" times a change
 # on whole training steps, this tree and the base commit's (carried as .base, as for "ab")
 # alternating in each round (a trailing empty entry is dropped: the defaults go first); the JSON
-# records the tree's commit from its .commit file.
+# records the tree's commit from its .commit file. SWEEP_CASES gives every process the same
+# bench_layer.py cases instead (e.g. "dense": a change to the dense layers, timed against
+# ";tree=.base"); SWEEP_ARGS="--profile --profile-top 60" adds each row's kernel times to the
+# JSON, which resolves a kernel's change that whole steps do not.
 # "profile" runs PROFILE_ROWS (default issue #28's five rows) dense and MSA in one
 # scripts/bench_layer.py process (PROFILE_S, default 420 s) with --profile and each step's Chrome
 # trace (in PROFILE_TRACE_DIR, default /tmp/msa_profile_traces), writing $OUT/profile.log and
@@ -187,7 +190,7 @@ if [[ " $STAGES " == *" sweep "* ]]; then
 IFS=';' read -ra variants <<< "${SWEEP_SETS-;}"
 : > "$OUT/sweep.log"
 mkdir -p "$OUT/sweep_json"
-cases=dense,msa_sparse_loss
+cases=${SWEEP_CASES:-dense,msa_sparse_loss}
 for round in $(seq 1 "${SWEEP_ROUNDS:-2}"); do
   for v in "${!variants[@]}"; do
     sets=()
@@ -211,7 +214,7 @@ for round in $(seq 1 "${SWEEP_ROUNDS:-2}"); do
       --json "$OUT/sweep_json/$round-$v.json") > "$OUT/sweep_run.log" 2>&1
     echo "rc $?" >> "$OUT/sweep_run.log"
     grep -E '^\|  +[0-9]|^rc ' "$OUT/sweep_run.log" | tee -a "$OUT/sweep.log"
-    cases=msa_sparse_loss
+    cases=${SWEEP_CASES:-msa_sparse_loss}
   done
 done
 rm -f "$OUT/sweep_run.log"

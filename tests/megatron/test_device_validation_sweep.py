@@ -1,6 +1,7 @@
 """scripts/device_validation.sh's "sweep" stage on the CPU (bench_layer.py --tiny --cpu): the
-launch variants run in turn, each round in its own process, dense only in the first, and every
-process's rows land in one JSON keyed by round and variant."""
+launch variants run in turn, each round in its own process, dense only in the first (or the
+cases SWEEP_CASES names in every process), and every process's rows land in one JSON keyed by
+round and variant."""
 
 from __future__ import annotations
 
@@ -80,3 +81,30 @@ def test_sweep_stage_runs_a_variant_in_another_tree(tmp_path):
     argv = runs["1/1"]["argv"]
     assert argv[argv.index("--set") + 1] == "fwd.union_max=8" and "tree=" not in " ".join(argv)
     assert argv[argv.index("--cases") + 1] == "msa_sparse_loss"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_sweep_cases_run_in_every_process(tmp_path):
+    # A dense-layer change against a base tree: every process runs SWEEP_CASES, not MSA.
+    base = tmp_path / "base"
+    (base / "scripts").mkdir(parents=True)
+    (base / "scripts" / "bench_layer.py").write_text(_STUB_BENCH)
+    (base / ".commit").write_text("abc1234\n")
+    out = tmp_path / "out"
+    run_stages(
+        out,
+        STAGES="sweep",
+        SWEEP_ROWS="64",
+        SWEEP_SETS=f";tree={base}",
+        SWEEP_CASES="dense",
+        SWEEP_ROUNDS="2",
+        SWEEP_ARGS="--tiny --cpu --steps 1 --warmup 1",
+        SWEEP_S="300",
+    )
+    runs = json.loads((out / "sweep.json").read_text())
+    assert sorted(runs) == ["1/0", "1/1", "2/0", "2/1"]
+    for key in ("1/0", "2/0"):
+        assert {row["case"] for row in runs[key]["rows"]} == {"dense"}, runs[key]["rows"]
+    for key in ("1/1", "2/1"):
+        argv = runs[key]["argv"]
+        assert argv[argv.index("--cases") + 1] == "dense", argv
