@@ -52,14 +52,20 @@ print("|   64 | stub row")
 '''
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_sweep_stage_runs_a_variant_in_another_tree(tmp_path):
-    # A base tree whose bench_layer.py only records how it was called: the variant naming it
-    # must run that script (from its own directory), the other one this tree's.
+def _stub_tree(tmp_path):
+    """A base tree (commit abc1234) whose bench_layer.py only records how it was called."""
     base = tmp_path / "base"
     (base / "scripts").mkdir(parents=True)
     (base / "scripts" / "bench_layer.py").write_text(_STUB_BENCH)
     (base / ".commit").write_text("abc1234\n")
+    return base
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_sweep_stage_runs_a_variant_in_another_tree(tmp_path):
+    # The variant naming the stub tree must run its script (from its own directory), the other
+    # one this tree's.
+    base = _stub_tree(tmp_path)
     out = tmp_path / "out"
     run_stages(
         out,
@@ -86,10 +92,7 @@ def test_sweep_stage_runs_a_variant_in_another_tree(tmp_path):
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_sweep_cases_run_in_every_process(tmp_path):
     # A dense-layer change against a base tree: every process runs SWEEP_CASES, not MSA.
-    base = tmp_path / "base"
-    (base / "scripts").mkdir(parents=True)
-    (base / "scripts" / "bench_layer.py").write_text(_STUB_BENCH)
-    (base / ".commit").write_text("abc1234\n")
+    base = _stub_tree(tmp_path)
     out = tmp_path / "out"
     run_stages(
         out,
