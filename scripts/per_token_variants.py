@@ -239,16 +239,18 @@ def run(tokens: int, reps: int, gen: torch.Generator) -> dict:
         r[f"gather_w{warps}_tbs"] = tokens * HKV * TOPK * 2 * BS * D * 2 / ms / 1e9
 
     delta = (do.float() * out.float()).sum(-1).t().contiguous()
-    for warps, ws, stages in ((8, 8, 2), (4, 4, 2), (8, 8, 3)):
-        tag = f"w{warps}_ws{ws}_s{stages}"
+    for warps, ws, stages, maxnreg in ((8, 8, 2, None), (4, 4, 2, None), (8, 8, 3, None),
+                                       (8, 8, 2, 128)):
+        tag = f"w{warps}_ws{ws}_s{stages}" + (f"_r{maxnreg}" if maxnreg else "")
+        cap = {"maxnreg": maxnreg} if maxnreg else {}
         o2, l2, m2 = torch.empty_like(q), torch.empty_like(lse), torch.empty_like(mass)
 
-        def fwd(warps=warps, ws=ws, stages=stages, o2=o2, l2=l2, m2=m2):
+        def fwd(warps=warps, ws=ws, stages=stages, cap=cap, o2=o2, l2=l2, m2=m2):
             _fwd_split_kernel[grid](q, k, v, q2k, o2, l2, m2, q.stride(0), q.stride(1),
                                     k.stride(0), k.stride(1), sg, st, l2.stride(0),
                                     m2.stride(0), m2.stride(1), scale * LOG2E, TOPK=TOPK,
                                     G=HQ // HKV, BS=BS, D=D, WS=ws, KP=TOPK, num_warps=warps,
-                                    num_stages=stages)
+                                    num_stages=stages, **cap)
         try:
             r[f"split_fwd_{tag}_ms"] = events_ms(fwd, reps)
             r[f"split_fwd_{tag}_err"] = [rel(o2, out), rel(l2, lse), rel(m2, mass)]
@@ -256,11 +258,11 @@ def run(tokens: int, reps: int, gen: torch.Generator) -> dict:
             r[f"split_fwd_{tag}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         dq2 = torch.empty_like(q)
 
-        def dq(warps=warps, ws=ws, stages=stages, dq2=dq2):
+        def dq(warps=warps, ws=ws, stages=stages, cap=cap, dq2=dq2):
             _dq_split_kernel[grid](q, k, v, do, lse, delta, dq2, q2k, q.stride(0), q.stride(1),
                                    k.stride(0), k.stride(1), sg, st, lse.stride(0), scale,
                                    scale * LOG2E, TOPK=TOPK, G=HQ // HKV, BS=BS, D=D, WS=ws,
-                                   num_warps=warps, num_stages=stages)
+                                   num_warps=warps, num_stages=stages, **cap)
         try:
             r[f"split_dq_{tag}_ms"] = events_ms(dq, reps)
             r[f"split_dq_{tag}_err"] = rel(dq2, dq_ref)
