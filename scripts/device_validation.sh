@@ -64,6 +64,10 @@
 # bench_layer.py cases instead (e.g. "dense": a change to the dense layers, timed against
 # ";tree=.base"); SWEEP_ARGS="--profile --profile-top 60" adds each row's kernel times to the
 # JSON, which resolves a kernel's change that whole steps do not.
+# "per_token" runs scripts/per_token_variants.py (the per-token kernels against the gather
+# bandwidth of their access pattern, and the key-split variants; ADR 0035) with PER_TOKEN_ARGS
+# (default "--tokens 32768,131072") within PER_TOKEN_S seconds (default 240), writing
+# $OUT/per_token.log and $OUT/per_token.json.
 # "profile" runs PROFILE_ROWS (default issue #28's five rows) dense and MSA in one
 # scripts/bench_layer.py process (PROFILE_S, default 420 s) with --profile and each step's Chrome
 # trace (in PROFILE_TRACE_DIR, default /tmp/msa_profile_traces), writing $OUT/profile.log and
@@ -285,6 +289,17 @@ for index in fresh coherent; do
   echo "rc $?" >> "$OUT/rows_$index.log"
   table_or_tail "$OUT/rows_$index.log" '^|  tokens |' '^\{"tokens"'
 done
+fi
+
+if [[ " $STAGES " == *" per_token "* ]]; then
+echo "== per_token: scripts/per_token_variants.py ${PER_TOKEN_ARGS:---tokens 32768,131072}" \
+  | tee "$OUT/per_token.log"
+# shellcheck disable=SC2086  # the argument list is split on purpose
+timeout "${PER_TOKEN_S:-240}" python3 scripts/per_token_variants.py \
+  ${PER_TOKEN_ARGS:---tokens 32768,131072} --json "$OUT/per_token.json" \
+  >> "$OUT/per_token.log" 2>&1
+echo "rc $?" >> "$OUT/per_token.log"
+tail -n 4 "$OUT/per_token.log"
 fi
 
 if [[ " $STAGES " == *" quality "* ]]; then

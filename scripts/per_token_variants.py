@@ -47,8 +47,7 @@ from nemo_msa.attention.triton_bwd import triton_attention_backward  # noqa: E40
 from nemo_msa.attention.triton_fwd import triton_attention_forward  # noqa: E402
 from nemo_msa.selection.triton_select import triton_select_blocks  # noqa: E402
 from nemo_msa.triton.launch import BackwardLaunch, ForwardLaunch  # noqa: E402
-
-LOG2E = 1.4426950408889634
+from nemo_msa.triton.tiles import LN2_C, LOG2E, LOG2E_C  # noqa: E402
 
 
 @triton.jit
@@ -73,17 +72,20 @@ def _gather_kernel(k_ptr, v_ptr, q2k_ptr, out_ptr, stride_kt, stride_kh, stride_
 @triton.jit
 def _fwd_split_kernel(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, mass_ptr,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_sg, stride_st,
-                      stride_lh, stride_mg, stride_mt, scale_log2,
+                      stride_lh, stride_mg, stride_mt, scale_log2, t0,
                       TOPK: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                      WS: tl.constexpr, KP: tl.constexpr):
-    """Per-token forward with the block's keys split in WS groups (one document at row 0)."""
-    t = tl.program_id(0)
+                      WS: tl.constexpr, KP: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Per-token forward with the block's keys split in WS groups: token ``t0 + pid0`` of one
+    document at row 0 (FP32_DOT: fp32 operands, for the interpreter)."""
+    t = t0 + tl.program_id(0)
     g = tl.program_id(1)
     t64 = t.to(tl.int64)
     KS: tl.constexpr = BS // WS
     heads = g * G + tl.arange(0, G)
     dd = tl.arange(0, D)
     q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + dd[None, :])
+    if FP32_DOT:
+        q = q.to(tl.float32)
     qb = tl.broadcast_to(q[None, :, :], (WS, G, D))
     koff = tl.arange(0, WS)[:, None] * KS + tl.arange(0, KS)[None, :]
     m_i = tl.full((WS, G), float("-inf"), tl.float32)
@@ -100,6 +102,9 @@ def _fwd_split_kernel(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, mass_ptr,
                     mask=kmask[:, :, None], other=0.0)
         v = tl.load(v_ptr + rows[:, :, None] * stride_kt + g * stride_kh + dd[None, None, :],
                     mask=kmask[:, :, None], other=0.0)
+        if FP32_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         sc = tl.dot(qb, tl.trans(k, (0, 2, 1))) * scale_log2
         sc = tl.where(kmask[:, None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=2))
@@ -118,7 +123,7 @@ def _fwd_split_kernel(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, mass_ptr,
     empty = l_all == 0.0
     denom = tl.where(empty, 1.0, l_all)
     out = tl.sum(acc * w[:, :, None], axis=0) / denom[:, None]
-    lse = tl.where(empty, float("-inf"), (m_all + tl.log2(denom)) / LOG2E)
+    lse = tl.where(empty, float("-inf"), (m_all + tl.log2(denom)) * LN2_C)
     tl.store(out_ptr + t64 * stride_qt + heads[:, None] * stride_qh + dd[None, :],
              out.to(out_ptr.dtype.element_ty))
     tl.store(lse_ptr + heads * stride_lh + t, lse)
@@ -130,20 +135,26 @@ def _fwd_split_kernel(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, mass_ptr,
 @triton.jit
 def _dq_split_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q2k_ptr,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_sg, stride_st,
-                     stride_lh, scale, scale_log2,
+                     stride_lh, scale, scale_log2, t0,
                      TOPK: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                     WS: tl.constexpr):
-    """Per-token dq with the block's keys split in WS groups (one document at row 0)."""
-    t = tl.program_id(0)
+                     WS: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Per-token dq with the block's keys split in WS groups: token ``t0 + pid0`` of one
+    document at row 0 (FP32_DOT: fp32 operands, for the interpreter)."""
+    t = t0 + tl.program_id(0)
     g = tl.program_id(1)
     t64 = t.to(tl.int64)
     KS: tl.constexpr = BS // WS
     heads = g * G + tl.arange(0, G)
     dd = tl.arange(0, D)
     rows_q = t64 * stride_qt + heads[:, None] * stride_qh + dd[None, :]
-    qb = tl.broadcast_to(tl.load(q_ptr + rows_q)[None, :, :], (WS, G, D))
-    dob = tl.broadcast_to(tl.load(do_ptr + rows_q)[None, :, :], (WS, G, D))
-    lse2 = tl.load(lse_ptr + heads * stride_lh + t) * LOG2E
+    q = tl.load(q_ptr + rows_q)
+    do = tl.load(do_ptr + rows_q)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    qb = tl.broadcast_to(q[None, :, :], (WS, G, D))
+    dob = tl.broadcast_to(do[None, :, :], (WS, G, D))
+    lse2 = tl.load(lse_ptr + heads * stride_lh + t) * LOG2E_C
     delta = tl.load(delta_ptr + heads * stride_lh + t)
     koff = tl.arange(0, WS)[:, None] * KS + tl.arange(0, KS)[None, :]
     dq = tl.zeros((WS, G, D), tl.float32)
@@ -156,6 +167,9 @@ def _dq_split_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q2
                     mask=kmask[:, :, None], other=0.0)
         v = tl.load(v_ptr + rows[:, :, None] * stride_kt + g * stride_kh + dd[None, None, :],
                     mask=kmask[:, :, None], other=0.0)
+        if FP32_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         sc = tl.dot(qb, tl.trans(k, (0, 2, 1))) * scale_log2
         pr = tl.where(kmask[:, None, :], tl.exp2(sc - lse2[None, :, None]), 0.0)
         dp = tl.dot(dob, tl.trans(v, (0, 2, 1)))
@@ -248,9 +262,9 @@ def run(tokens: int, reps: int, gen: torch.Generator) -> dict:
         def fwd(warps=warps, ws=ws, stages=stages, cap=cap, o2=o2, l2=l2, m2=m2):
             _fwd_split_kernel[grid](q, k, v, q2k, o2, l2, m2, q.stride(0), q.stride(1),
                                     k.stride(0), k.stride(1), sg, st, l2.stride(0),
-                                    m2.stride(0), m2.stride(1), scale * LOG2E, TOPK=TOPK,
-                                    G=HQ // HKV, BS=BS, D=D, WS=ws, KP=TOPK, num_warps=warps,
-                                    num_stages=stages, **cap)
+                                    m2.stride(0), m2.stride(1), scale * LOG2E, 0, TOPK=TOPK,
+                                    G=HQ // HKV, BS=BS, D=D, WS=ws, KP=TOPK, FP32_DOT=False,
+                                    num_warps=warps, num_stages=stages, **cap)
         try:
             r[f"split_fwd_{tag}_ms"] = events_ms(fwd, reps)
             r[f"split_fwd_{tag}_err"] = [rel(o2, out), rel(l2, lse), rel(m2, mass)]
@@ -261,8 +275,8 @@ def run(tokens: int, reps: int, gen: torch.Generator) -> dict:
         def dq(warps=warps, ws=ws, stages=stages, cap=cap, dq2=dq2):
             _dq_split_kernel[grid](q, k, v, do, lse, delta, dq2, q2k, q.stride(0), q.stride(1),
                                    k.stride(0), k.stride(1), sg, st, lse.stride(0), scale,
-                                   scale * LOG2E, TOPK=TOPK, G=HQ // HKV, BS=BS, D=D, WS=ws,
-                                   num_warps=warps, num_stages=stages, **cap)
+                                   scale * LOG2E, 0, TOPK=TOPK, G=HQ // HKV, BS=BS, D=D, WS=ws,
+                                   FP32_DOT=False, num_warps=warps, num_stages=stages, **cap)
         try:
             r[f"split_dq_{tag}_ms"] = events_ms(dq, reps)
             r[f"split_dq_{tag}_err"] = rel(dq2, dq_ref)
