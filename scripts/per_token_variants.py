@@ -70,6 +70,26 @@ def _gather_kernel(k_ptr, v_ptr, q2k_ptr, out_ptr, stride_kt, stride_kh, stride_
 
 
 @triton.jit
+def _split_block(k_ptr, v_ptr, b, koff, t, g, stride_kt, stride_kh, BS: tl.constexpr,
+                 D: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Block ``b`` of KV head ``g`` for token ``t`` as the key groups ``koff`` ([WS, KS] key
+    offsets in the block): the visible-key mask [WS, KS] and K, V [WS, KS, D], zero where not
+    visible (no block for b < 0)."""
+    j = b * BS + koff
+    kmask = (j <= t) & (b >= 0)
+    rows = j.to(tl.int64)
+    dd = tl.arange(0, D)
+    k = tl.load(k_ptr + rows[:, :, None] * stride_kt + g * stride_kh + dd[None, None, :],
+                mask=kmask[:, :, None], other=0.0)
+    v = tl.load(v_ptr + rows[:, :, None] * stride_kt + g * stride_kh + dd[None, None, :],
+                mask=kmask[:, :, None], other=0.0)
+    if FP32_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return kmask, k, v
+
+
+@triton.jit
 def _fwd_split_kernel(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, mass_ptr,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_sg, stride_st,
                       stride_lh, stride_mg, stride_mt, scale_log2, t0,
@@ -95,16 +115,8 @@ def _fwd_split_kernel(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, mass_ptr,
     mass = tl.zeros((WS, G, KP), tl.float32)
     for s in range(TOPK):
         b = tl.load(q2k_ptr + g * stride_sg + t64 * stride_st + s)
-        j = b * BS + koff
-        kmask = (j <= t) & (b >= 0)
-        rows = j.to(tl.int64)
-        k = tl.load(k_ptr + rows[:, :, None] * stride_kt + g * stride_kh + dd[None, None, :],
-                    mask=kmask[:, :, None], other=0.0)
-        v = tl.load(v_ptr + rows[:, :, None] * stride_kt + g * stride_kh + dd[None, None, :],
-                    mask=kmask[:, :, None], other=0.0)
-        if FP32_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        kmask, k, v = _split_block(k_ptr, v_ptr, b, koff, t, g, stride_kt, stride_kh, BS, D,
+                                   FP32_DOT)
         sc = tl.dot(qb, tl.trans(k, (0, 2, 1))) * scale_log2
         sc = tl.where(kmask[:, None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=2))
@@ -160,16 +172,8 @@ def _dq_split_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q2
     dq = tl.zeros((WS, G, D), tl.float32)
     for s in range(TOPK):
         b = tl.load(q2k_ptr + g * stride_sg + t64 * stride_st + s)
-        j = b * BS + koff
-        kmask = (j <= t) & (b >= 0)
-        rows = j.to(tl.int64)
-        k = tl.load(k_ptr + rows[:, :, None] * stride_kt + g * stride_kh + dd[None, None, :],
-                    mask=kmask[:, :, None], other=0.0)
-        v = tl.load(v_ptr + rows[:, :, None] * stride_kt + g * stride_kh + dd[None, None, :],
-                    mask=kmask[:, :, None], other=0.0)
-        if FP32_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        kmask, k, v = _split_block(k_ptr, v_ptr, b, koff, t, g, stride_kt, stride_kh, BS, D,
+                                   FP32_DOT)
         sc = tl.dot(qb, tl.trans(k, (0, 2, 1))) * scale_log2
         pr = tl.where(kmask[:, None, :], tl.exp2(sc - lse2[None, :, None]), 0.0)
         dp = tl.dot(dob, tl.trans(v, (0, 2, 1)))
