@@ -70,6 +70,32 @@ def _gather_kernel(k_ptr, v_ptr, q2k_ptr, out_ptr, stride_kt, stride_kh, stride_
 
 
 @triton.jit
+def _split_program(t0, stride_qt, stride_qh, G: tl.constexpr, BS: tl.constexpr,
+                   D: tl.constexpr, WS: tl.constexpr):
+    """The program's token ``t0 + pid0`` (int32 and int64), KV head ``pid1``, its G query heads,
+    the offsets of their [G, D] rows in a [T, Hq, D] tensor, and the key groups' offsets in a
+    block ([WS, BS / WS]: group w holds keys w * BS / WS onwards)."""
+    t = t0 + tl.program_id(0)
+    g = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    KS: tl.constexpr = BS // WS
+    heads = g * G + tl.arange(0, G)
+    rows_q = t64 * stride_qt + heads[:, None] * stride_qh + tl.arange(0, D)[None, :]
+    koff = tl.arange(0, WS)[:, None] * KS + tl.arange(0, KS)[None, :]
+    return t, g, t64, heads, rows_q, koff
+
+
+@triton.jit
+def _group_rows(ptr, rows_q, WS: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                FP32_DOT: tl.constexpr):
+    """The [G, D] rows at ``rows_q`` as every key group's MMA operand, [WS, G, D]."""
+    x = tl.load(ptr + rows_q)
+    if FP32_DOT:
+        x = x.to(tl.float32)
+    return tl.broadcast_to(x[None, :, :], (WS, G, D))
+
+
+@triton.jit
 def _split_block(k_ptr, v_ptr, b, koff, t, g, stride_kt, stride_kh, BS: tl.constexpr,
                  D: tl.constexpr, FP32_DOT: tl.constexpr):
     """Block ``b`` of KV head ``g`` for token ``t`` as the key groups ``koff`` ([WS, KS] key
@@ -97,17 +123,8 @@ def _fwd_split_kernel(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, mass_ptr,
                       WS: tl.constexpr, KP: tl.constexpr, FP32_DOT: tl.constexpr):
     """Per-token forward with the block's keys split in WS groups: token ``t0 + pid0`` of one
     document at row 0 (FP32_DOT: fp32 operands, for the interpreter)."""
-    t = t0 + tl.program_id(0)
-    g = tl.program_id(1)
-    t64 = t.to(tl.int64)
-    KS: tl.constexpr = BS // WS
-    heads = g * G + tl.arange(0, G)
-    dd = tl.arange(0, D)
-    q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + dd[None, :])
-    if FP32_DOT:
-        q = q.to(tl.float32)
-    qb = tl.broadcast_to(q[None, :, :], (WS, G, D))
-    koff = tl.arange(0, WS)[:, None] * KS + tl.arange(0, KS)[None, :]
+    t, g, t64, heads, rows_q, koff = _split_program(t0, stride_qt, stride_qh, G, BS, D, WS)
+    qb = _group_rows(q_ptr, rows_q, WS, G, D, FP32_DOT)
     m_i = tl.full((WS, G), float("-inf"), tl.float32)
     l_i = tl.zeros((WS, G), tl.float32)
     acc = tl.zeros((WS, G, D), tl.float32)
@@ -136,8 +153,7 @@ def _fwd_split_kernel(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, mass_ptr,
     denom = tl.where(empty, 1.0, l_all)
     out = tl.sum(acc * w[:, :, None], axis=0) / denom[:, None]
     lse = tl.where(empty, float("-inf"), (m_all + tl.log2(denom)) * LN2_C)
-    tl.store(out_ptr + t64 * stride_qt + heads[:, None] * stride_qh + dd[None, :],
-             out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + rows_q, out.to(out_ptr.dtype.element_ty))
     tl.store(lse_ptr + heads * stride_lh + t, lse)
     head_mass = tl.sum(mass * w[:, :, None], axis=0) / denom[:, None]
     tl.store(mass_ptr + g * stride_mg + t64 * stride_mt + kk, tl.sum(head_mass, axis=0) / G,
@@ -152,23 +168,11 @@ def _dq_split_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q2
                      WS: tl.constexpr, FP32_DOT: tl.constexpr):
     """Per-token dq with the block's keys split in WS groups: token ``t0 + pid0`` of one
     document at row 0 (FP32_DOT: fp32 operands, for the interpreter)."""
-    t = t0 + tl.program_id(0)
-    g = tl.program_id(1)
-    t64 = t.to(tl.int64)
-    KS: tl.constexpr = BS // WS
-    heads = g * G + tl.arange(0, G)
-    dd = tl.arange(0, D)
-    rows_q = t64 * stride_qt + heads[:, None] * stride_qh + dd[None, :]
-    q = tl.load(q_ptr + rows_q)
-    do = tl.load(do_ptr + rows_q)
-    if FP32_DOT:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    qb = tl.broadcast_to(q[None, :, :], (WS, G, D))
-    dob = tl.broadcast_to(do[None, :, :], (WS, G, D))
+    t, g, t64, heads, rows_q, koff = _split_program(t0, stride_qt, stride_qh, G, BS, D, WS)
+    qb = _group_rows(q_ptr, rows_q, WS, G, D, FP32_DOT)
+    dob = _group_rows(do_ptr, rows_q, WS, G, D, FP32_DOT)
     lse2 = tl.load(lse_ptr + heads * stride_lh + t) * LOG2E_C
     delta = tl.load(delta_ptr + heads * stride_lh + t)
-    koff = tl.arange(0, WS)[:, None] * KS + tl.arange(0, KS)[None, :]
     dq = tl.zeros((WS, G, D), tl.float32)
     for s in range(TOPK):
         b = tl.load(q2k_ptr + g * stride_sg + t64 * stride_st + s)
