@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -40,12 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from layer_bench.report import commit_id  # noqa: E402
 from msa_bench.cases import BS, HKV, HQ, INIT, LOCAL, TOPK, D, fresh_inputs, make_case  # noqa: E402
-from msa_bench.timing import log, warm_up_gpu  # noqa: E402
+from msa_bench.timing import log, time_fn, warm_up_gpu  # noqa: E402
 
 from nemo_msa.attention.triton_bwd import triton_attention_backward  # noqa: E402
 from nemo_msa.attention.triton_fwd import triton_attention_forward  # noqa: E402
 from nemo_msa.selection.triton_select import triton_select_blocks  # noqa: E402
+from nemo_msa.testing.oracle import rel_err  # noqa: E402
 from nemo_msa.triton.launch import BackwardLaunch, ForwardLaunch  # noqa: E402
 from nemo_msa.triton.tiles import LN2_C, LOG2E, LOG2E_C  # noqa: E402
 
@@ -186,27 +187,14 @@ def _dq_split_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q2
     tl.store(dq_ptr + rows_q, (tl.sum(dq, axis=0) * scale).to(dq_ptr.dtype.element_ty))
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def events_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    """Median CUDA-event ms of ``fn()`` over ``reps`` calls after a warm-up call."""
+    return time_fn(lambda _: fn(), [None], min_reps=reps, max_reps=reps, warmup=1)[0]
 
 
 def kernel_ms(fn, names: tuple[str, ...], reps: int) -> dict:
-    """Median-free total GPU time per call of the kernels whose names start with ``names``."""
+    """GPU ms per call of the kernels whose names start with each of ``names`` (torch.profiler
+    over ``reps`` calls after a warm-up call)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -232,7 +220,7 @@ def run(tokens: int, reps: int, gen: torch.Generator) -> dict:
     q, k, v, do = x["q"], x["k"], x["v"], x["do"]
     scale = 1.0 / math.sqrt(D)
     fwd_cfg, bwd_cfg = ForwardLaunch(union_qt=0), BackwardLaunch(dq_union_qt=0)
-    r = {"tokens": tokens, "gpu": torch.cuda.get_device_name()}
+    r = {"tokens": tokens, "gpu": torch.cuda.get_device_name(), "commit": commit_id()}
 
     out, lse, mass = triton_attention_forward(q, k, v, q2k, msa, scale, launch=fwd_cfg,
                                               return_block_mass=True)
@@ -275,7 +263,7 @@ def run(tokens: int, reps: int, gen: torch.Generator) -> dict:
                                     num_warps=warps, num_stages=stages, **cap)
         try:
             r[f"split_fwd_{tag}_ms"] = events_ms(fwd, reps)
-            r[f"split_fwd_{tag}_err"] = [rel(o2, out), rel(l2, lse), rel(m2, mass)]
+            r[f"split_fwd_{tag}_err"] = [rel_err(o2, out), rel_err(l2, lse), rel_err(m2, mass)]
         except Exception as exc:  # a variant that does not compile or launch is a result too
             r[f"split_fwd_{tag}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         dq2 = torch.empty_like(q)
@@ -287,7 +275,7 @@ def run(tokens: int, reps: int, gen: torch.Generator) -> dict:
                                    FP32_DOT=False, num_warps=warps, num_stages=stages, **cap)
         try:
             r[f"split_dq_{tag}_ms"] = events_ms(dq, reps)
-            r[f"split_dq_{tag}_err"] = rel(dq2, dq_ref)
+            r[f"split_dq_{tag}_err"] = rel_err(dq2, dq_ref)
         except Exception as exc:
             r[f"split_dq_{tag}_error"] = f"{type(exc).__name__}: {exc}"[:300]
     r["block_reads_gb"] = tokens * HKV * TOPK * 2 * BS * D * 2 / 1e9
