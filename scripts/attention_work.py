@@ -31,6 +31,7 @@ warnings.filterwarnings("ignore", category=UserWarning)
 
 import torch  # noqa: E402
 from layer_bench.model import M3  # noqa: E402
+from layer_bench.rows import parse_rows  # noqa: E402
 from layer_bench.steps import packed_lengths  # noqa: E402
 
 #: Matmul FLOPs per attended (query, key) pair and per (head, channel), forward + backward.
@@ -65,21 +66,6 @@ def row_work(tokens: int, doc_mean: int, *, doc_min: int = 256, seed: int = 0,
             "dense_pairs": dense / count, "sparse_pairs": sparse / count}
 
 
-def parse_rows(text: str) -> list[tuple[int, int]]:
-    """``"8192,131072:16384"`` -> ``[(8192, 0), (131072, 16384)]``."""
-    rows = []
-    for item in (x.strip() for x in text.split(",") if x.strip()):
-        tokens, _, mean = item.partition(":")
-        try:
-            row = (int(tokens), int(mean or 0))
-        except ValueError:
-            raise SystemExit(f"--tokens item {item!r}: expected N or N:MEAN") from None
-        if row[0] < 1 or row[1] < 0:
-            raise SystemExit(f"--tokens item {item!r}: expected N >= 1 and MEAN >= 0")
-        rows.append(row)
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="8192,32768,32768:4096,131072:16384,131072")
@@ -97,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| tokens | doc mean | documents | dense TFLOP | MSA TFLOP at most | dense / MSA "
           f"| MSA ms at {args.tflops:g} TF/s |")
     print("|---|---|---|---|---|---|---|")
-    for tokens, mean in parse_rows(args.tokens):
+    for tokens, mean in parse_rows(args.tokens, [0], "--tokens"):
         r = row_work(tokens, mean, doc_min=args.doc_min, seed=args.seed,
                      doc_maps=args.doc_maps)
         r["dense_tflop"] = r["dense_pairs"] * per_pair / 1e12

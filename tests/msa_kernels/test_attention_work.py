@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from attention_work import document_pairs, parse_rows, row_work  # noqa: E402
+from attention_work import document_pairs, row_work  # noqa: E402
+from layer_bench.rows import parse_rows  # noqa: E402
 
 
 def _brute(length: int, block: int, top_k: int) -> tuple[int, int]:
@@ -53,12 +54,13 @@ def test_packed_row_sums_its_documents():
     assert one["sparse_pairs"] / 2 < packed["sparse_pairs"] <= one["sparse_pairs"]
 
 
-def test_parse_rows_rejects_bad_items():
-    assert parse_rows("8192, 131072:16384") == [(8192, 0), (131072, 16384)]
-    with pytest.raises(SystemExit, match="'x:1'"):
-        parse_rows("x:1")
-    with pytest.raises(SystemExit, match="N >= 1"):
-        parse_rows("0")
+def test_rows_are_bench_layers():
+    # attention_work.py reads --tokens with bench_layer.py's parser (layer_bench.rows).
+    assert parse_rows("8192, 131072:16384", [0], "--tokens") == [(8192, 0), (131072, 16384)]
+    with pytest.raises(SystemExit, match="'x:1' is not N or N:MEAN"):
+        parse_rows("x:1", [0], "--tokens")
+    with pytest.raises(SystemExit, match="expected N > 0"):
+        parse_rows("0", [0], "--tokens")
 
 
 def test_script_end_to_end(tmp_path):
