@@ -9,9 +9,10 @@ THD input is checked by the layer, nemo_msa.megatron.microbatch).
 Config field names (Megatron TransformerConfig + the ``msa_*`` fields of
 nemo_msa.megatron.config): num_attention_heads, num_query_groups, kv_channels,
 msa_num_index_heads, msa_index_head_dim, msa_block_size, msa_topk, msa_init_blocks,
-msa_local_blocks, msa_score_type, msa_backend; plus the features refused here: fp8, fp4,
-apply_rope_fusion, fused_single_qkv_rope. Whether the backend runs context parallelism (a
-query subset) is its capability record's answer, asked by nemo_msa.plan.
+msa_local_blocks, msa_score_type, msa_backend; the precision fields fp8 (with
+transformer_impl), fp8_dot_product_attention, fp8_multi_head_attention and fp4; and the features
+refused here: apply_rope_fusion, fused_single_qkv_rope. Whether the backend runs context
+parallelism (a query subset) is its capability record's answer, asked by nemo_msa.plan.
 """
 
 from __future__ import annotations
@@ -110,6 +111,38 @@ class MSATopology:
                 raise ValueError(f"MSA cannot run {field_name}={value!r}; expected {expected}")
 
 
+#: FP8 fields that would hand the attention FP8 tensors: MSA's kernels read bf16 q/k/v.
+FP8_ATTENTION_FIELDS = ("fp8_dot_product_attention", "fp8_multi_head_attention")
+
+
+def _require_supported_precision(config: Any) -> None:
+    """FP8 GEMMs around bf16 MSA attention (ADR 0036).
+
+    ``config.fp8`` runs the layer's Transformer Engine linears (QKV, output projection, MLP and
+    experts) in FP8; their outputs, the attention's inputs, stay bf16. What would reach the MSA
+    kernels in FP8 is refused, and so is FP8 without TE's layers, where Megatron's local linears
+    would ignore it and train in bf16 silently.
+    """
+    if getattr(config, "fp8", None):
+        impl = getattr(config, "transformer_impl", "transformer_engine")
+        if impl != "transformer_engine":
+            raise ValueError(
+                f"config.fp8={config.fp8!r} with transformer_impl={impl!r}: FP8 GEMMs are "
+                "Transformer Engine's; set transformer_impl='transformer_engine' (or fp8=None)"
+            )
+        for flag in FP8_ATTENTION_FIELDS:
+            if getattr(config, flag, False):
+                raise NotImplementedError(
+                    f"MSA attention does not support {flag}=True: its kernels read bf16 q/k/v "
+                    "(the FP8 GEMMs around it are supported); set it to False"
+                )
+    if getattr(config, "fp4", None):
+        raise NotImplementedError(
+            f"MSA layers do not support FP4 (config.fp4={config.fp4!r}): untested here (FP4 GEMMs "
+            "need SM100), and the MSA kernels read bf16 q/k/v"
+        )
+
+
 def require_msa_support(config: Any, backend: str | None = None) -> MSATopology:
     """The device-free part of the construction gate (:meth:`nemo_msa.plan.MSAPlan.build` runs
     it, then resolves the backend for the device and asks its capability record).
@@ -123,20 +156,13 @@ def require_msa_support(config: Any, backend: str | None = None) -> MSATopology:
         The validated topology.
 
     Raises:
-        NotImplementedError: FP8/FP4 or fused RoPE (apply_rope_fusion, fused_single_qkv_rope).
-        ValueError: a topology, score type or backend name MSA cannot run; names field and
-            value.
+        NotImplementedError: FP8 attention (fp8_dot_product_attention,
+            fp8_multi_head_attention), FP4, or fused RoPE (apply_rope_fusion,
+            fused_single_qkv_rope).
+        ValueError: FP8 GEMMs without Transformer Engine's layers (``transformer_impl``), or a
+            topology, score type or backend name MSA cannot run; names field and value.
     """
-    if getattr(config, "fp8", None):
-        raise NotImplementedError(
-            f"MSA attention does not support FP8 (config.fp8={config.fp8!r}): its kernels read "
-            "bf16 q/k/v"
-        )
-    if getattr(config, "fp4", None):
-        raise NotImplementedError(
-            f"MSA attention does not support FP4 (config.fp4={config.fp4!r}): its kernels read "
-            "bf16 q/k/v"
-        )
+    _require_supported_precision(config)
     for flag in ("apply_rope_fusion", "fused_single_qkv_rope"):
         if getattr(config, flag, False):
             raise NotImplementedError(

@@ -214,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="routed experts of --m3-block (default 128; --tiny 4)")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="with --profile: write each profiled step's Chrome trace to DIR")
+    ap.add_argument("--transformer-impl", choices=("local", "transformer_engine"),
+                    default="local", help="Megatron's transformer_impl of the layer spec")
+    ap.add_argument("--fp8", choices=("hybrid", "e4m3"), default=None,
+                    help="FP8 GEMMs (TE linears; attention and indexer stay bf16)")
+    ap.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "blockwise"),
+                    default="delayed", help="Megatron's fp8_recipe with --fp8")
     ap.add_argument("--tiny", action="store_true", help="tiny model (runs on the CPU in seconds)")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA exists")
     ap.add_argument("--json", default=None, help="write the results to this file")
@@ -288,6 +294,11 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
     on_gpu = torch.cuda.is_available() and not args.cpu
     if not on_gpu and not args.tiny:
         raise SystemExit("the MiniMax-M3 shape needs a CUDA GPU; on the CPU run with --tiny")
+    if not on_gpu and args.transformer_impl == "transformer_engine":
+        raise SystemExit("--transformer-impl transformer_engine needs a CUDA GPU")
+    if args.fp8 is not None and args.transformer_impl != "transformer_engine":
+        raise SystemExit(f"--fp8 {args.fp8} needs --transformer-impl transformer_engine (FP8 "
+                         "GEMMs are TE's)")
     bad = [n for n in sizes if n % shape.block]
     if bad:
         raise SystemExit(f"--tokens {bad}: expected multiples of the block size {shape.block}")
@@ -304,8 +315,8 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
     except ImportError:
         triton_version = None
     log(f"bench_layer: {gpu}, torch {torch.__version__}, triton {triton_version}, shape "
-         f"{shape}, M3 block {block}, dtype {dtype}, steps {args.steps} after {args.warmup} "
-         "warm-up")
+         f"{shape}, M3 block {block}, dtype {dtype}, {args.transformer_impl} spec, fp8 "
+         f"{args.fp8}, steps {args.steps} after {args.warmup} warm-up")
 
     rows: list[dict] = []
     result = {
@@ -317,6 +328,8 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
         "shape": shape.__dict__,
         "m3_block": block.__dict__ if block is not None else None,
         "dtype": str(dtype),
+        "transformer_impl": args.transformer_impl,
+        "fp8": args.fp8 and f"{args.fp8} ({args.fp8_recipe})",
         "step": "forward + backward of the mean LM loss (+ indexer loss where on); optimizer "
         "step excluded",
         "layers": args.layers,
@@ -336,7 +349,8 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
             write_json(args.json, result)
 
     for case in cases:
-        config = case_config(case, shape, on_gpu, block, args.layers)
+        config = case_config(case, shape, on_gpu, block, args.layers, args.transformer_impl,
+                             args.fp8, args.fp8_recipe)
         set_training_iteration(0)
         model = build_model(config, shape, max(sizes), on_gpu)
         layer = getattr(model, "module", model).decoder.layers[0]

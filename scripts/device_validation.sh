@@ -75,6 +75,17 @@
 # site, and the GPU's idle time by the kernel it waited for, each also minus the dense trace of
 # its row (what the MSA step adds), into $OUT/attribution.txt; the traces of the rows of up to
 # 32768 tokens come back gzipped in $OUT/traces_short.tgz. PROFILE_ARGS adds arguments.
+# "te_part" copies the Transformer Engine core-wheel part carried in .te/part* to /tmp/te (kept
+# while the machine is warm; benchmarks/te_parts.sh makes the parts and says the call sequence).
+# "te" installs TE from /tmp/te with .te/kit/install_te.sh where it does not import yet, then runs
+# tests/megatron/test_te_spec.py (TE spec against the local one, checkpoints across the specs,
+# pretraining in bf16 and with FP8 GEMMs; bounded by TE_TESTS_S, default 420 s) into
+# $OUT/te_tests.log, the FP8 and bf16 loss curves into $OUT/fp8_curves.json.
+# "te_rows" runs bench_layer.py with the TE spec, bf16 and then FP8 GEMMs (TE_ROWS_FP8, default
+# hybrid), dense and MSA (sparse loss) at TE_ROWS_TOKENS (default the three one-document rows and
+# the two packed ones) in one process per precision (TE_ROWS_S each, default 270 s), writing
+# $OUT/te_rows_bf16.json / te_rows_fp8.json and their logs; TE_ROWS_ARGS adds arguments (e.g.
+# "--m3-block --experts 16").
 set -uo pipefail
 # table_or_tail LOG HEADER FALLBACK: LOG from the line matching HEADER (a basic regex) on, or,
 # where the run printed no table, LOG's lines matching FALLBACK (extended) and its last 15.
@@ -135,6 +146,41 @@ echo -e "\nrc $?" >> "$OUT/gpu_tests.log"
 grep -E "^(=+ )?[0-9]+ (passed|failed|skipped|error)|^(FAILED|ERROR) |^rc " "$OUT/gpu_tests.log"
 grep -E "::.* (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)" "$OUT/gpu_tests.log" | tail -n 1 \
   | sed 's/^/last test: /'
+fi
+
+if [[ " $STAGES " == *" te_part "* ]]; then
+mkdir -p /tmp/te
+cp .te/part*/* /tmp/te/ && ls -la /tmp/te | tail -n +2
+fi
+
+if [[ " $STAGES " == *" te "* ]]; then
+if ! python3 -c "import torch, transformer_engine.pytorch" >/dev/null 2>&1; then
+  start=$(date +%s)
+  bash .te/kit/install_te.sh /tmp/te python3 2>&1 | tail -n 3 | tee "$OUT/te_install.log"
+  echo "te install: $(( $(date +%s) - start )) s" | tee -a "$OUT/te_install.log"
+fi
+FP8_CURVES_OUT="$OUT/fp8_curves.json" timeout -s INT -k 30 "${TE_TESTS_S:-420}" \
+  python3 -m pytest -v -s tests/megatron/test_te_spec.py -rs -p no:cacheprovider \
+  -W ignore::UserWarning -W ignore::DeprecationWarning ${TE_TESTS_ARGS:-} > "$OUT/te_tests.log" 2>&1
+echo -e "\nrc $?" >> "$OUT/te_tests.log"
+grep -E "^(=+ )?[0-9]+ (passed|failed|skipped|error)|^(FAILED|ERROR) |^rc |(PASSED|FAILED|ERROR)$|rel_errors|max_relative_gap" \
+  "$OUT/te_tests.log" | cut -c1-400
+fi
+
+if [[ " $STAGES " == *" te_rows "* ]]; then
+for precision in bf16 fp8; do
+  fp8=()
+  [[ $precision == fp8 ]] && fp8=(--fp8 "${TE_ROWS_FP8:-hybrid}")
+  echo "== te_rows ($precision): scripts/bench_layer.py --transformer-impl transformer_engine" \
+    "${fp8[*]}" | tee "$OUT/te_rows_$precision.log"
+  # shellcheck disable=SC2086  # TE_ROWS_ARGS is a list
+  timeout "${TE_ROWS_S:-270}" python3 scripts/bench_layer.py --transformer-impl transformer_engine \
+    ${fp8[@]+"${fp8[@]}"} --tokens "${TE_ROWS_TOKENS:-8192,32768,131072,32768:4096,131072:16384}" \
+    --cases dense,msa_sparse_loss --no-attention-rows --steps 3 --warmup 2 \
+    --json "$OUT/te_rows_$precision.json" ${TE_ROWS_ARGS:-} >> "$OUT/te_rows_$precision.log" 2>&1
+  echo "rc $?" >> "$OUT/te_rows_$precision.log"
+  table_or_tail "$OUT/te_rows_$precision.log" '^|  tokens |' '^\{"tokens"|Error'
+done
 fi
 
 if [[ " $STAGES " == *" pretrain "* ]]; then

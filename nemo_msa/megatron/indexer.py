@@ -36,6 +36,7 @@ from megatron.core.utils import (
 from nemo_msa.context_parallel import ContextParallelLayout
 from nemo_msa.megatron.microbatch import pack_sbhd
 from nemo_msa.megatron.norms import GemmaRMSNorm, RMSNorm
+from nemo_msa.megatron.precision import high_precision_gemms, high_precision_init
 from nemo_msa.megatron.rope import RopeFactors, apply_rope, rope_factors
 
 __all__ = [
@@ -174,30 +175,9 @@ class MSAIndexer(MegatronModule):
         proj_config = copy.copy(config)
         proj_config.sequence_parallel = False
 
-        self.index_q_proj = build_module(
-            submodules.index_q_proj,
-            config.hidden_size,
-            self.num_index_heads * self.index_head_dim,
-            config=proj_config,
-            init_method=config.init_method,
-            gather_output=False,
-            bias=False,
-            skip_bias_add=False,
-            is_expert=False,
-            tp_comm_buffer_name="index_q",
-            tp_group=self.tp_group,
-        )
-        self.index_k_proj = build_module(
-            submodules.index_k_proj,
-            config.hidden_size,
-            self.index_head_dim,
-            config=proj_config,
-            init_method=config.init_method,
-            bias=False,
-            skip_bias_add=False,
-            skip_weight_param_allocation=False,
-            parallel_mode="duplicated",
-        )
+        # bf16 weights and GEMMs inside an FP8 layer: nemo_msa.megatron.precision says why.
+        with high_precision_init(config):
+            self._build_projections(submodules, proj_config)
         self.index_q_norm = build_module(
             submodules.index_q_norm,
             config=config,
@@ -215,6 +195,33 @@ class MSAIndexer(MegatronModule):
             eps=config.layernorm_epsilon,
             tp_group=self.tp_group,
             sum_grad_across_tp=False,
+        )
+
+    def _build_projections(self, submodules: MSAIndexerSubmodules, proj_config) -> None:
+        """index_q_proj (column-parallel) and index_k_proj (replicated), no bias."""
+        self.index_q_proj = build_module(
+            submodules.index_q_proj,
+            self.config.hidden_size,
+            self.num_index_heads * self.index_head_dim,
+            config=proj_config,
+            init_method=self.config.init_method,
+            gather_output=False,
+            bias=False,
+            skip_bias_add=False,
+            is_expert=False,
+            tp_comm_buffer_name="index_q",
+            tp_group=self.tp_group,
+        )
+        self.index_k_proj = build_module(
+            submodules.index_k_proj,
+            self.config.hidden_size,
+            self.index_head_dim,
+            config=proj_config,
+            init_method=self.config.init_method,
+            bias=False,
+            skip_bias_add=False,
+            skip_weight_param_allocation=False,
+            parallel_mode="duplicated",
         )
 
     def forward(
@@ -248,8 +255,9 @@ class MSAIndexer(MegatronModule):
         # [s, b, h] -> compact [T, h]: the projections skip padding entirely.
         cp = isinstance(layout, ContextParallelLayout)
         x = layout.pack_local(x) if cp else pack_sbhd(layout, x)
-        q, _ = self.index_q_proj(x)
-        k, _ = self.index_k_proj(x)
+        with high_precision_gemms(self.config):
+            q, _ = self.index_q_proj(x)
+            k, _ = self.index_k_proj(x)
         q = q.view(q.shape[0], self.num_index_heads_per_partition, self.index_head_dim)
         q = self.index_q_norm(q)
         k = self.index_k_norm(k)

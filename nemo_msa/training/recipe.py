@@ -22,6 +22,8 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
+from nemo_msa.megatron.layer_specs import te_unavailable_reason
+from nemo_msa.support import FP8_ATTENTION_FIELDS
 from nemo_msa.training.recipe_fields import RecipeError, require
 from nemo_msa.training.recipe_schema import (
     SECTION_DATACLASSES,
@@ -270,6 +272,7 @@ def _check_values(r: Recipe) -> None:
     impl = r.model.setdefault("transformer_impl", "local")
     require(impl in ("local", "transformer_engine"), "model.transformer_impl", impl,
             "'local' (torch modules) or 'transformer_engine'")
+    _check_precision(r, impl)
     require(r.dist.backend in ("auto", "nccl", "gloo"), "dist.backend", r.dist.backend,
             "'auto', 'nccl' or 'gloo'")
     require(r.logger.log_interval > 0, "logger.log_interval", r.logger.log_interval, "> 0")
@@ -314,6 +317,28 @@ def _check_values(r: Recipe) -> None:
     optimizer = r.optimizer.get("optimizer", "adam")
     require(optimizer in ("adam", "sgd"), "optimizer.optimizer", optimizer,
             "'adam' or 'sgd' (Megatron-Core's own optimizers)")
+
+
+def _check_precision(r: Recipe, impl: str) -> None:
+    """FP8 GEMMs need Transformer Engine's layers; the MSA kernels read bf16 (ADR 0036)."""
+    fp8 = r.model.get("fp8")
+    if fp8:
+        require(impl == "transformer_engine", "model.fp8", fp8,
+                "null with model.transformer_impl='local' (FP8 GEMMs are Transformer Engine's; "
+                "set model.transformer_impl=transformer_engine)")
+        for field in FP8_ATTENTION_FIELDS:
+            require(not r.model.get(field), f"model.{field}", r.model.get(field),
+                    "false: the MSA kernels read bf16 q/k/v (FP8 GEMMs around them are fine)")
+        require(bool(r.model.get("bf16")), "model.bf16", r.model.get("bf16"),
+                "true with model.fp8 (the attention and the indexer run in bf16)")
+        reason = te_unavailable_reason()
+        require(reason is None, "model.fp8", fp8,
+                f"null on this machine: FP8 needs Transformer Engine ({reason})")
+    for key in ("fp8_param", "fp8_dot_product_attention", "fp8_multi_head_attention"):
+        if r.model.get(key) and not fp8:
+            require(False, f"model.{key}", r.model.get(key), "false without model.fp8")
+    require(not r.model.get("fp4"), "model.fp4", r.model.get("fp4"),
+            "null: MSA layers are not built for FP4 (SM100 GEMMs, untested)")
 
 
 def _check_context_parallel(r: Recipe) -> None:

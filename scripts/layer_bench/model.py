@@ -112,7 +112,8 @@ def init_single_rank(on_gpu: bool) -> None:
 
 
 def case_config(case: str, shape: Shape, on_gpu: bool, block: Block | None = None,
-                layers: int = 1) -> MSATransformerConfig:
+                layers: int = 1, transformer_impl: str = "local",
+                fp8: str | None = None, fp8_recipe: str = "delayed") -> MSATransformerConfig:
     """The MSATransformerConfig of one case.
 
     Args:
@@ -121,15 +122,23 @@ def case_config(case: str, shape: Shape, on_gpu: bool, block: Block | None = Non
         on_gpu: bf16 on the GPU; fp32 with the CPU shim's overrides otherwise.
         block: the M3 block's MoE (None: the dense SwiGLU stand-in layer).
         layers: transformer layers (every one of the case's kind).
+        transformer_impl: "local" (Megatron-Core modules) or "transformer_engine" (TE linears
+            and norms; GPU only).
+        fp8: None (bf16 GEMMs), "hybrid" or "e4m3": the TE linears' FP8 format (the attention
+            and the indexer stay bf16, ADR 0036).
+        fp8_recipe: Megatron's ``fp8_recipe`` with ``fp8``.
 
     Returns:
         The config (``layers`` layers).
 
     Raises:
-        ValueError: an unknown case.
+        ValueError: an unknown case, or FP8 without TE on the GPU.
     """
     if case not in CASES:
         raise ValueError(f"case={case!r}; expected one of {CASES}")
+    if fp8 is not None and (transformer_impl != "transformer_engine" or not on_gpu):
+        raise ValueError(f"fp8={fp8!r} needs transformer_impl='transformer_engine' on the GPU "
+                         f"(got {transformer_impl!r}, on_gpu={on_gpu})")
     msa = {
         "dense": {"msa_layer_pattern": "D"},
         "msa_loss_off": {"msa_indexer_loss_coeff": 0.0},
@@ -142,6 +151,9 @@ def case_config(case: str, shape: Shape, on_gpu: bool, block: Block | None = Non
         if on_gpu
         else dict(cpu_shim.cpu_config_overrides())
     )
+    if fp8 is not None:
+        precision.update(fp8=fp8, fp8_recipe=fp8_recipe, fp8_amax_history_len=1024,
+                         fp8_amax_compute_algo="max")
     extra = block_fields(block, on_gpu) if block is not None else {}
     fields = dict(
         num_layers=layers,
@@ -156,7 +168,7 @@ def case_config(case: str, shape: Shape, on_gpu: bool, block: Block | None = Non
         add_bias_linear=False,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        transformer_impl="local",
+        transformer_impl=transformer_impl,
         msa_num_index_heads=shape.index_heads,
         msa_index_head_dim=shape.index_dim,
         msa_block_size=shape.block,

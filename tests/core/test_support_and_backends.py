@@ -42,7 +42,8 @@ def test_production_topology_passes_the_gate():
 @pytest.mark.parametrize(
     "changes, match",
     [
-        ({"fp8": "hybrid"}, "FP8"),
+        ({"fp8": "hybrid", "fp8_dot_product_attention": True}, "fp8_dot_product_attention"),
+        ({"fp8": "e4m3", "fp8_multi_head_attention": True}, "fp8_multi_head_attention"),
         ({"fp4": "nvfp4"}, "FP4"),
         ({"apply_rope_fusion": True}, "apply_rope_fusion=True"),
         ({"fused_single_qkv_rope": True}, "fused_single_qkv_rope=True"),
@@ -51,6 +52,18 @@ def test_production_topology_passes_the_gate():
 def test_unsupported_features_raise_not_implemented(changes, match):
     with pytest.raises(NotImplementedError, match=match):
         require_msa_support(production_config(**changes))
+
+
+def test_fp8_gemms_pass_the_gate_with_transformer_engine_layers_only():
+    """FP8 GEMMs around bf16 attention are supported with TE's linears (ADR 0036); with the local
+    linears fp8 would be ignored, so it is refused naming transformer_impl."""
+    for impl in ("transformer_engine", None):  # None: Megatron's default, TE
+        fields = {"fp8": "hybrid"} if impl is None else {"fp8": "hybrid", "transformer_impl": impl}
+        assert require_msa_support(production_config(**fields)).head_dim == 128
+    with pytest.raises(ValueError, match=r"config.fp8='hybrid' with transformer_impl='local'"):
+        require_msa_support(production_config(fp8="hybrid", transformer_impl="local"))
+    # Without fp8 the FP8-attention flags are inert, as in Megatron.
+    require_msa_support(production_config(fp8_dot_product_attention=True))
 
 
 def test_context_parallelism_is_a_capability_of_the_backend(kernel_backends_on_the_cpu):

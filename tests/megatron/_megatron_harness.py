@@ -215,20 +215,12 @@ def full_gradients(chunks: list) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, world_size: int, port: int, fn_name: str, kwargs: dict, queue) -> None:
     try:
-        kwargs = dict(kwargs)
-        if kwargs.pop("_cuda", False):
-            # A real GPU run (the TE spec test): NCCL, no shim.
-            torch.cuda.set_device(rank)
-            torch.distributed.init_process_group(
-                "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-            )
-        else:
-            os.environ.setdefault("OMP_NUM_THREADS", "1")
-            torch.set_num_threads(1)
-            from nemo_msa.megatron import cpu_shim
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        from nemo_msa.megatron import cpu_shim
 
-            cpu_shim.install()
-            cpu_shim.init_gloo_process_group(rank, world_size, port)
+        cpu_shim.install()
+        cpu_shim.init_gloo_process_group(rank, world_size, port)
         result = globals()[fn_name](rank=rank, world_size=world_size, **kwargs)
         queue.put((rank, "ok", result))
     except BaseException:  # report every failure to the parent instead of hanging it
@@ -535,40 +527,6 @@ def sequence_parallel_worker(rank: int, world_size: int) -> dict:
         ),
         "grad_scale": max(float(g.abs().max()) for g in outputs[False]["grads"].values()),
         "indexer_grads": len([n for n in outputs[True]["grads"] if n.startswith("indexer.")]),
-    }
-
-
-def transformer_engine_worker(rank: int, world_size: int) -> dict:
-    """Forward/backward of an MSA GPT built from the Transformer Engine spec, bf16 on CUDA."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    ps.initialize_model_parallel(world_size, 1)
-    model_parallel_cuda_manual_seed(1234)
-    config = tiny_config(
-        transformer_impl="transformer_engine",
-        tensor_model_parallel_size=world_size,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        use_cpu_initialization=False,
-    )
-    (model,) = build_model_chunks(config)
-    model.cuda()
-    batch = {k: v.cuda() for k, v in packed_batches(1)[0].items()}
-    positions = torch.arange(SEQ, device="cuda").expand(MICRO_BATCH, SEQ)
-    out = model(batch["tokens"], positions, batch["packed_seq_ids"], labels=batch["labels"])
-    loss = (out.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-    loss.backward()
-    linear_qkv = type(model.decoder.layers[0].self_attention.linear_qkv).__name__
-    return {
-        "loss": float(loss),
-        "linear_qkv": linear_qkv,
-        "indexer_grad_norms": {
-            n: float(p.grad.float().norm())
-            for n, p in model.named_parameters()
-            if ".indexer." in n and p.grad is not None
-        },
     }
 
 

@@ -140,20 +140,6 @@ def test_bad_moe_layer_freq_and_dispatcher_are_named():
         cpu_shim.check_cpu_config(_toy_config(ToyM3(), moe_token_dispatcher_type="alltoall"))
 
 
-@pytest.mark.te
-def test_te_spec_of_the_m3_recipe():
-    from megatron.core.extensions.transformer_engine import TENorm
-
-    from nemo_msa.megatron.layer_specs import get_msa_decoder_layer_specs
-
-    config, _ = _recipe_config("minimax_m3_msa.yaml", ["model.bf16=false"])
-    specs = get_msa_decoder_layer_specs(config, transformer_impl="transformer_engine")
-    dense, moe = specs[0].submodules, specs[3].submodules
-    assert dense.input_layernorm is TENorm and moe.pre_mlp_layernorm is TENorm
-    assert moe.self_attention.submodules.indexer.submodules.index_q_norm is RMSNorm
-    assert "MoE" in moe.mlp.module.__name__ and dense.mlp.module.__name__ == "MLP"
-
-
 # ------------------------------------------------------------------ converter
 def test_converter_round_trip_is_bitwise_and_names_what_is_wrong():
     toy = ToyM3()

@@ -206,6 +206,38 @@ def test_values_are_typed_and_range_checked(override, message):
     assert "\n" not in str(err.value)  # one `error:` line in the CLI
 
 
+def test_fp8_keys_are_checked_before_anything_is_built(monkeypatch):
+    """FP8 GEMMs (ADR 0036): Megatron's keys with TE's layers and bf16; FP8 attention, FP8
+    without TE's layers, and FP8 where TE does not import are one error line each."""
+    from nemo_msa.training import recipe as recipe_module
+
+    fp8 = ["model.fp8=hybrid", "model.bf16=true"]
+    cases = [
+        (["model.fp8=hybrid"], r"'model.fp8' = 'hybrid': expected null with "
+                               r"model.transformer_impl='local'"),
+        (["model.transformer_impl=transformer_engine", "model.fp8=e4m3"],
+         r"'model.bf16' = False: expected true with model.fp8"),
+        (["model.transformer_impl=transformer_engine", *fp8,
+          "model.fp8_dot_product_attention=true"],
+         r"'model.fp8_dot_product_attention' = True: expected false: the MSA kernels read bf16"),
+        (["model.fp8_param=true"], r"'model.fp8_param' = True: expected false without model.fp8"),
+        (["model.fp8=bf8"], r"'model.fp8' = 'bf8': expected null or one of 'e4m3', 'hybrid'"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(RecipeError, match=message):
+            load_recipe(None, overrides)
+    te = ["model.transformer_impl=transformer_engine", *fp8, "model.fp8_recipe=delayed",
+          "model.fp8_amax_history_len=16", "model.fp8_amax_compute_algo=max"]
+    monkeypatch.setattr(recipe_module, "te_unavailable_reason", lambda: "no TE here")
+    with pytest.raises(RecipeError, match=r"'model.fp8' = 'hybrid': expected null on this "
+                                          r"machine: FP8 needs Transformer Engine \(no TE here"):
+        load_recipe(None, te)
+    monkeypatch.setattr(recipe_module, "te_unavailable_reason", lambda: None)
+    recipe = load_recipe(None, te)
+    assert (recipe.model["fp8"], recipe.model["fp8_recipe"], recipe.model["fp8_amax_history_len"],
+            recipe.model["fp8_amax_compute_algo"]) == ("hybrid", "delayed", 16, "max")
+
+
 def test_typed_values_are_normalised():
     recipe = load_recipe(None, ["train.train_iters=1e3", "optimizer.lr=1", "dataset.split=100",
                                 "dataset.split=98/2", "model.attention_backend=flash"])
