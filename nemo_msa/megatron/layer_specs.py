@@ -273,6 +273,11 @@ def get_msa_layer_spec(
         )
         input_layernorm = layer_norm_builder(config, impl)
         keys_map = dict(base.sharded_state_dict_keys_map or _KEYS_MAP)
+        if moe:
+            # TE's MoE layer keeps its pre-MLP norm apart (nothing to fuse it into), so a local
+            # MoE layer must not save it under the fused name, or neither spec loads the
+            # other's checkpoint (Megatron's own local spec maps it; test_te_spec.py).
+            keys_map.pop("pre_mlp_layernorm.", None)
     pre_mlp_layernorm = base.pre_mlp_layernorm
     if pre_mlp_layernorm is not IdentityOp:  # TE's dense MLP fuses it into linear_fc1
         pre_mlp_layernorm = layer_norm_builder(config, impl)

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 SEQ, MICRO_BATCH, VOCAB = 256, 2, 256
 #: bf16 tolerance of two implementations of the same bf16 model (relative norm error).
 LOGITS_TOL = 1e-2
-GRAD_TOL = 3e-2
+GRAD_TOL = 2e-2
 
 
 @pytest.fixture(scope="module")
@@ -148,19 +148,21 @@ def _checkpoint_params(model) -> dict[tuple, torch.nn.Parameter]:
     return out
 
 
-def _transfer(src, dst, path: Path) -> set[str]:
-    """Saves ``src`` as a dist-checkpoint and loads it into ``dst``; returns the keys ``dst``
-    asked for that the checkpoint lacks."""
+def _transfer(src, dst, path: Path) -> None:
+    """Saves ``src`` as a dist-checkpoint and loads it into ``dst``. Only TE's ``_extra_state``
+    (FP8 metadata, which a local model has none of) may be absent on either side."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     path.mkdir()
     dist_checkpointing.save(src.sharded_state_dict(), str(path))
+    # Megatron's terms: "missing" are in the checkpoint but not asked for, "unexpected" asked
+    # for but not in the checkpoint.
     state, missing, unexpected = dist_checkpointing.load(
         dst.sharded_state_dict(), str(path), strict=StrictHandling.RETURN_ALL)
     dst.load_state_dict(state, strict=False)
-    assert not {k for k in unexpected if not k.endswith("_extra_state")}, unexpected
-    return set(missing)
+    names = {k for k in (*missing, *unexpected) if not k.endswith("_extra_state")}
+    assert not names, names
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -185,8 +187,7 @@ def test_te_spec_matches_the_local_spec(cuda_rank, tmp_path, case, grouped):
         assert ("Grouped" in type(layer.mlp.experts).__name__) == grouped
         assert layer.mlp.token_dispatcher.__class__.__name__ == "MoEAlltoAllTokenDispatcher"
 
-    missing = _transfer(local, te, tmp_path / "local_to_te")
-    assert all(k.endswith("_extra_state") for k in missing), missing
+    _transfer(local, te, tmp_path / "local_to_te")
     local_params, te_params = _checkpoint_params(local), _checkpoint_params(te)
     assert set(local_params) == set(te_params), set(local_params) ^ set(te_params)
     for key, p in local_params.items():
@@ -219,8 +220,7 @@ def test_te_checkpoint_loads_into_the_local_spec(cuda_rank, tmp_path, case):
         for p in te.parameters():
             p.add_(torch.randn_like(p) * 0.01)  # not the seed's values
     local = _model(_config("local", case))
-    missing = _transfer(te, local, tmp_path / "te_to_local")
-    assert not missing, missing
+    _transfer(te, local, tmp_path / "te_to_local")
     te_params, local_params = _checkpoint_params(te), _checkpoint_params(local)
     assert set(te_params) == set(local_params)
     for key, p in te_params.items():
@@ -246,7 +246,9 @@ def test_te_spec_of_the_m3_recipe():
     dense, moe = specs[0].submodules, specs[3].submodules
     assert dense.input_layernorm is TENorm and moe.pre_mlp_layernorm is TENorm
     assert moe.self_attention.submodules.indexer.submodules.index_q_norm is RMSNorm
-    assert "MoE" in moe.mlp.module.__name__ and dense.mlp.module.__name__ == "MLP"
+    # Megatron 0.19's specs hold the MLP builders as functools.partial objects.
+    assert "MoELayer" in repr(moe.mlp) and "TEGroupedMLP" in repr(moe.mlp), repr(moe.mlp)
+    assert "MLP.as_mlp_submodule" in repr(dense.mlp), repr(dense.mlp)
 
 
 def _pretrain(out: Path, *overrides: str, recipe: str | None = None) -> list[dict]:
@@ -270,26 +272,34 @@ def _curve(rows: list[dict]) -> dict[int, float]:
 
 def test_pretraining_fp8_gemms_follows_the_bf16_loss_curve(tmp_path):
     """The main job's tiny MSA model, 40 steps on the GPU through pretrain.py: TE in bf16, then
-    the same run with FP8 GEMMs (hybrid, delayed scaling). Both learn, and at every step the
-    FP8 loss is within 10% + 0.05 of the bf16 one (two runs in bf16 already part once the loss
-    is small); both curves are written to ``$FP8_CURVES_OUT`` (the device stage commits them)."""
+    the same run with FP8 GEMMs (hybrid, delayed scaling). Both learn, and the FP8 curve follows
+    the bf16 one as closely as two bf16 runs of different seeds follow each other: the step where
+    the loss first falls below 1 within 4 steps, the mean of the last 10 losses within 0.1 (ADR
+    0036: seeds 1234 and 4321 in bf16 differed by 3 steps and 0.073 on the H100). The curves are
+    written to ``$FP8_CURVES_OUT`` (the device stage commits them)."""
     common = ["model.msa_backend=triton"]
     bf16 = _curve(_pretrain(tmp_path / "bf16", *common))
     fp8 = _curve(_pretrain(tmp_path / "fp8", *common, "model.fp8=hybrid",
                            "model.fp8_recipe=delayed", "model.fp8_amax_history_len=16",
                            "model.fp8_amax_compute_algo=max"))
-    assert set(bf16) == set(fp8) and len(bf16) >= 20, (sorted(bf16), sorted(fp8))
-    gaps = {s: abs(fp8[s] - bf16[s]) / bf16[s] for s in bf16}
-    record = {"steps": sorted(bf16), "bf16": [bf16[s] for s in sorted(bf16)],
-              "fp8": [fp8[s] for s in sorted(bf16)], "max_relative_gap": max(gaps.values())}
+    assert set(bf16) == set(fp8) and len(bf16) >= 30, (sorted(bf16), sorted(fp8))
+    steps = sorted(bf16)
+
+    def below_one(curve):
+        return next((s for s in steps if curve[s] < 1.0), None)
+
+    def tail(curve):
+        return sum(curve[s] for s in steps[-10:]) / 10
+
+    record = {"steps": steps, "bf16": [bf16[s] for s in steps], "fp8": [fp8[s] for s in steps],
+              "below_one": [below_one(bf16), below_one(fp8)], "tail10": [tail(bf16), tail(fp8)]}
     print(json.dumps(record))
     if os.environ.get("FP8_CURVES_OUT"):
         Path(os.environ["FP8_CURVES_OUT"]).write_text(json.dumps(record, indent=1))
-    last = max(bf16)
     assert all(math.isfinite(v) for v in [*bf16.values(), *fp8.values()])
-    assert bf16[last] < 0.5 * bf16[min(bf16)] and fp8[last] < 0.5 * fp8[min(fp8)], record
-    over = {s: (fp8[s], bf16[s]) for s in bf16 if abs(fp8[s] - bf16[s]) > 0.1 * bf16[s] + 0.05}
-    assert not over, (over, record)
+    assert None not in record["below_one"], record
+    assert abs(record["below_one"][0] - record["below_one"][1]) <= 4, record
+    assert abs(tail(bf16) - tail(fp8)) < 0.1, record
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
