@@ -192,11 +192,15 @@ def save_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
     def write() -> None:
         sd = sharded_state_dict(model_chunks, optimizer, scheduler, state, recipe,
                                 is_loading=False)
+        # The writer's error lines are collected here, not printed: a failed save is reported
+        # as one line that quotes them (or, for a cause not recognized, as notes on the error).
         writer_logger.addHandler(writer)
+        propagate, writer_logger.propagate = writer_logger.propagate, False
         try:
             dist_checkpointing.save(sd, str(partial))
         finally:
             writer_logger.removeHandler(writer)
+            writer_logger.propagate = propagate
 
     def publish() -> None:
         if final.exists():
