@@ -16,8 +16,10 @@ training state (iteration, consumed samples, the loss history for the plot, the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import queue
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -146,6 +148,26 @@ def _ensure_memory_probe() -> None:
         filesystem_async._process_memory = _rss_bytes
 
 
+@contextlib.contextmanager
+def _write_results_in_this_process():
+    """Let dist-checkpointing's writer hand its results on through a queue of this process.
+
+    Its file writer passes them through ``multiprocessing.Manager().Queue()``, made for the
+    asynchronous save, where another process writes: a spawned server process plus
+    multiprocessing's resource tracker, both of which outlive a SIGKILLed trainer. These saves
+    are synchronous (the writer runs in this process, ``AsyncRequest.execute_sync``), so a
+    ``queue.Queue`` carries the same results with no process at all. A queue made before (an
+    asynchronous save elsewhere in this process) is left in use.
+    """
+    before = filesystem_async._results_queue
+    if before is None:
+        filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = before
+
+
 def _barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -197,7 +219,8 @@ def save_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
         writer_logger.addHandler(writer)
         propagate, writer_logger.propagate = writer_logger.propagate, False
         try:
-            dist_checkpointing.save(sd, str(partial))
+            with _write_results_in_this_process():
+                dist_checkpointing.save(sd, str(partial))
         finally:
             writer_logger.removeHandler(writer)
             writer_logger.propagate = propagate
