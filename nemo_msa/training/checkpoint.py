@@ -42,6 +42,7 @@ from nemo_msa.training.checkpoint_integrity import (
     find_resume_iteration,
     write_manifest,
 )
+from nemo_msa.training.recipe_fields import RecipeError
 from nemo_msa.training.save_failures import (
     WriterLog,
     agree_on_failure,
@@ -262,28 +263,77 @@ def save_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
     return final
 
 
-def _reconcile_learning_rates(saved: dict, scheduler, path) -> dict[str, tuple[float, ...]]:
-    """Compare the checkpoint's max/min lr with the recipe's and decide which to train with.
+#: The schedule fields Megatron's scheduler checks when it loads (its ``_check_and_set``): the
+#: scheduler attribute, the checkpoint's names for it (older ones first) and the recipe key
+#: that sets it (None: decided in :func:`_schedule_key`).
+_SCHEDULE_FIELDS = (
+    ("max_lr", ("start_lr", "max_lr"), "optimizer.lr"),
+    ("min_lr", ("min_lr",), "optimizer.min_lr"),
+    ("lr_warmup_steps", ("warmup_iter", "warmup_steps", "lr_warmup_steps"),
+     "scheduler.lr_warmup_iters"),
+    ("lr_decay_steps", ("end_iter", "decay_steps", "lr_decay_steps"), None),
+    ("lr_decay_style", ("decay_style", "lr_decay_style"), "scheduler.lr_decay_style"),
+    ("start_wd", ("start_wd",), None),
+    ("end_wd", ("end_wd",), None),
+    ("wd_incr_steps", ("wd_incr_steps",), "train.train_iters"),
+    ("wd_incr_style", ("wd_incr_style",), "scheduler.weight_decay_incr_style"),
+)
+
+
+def _schedule_key(attribute: str, recipe: dict | None) -> str:
+    """The recipe key behind a scheduler field whose key depends on what the recipe sets."""
+    scheduler = (recipe or {}).get("scheduler") or {}
+    if attribute == "lr_decay_steps":
+        return ("scheduler.lr_decay_iters" if scheduler.get("lr_decay_iters")
+                else "train.train_iters")
+    name = "start_weight_decay" if attribute == "start_wd" else "end_weight_decay"
+    return f"scheduler.{name}" if scheduler.get(name) is not None else "optimizer.weight_decay"
+
+
+def _check_schedule(saved: dict, scheduler, path, recipe: dict | None) -> None:
+    """Refuse a schedule that differs from the checkpoint's unless a scheduler flag decides.
+
+    Megatron's scheduler asserts equal values while it loads; checked here first, before
+    anything is loaded, so that the refusal names the recipe keys, both values and the flags.
+
+    Raises:
+        RecipeError: a value differs and neither ``scheduler.override_opt_param_scheduler`` nor
+            ``scheduler.use_checkpoint_opt_param_scheduler`` is set.
+    """
+    if scheduler.override_opt_param_scheduler or scheduler.use_checkpoint_opt_param_scheduler:
+        return
+    differ: dict[str, tuple] = {}
+    for attribute, names, key in _SCHEDULE_FIELDS:
+        name = next((n for n in names if n in saved), None)
+        now = getattr(scheduler, attribute)
+        if name is None or saved[name] == now:
+            continue
+        differ.setdefault(key or _schedule_key(attribute, recipe), (now, saved[name]))
+    if not differ:
+        return
+    flags = ("scheduler.override_opt_param_scheduler=true to train on with the recipe's {0}, "
+             "or scheduler.use_checkpoint_opt_param_scheduler=true to keep the checkpoint's")
+    if len(differ) == 1:
+        (key, (now, was)), = differ.items()
+        raise RecipeError(f"recipe key '{key}' = {now!r} but checkpoint {path} was trained with "
+                          f"{was!r}: pass {flags.format('value')}")
+    listed = ", ".join(f"'{k}' = {now!r} (checkpoint: {was!r})" for k, (now, was) in differ.items())
+    raise RecipeError(f"recipe keys {listed} differ from the schedule checkpoint {path} was "
+                      f"trained with: pass {flags.format('values')}")
+
+
+def _reconcile_learning_rates(saved: dict, scheduler) -> dict[str, tuple[float, ...]]:
+    """The max/min lr to load the checkpoint with and to train with (after
+    :func:`_check_schedule`).
 
     Returns:
         ``{"max_lr": (recipe, saved, chosen), "min_lr": (recipe, saved, chosen)}``.
-
-    Raises:
-        ValueError: a value changed and neither scheduler flag says which one to use.
     """
     result = {}
-    for name, key in (("max_lr", "optimizer.lr"), ("min_lr", "optimizer.min_lr")):
+    for name in ("max_lr", "min_lr"):
         now = float(getattr(scheduler, name))
         was = float(saved.get("start_lr" if name == "max_lr" and "start_lr" in saved else name,
                               now))
-        if was != now and not (scheduler.override_opt_param_scheduler
-                               or scheduler.use_checkpoint_opt_param_scheduler):
-            raise ValueError(
-                f"recipe key '{key}' = {now} but checkpoint {path} was trained with {was}: pass "
-                "scheduler.override_opt_param_scheduler=true to train on with the recipe's "
-                "value, or scheduler.use_checkpoint_opt_param_scheduler=true to keep the "
-                "checkpoint's"
-            )
         result[name] = (now, was, was if scheduler.use_checkpoint_opt_param_scheduler else now)
     return result
 
@@ -363,8 +413,8 @@ def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
         FileNotFoundError: no finished checkpoint under ``root``.
         CheckpointError: a damaged checkpoint, or Megatron failed to load it (the message names
             the path, Megatron's error and what to do).
-        ValueError: the recipe's schedule differs from the checkpoint's and no scheduler flag
-            says which to use.
+        RecipeError: the recipe's schedule differs from the checkpoint's and no scheduler flag
+            says which to use (naming the keys, both values and the flags).
     """
     if iteration is None:
         iteration = find_resume_iteration(root)
@@ -383,7 +433,8 @@ def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
     pp, tp, _, _ = _layout()
     # Megatron names optimizer param groups by their max/min lr: build the loading state dict
     # with the checkpoint's values, then apply whichever the scheduler flags choose.
-    chosen_lrs = _reconcile_learning_rates(common.get("scheduler", {}), scheduler, path)
+    _check_schedule(common.get("scheduler", {}), scheduler, path, recipe)
+    chosen_lrs = _reconcile_learning_rates(common.get("scheduler", {}), scheduler)
     _set_group_lrs(optimizer, chosen_lrs, to_saved=True)
     sd = sharded_state_dict(model_chunks, optimizer, scheduler, None, None, is_loading=True)
     same_layout = saved_layout == [pp, tp]
@@ -403,15 +454,7 @@ def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
     except _LOAD_ERRORS as exc:  # any failure here is reported with the path
         raise _megatron_error(path, exc, saved_recipe, recipe) from exc
     _set_group_lrs(optimizer, chosen_lrs, to_saved=False)
-    try:
-        scheduler.load_state_dict(loaded["scheduler"])
-    except AssertionError as exc:  # Megatron asserts equal schedules unless a flag says otherwise
-        raise ValueError(
-            f"checkpoint {path} was trained with another schedule than the recipe's ({exc}): "
-            "pass scheduler.override_opt_param_scheduler=true to continue with the recipe's "
-            "(e.g. after raising train.train_iters), or "
-            "scheduler.use_checkpoint_opt_param_scheduler=true to keep the checkpoint's"
-        ) from exc
+    scheduler.load_state_dict(loaded["scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng_state"])
     ts = loaded["train_state"]

@@ -10,6 +10,7 @@ existed before.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import random
 from dataclasses import dataclass
@@ -25,6 +26,10 @@ from nemo_msa.training.recipe import Recipe, RecipeError, check_parallel_layout
 
 #: What this module set up in this process, so that teardown() undoes exactly that.
 _OWNED: dict[str, bool] = {"process_group": False, "cpu_shim": False}
+
+#: The rendezvous store of the process group started here (None: none started here), where the
+#: ranks note the errors they reported (:func:`first_to_report`).
+_ERROR_STORE: list = [None]
 
 
 @dataclass
@@ -59,13 +64,20 @@ def init_distributed(recipe: Recipe) -> RunContext:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             if not on_cpu:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            torch.distributed.init_process_group(backend=backend, timeout=timeout)
+            # The env:// rendezvous init_process_group would make, done here to keep its store.
+            store, rank, world_size = next(torch.distributed.rendezvous("env://",
+                                                                        timeout=timeout))
+            store.set_timeout(timeout)
+            torch.distributed.init_process_group(
+                backend=backend, store=torch.distributed.PrefixStore("default_pg", store),
+                rank=rank, world_size=world_size, timeout=timeout)
         else:
             if not on_cpu:
                 torch.cuda.set_device(0)
             store = torch.distributed.HashStore()
             torch.distributed.init_process_group(backend=backend, store=store, rank=0,
                                                  world_size=1, timeout=timeout)
+        _ERROR_STORE[0] = torch.distributed.PrefixStore("nemo_msa/reported", store)
         owns = True
         _OWNED["process_group"] = True
     if on_cpu and not _OWNED["cpu_shim"]:
@@ -109,6 +121,25 @@ def set_seeds(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def first_to_report(text: str) -> bool:
+    """Whether this rank is the first of the job to report ``text`` (an ``error:`` line).
+
+    Every rank that stops on an error asks; the ranks that reach the same verdict (a recipe
+    error, a checkpoint that cannot be resumed, a non-finite loss) print it once, and an error
+    that only some ranks meet (a file missing on one node, memory) is still printed where it
+    happens. Decided in the rendezvous store of the process group started here, which needs no
+    collective (the other ranks may be anywhere); without one (no group started here, or its
+    store gone with rank 0), by the launcher's ``RANK``: every rank parses the same command line.
+    """
+    store = _ERROR_STORE[0]
+    if store is not None:
+        try:
+            return store.add(hashlib.sha256(text.encode()).hexdigest(), 1) == 1
+        except (RuntimeError, OSError):  # DistStoreError and timeouts are RuntimeErrors
+            pass
+    return os.environ.get("RANK", "0") == "0"
+
+
 def teardown() -> None:
     """Undo what :func:`init_distributed` and :func:`init_model_parallel` set up here.
 
@@ -122,6 +153,8 @@ def teardown() -> None:
         cpu_shim.uninstall()
         cpu_extras.uninstall()
     _OWNED.update(process_group=False, cpu_shim=False)
+    _ERROR_STORE[0] = None
 
 
-__all__ = ["RunContext", "init_distributed", "init_model_parallel", "set_seeds", "teardown"]
+__all__ = ["RunContext", "first_to_report", "init_distributed", "init_model_parallel",
+           "set_seeds", "teardown"]
