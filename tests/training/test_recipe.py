@@ -240,6 +240,20 @@ def test_empty_non_mapping_and_binary_recipe_files_are_one_error_line(tmp_path):
     bad.write_text("model: 5\n")
     with pytest.raises(RecipeError, match=r"recipe section 'model' must be a mapping"):
         load_recipe(bad)
+    # Issue #48: an override of the section used to replace the 5 (a model of defaults, a
+    # ZeroDivisionError when built); so did a falsy body, and a model without its sizes.
+    with pytest.raises(RecipeError, match=r"^recipe section 'model' must be a mapping of key: "
+                                          r"value, got 5$"):
+        load_recipe(bad, ["model.num_layers=2"])
+    for body in ("0", "false"):
+        bad.write_text(f"train:\n  train_iters: 2\nmodel: {body}\n")
+        with pytest.raises(RecipeError, match=r"^recipe section 'model' must be a mapping of "
+                                              rf"key: value, got {body.title()}$"):
+            load_recipe(bad)
+    bad.write_text("train:\n  train_iters: 2\nmodel:\n  num_layers: 2\n  hidden_size: 64\n")
+    with pytest.raises(RecipeError, match=r"^recipe key 'model.num_attention_heads' is not set: "
+                                          r"expected a positive integer"):
+        load_recipe(bad)
     bad.write_bytes(bytes(range(128, 256)) * 4)
     with pytest.raises(RecipeError, match=r"recipe file '.*bad.yaml' is not UTF-8 text"):
         load_recipe(bad)
