@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _runs import train
 
 from nemo_msa.training.recipe import (
     DEFAULT_RECIPE,
@@ -299,3 +300,17 @@ def test_cli_reports_bad_values_on_one_line_and_exits_2(tmp_path, args, message)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.search(message, errors[0]), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("key", ["logger.output_dir", "dataset.path_to_cache"])
+def test_a_directory_that_cannot_be_created_is_named_before_the_run(tmp_path, key):
+    """Issue #48: an output or cache directory under a file was an OSError traceback (the
+    output directory only after the first step)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    where = blocker / "runs"
+    with pytest.raises(RecipeError, match=rf"^recipe key '{re.escape(key)}' = "
+                                          rf"'{re.escape(str(where))}': cannot create the "
+                                          r"directory \(Not a directory: .*a_file.*\); expected a "
+                                          r"directory this run can create and write to$"):
+        train([f"{key}={where}", "checkpoint.save=null"])
