@@ -390,6 +390,60 @@ def _megatron_error(path: Path, exc: BaseException, saved_recipe: dict | None,
     )
 
 
+#: A loaded parameter with a value beyond this magnitude is named in a warning: trained weights
+#: stay orders of magnitude below it, a damaged file's reinterpreted bytes often do not.
+ABSURD_MAGNITUDE = 1e4
+
+
+def suspicious_parameters(model_chunks) -> list[tuple[str, float]]:
+    """This rank's parameters holding a non-finite value or one above :data:`ABSURD_MAGNITUDE`.
+
+    Returns:
+        ``(name, largest magnitude)`` per such parameter (``inf`` for a non-finite value), in
+        the order of ``named_parameters``; names carry ``model<i>.`` with several chunks. One
+        host synchronization for all of them.
+    """
+    chunks = _unwrap(model_chunks)
+    named = [(f"model{i}.{n}" if len(chunks) > 1 else n, p.detach())
+             for i, chunk in enumerate(chunks) for n, p in chunk.named_parameters()]
+    named = [(n, t) for n, t in named if t.numel()]
+    if not named:
+        return []
+    inf = torch.tensor(float("inf"))
+    peaks = torch.stack([
+        torch.where(torch.isfinite(t).all(), t.abs().amax().float(), inf.to(t.device))
+        for _, t in named]).tolist()
+    return [(n, peak) for (n, _), peak in zip(named, peaks, strict=True)
+            if peak > ABSURD_MAGNITUDE]
+
+
+def warn_on_suspicious_parameters(model_chunks, path) -> list[tuple[str, float]]:
+    """Warn once per job (rank 0) about loaded parameters that no training produces; collective.
+
+    For a checkpoint loaded with ``checkpoint.verify=false``, where a damaged file is not caught
+    by its manifest: the run goes on, the warning names the first such tensor and how many more.
+
+    Returns:
+        Every rank's findings (the same list on every rank).
+    """
+    found = suspicious_parameters(model_chunks)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        every: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, found)
+        found = list(dict.fromkeys(item for rank in every for item in rank))
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if found and rank == 0:
+        name, peak = found[0]
+        what = ("a non-finite value" if peak == float("inf")
+                else f"a value of magnitude {peak:.3g} (above {ABSURD_MAGNITUDE:g})")
+        more = f" (and {len(found) - 1} more parameters like it)" if len(found) > 1 else ""
+        logger.warning("checkpoint %s, loaded unverified (checkpoint.verify=false): parameter "
+                       "%s holds %s%s; no training produces that, so its file may be damaged "
+                       "(verify it, or resume from another checkpoint); the run goes on",
+                       path, name, what, more)
+    return found
+
+
 def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
                     iteration: int | None = None, recipe: dict | None = None) -> TrainState:
     """Load a finished checkpoint under ``root`` into the model, optimizer and scheduler.

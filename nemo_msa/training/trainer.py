@@ -16,8 +16,13 @@ from typing import Any
 
 from nemo_msa.megatron.config import normalize_layer_pattern
 from nemo_msa.training.build import TrainingObjects, build_microbatch_source, build_training
-from nemo_msa.training.checkpoint import TrainState, load_checkpoint
+from nemo_msa.training.checkpoint import (
+    TrainState,
+    load_checkpoint,
+    warn_on_suspicious_parameters,
+)
 from nemo_msa.training.checkpoint_integrity import (
+    checkpoint_name,
     find_resume_iteration,
     finished_iterations_everywhere,
 )
@@ -102,6 +107,8 @@ def _resume(recipe: Recipe, objs: TrainingObjects) -> tuple[TrainState, int | No
         return TrainState(), None
     state = load_checkpoint(load_root, objs.chunks, objs.optimizer, objs.scheduler,
                             iteration=resume_at, recipe=recipe.resolved)
+    if not ck.verify:
+        warn_on_suspicious_parameters(objs.chunks, checkpoint_name(load_root, resume_at))
     return state, state.iteration
 
 
