@@ -101,11 +101,11 @@ def short_write_in(exc: BaseException, log: list[str]) -> str | None:
 
 
 def _size(n: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
+    """A byte count in words: bytes below 1 KiB, else KiB, MiB or GiB with one decimal."""
+    if n < 1024:
+        return f"{n} bytes"
+    exponent = min(3, (n.bit_length() - 1) // 10)
+    return f"{n / 1024 ** exponent:.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"
 
 
 def write_limits(where: Path) -> str:
