@@ -409,10 +409,8 @@ def suspicious_parameters(model_chunks) -> list[tuple[str, float]]:
     named = [(n, t) for n, t in named if t.numel()]
     if not named:
         return []
-    inf = torch.tensor(float("inf"))
-    peaks = torch.stack([
-        torch.where(torch.isfinite(t).all(), t.abs().amax().float(), inf.to(t.device))
-        for _, t in named]).tolist()
+    peaks = torch.stack([torch.where(torch.isfinite(t).all(), t.abs().amax().float(), torch.inf)
+                         for _, t in named]).tolist()
     return [(n, peak) for (n, _), peak in zip(named, peaks, strict=True)
             if peak > ABSURD_MAGNITUDE]
 
