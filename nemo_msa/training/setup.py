@@ -100,7 +100,9 @@ def init_distributed(recipe: Recipe) -> RunContext:
     if on_cpu and "OMP_NUM_THREADS" not in os.environ and _THREADS_BEFORE[0] is None:
         # torchrun sets OMP_NUM_THREADS=1 for several processes; a user's value is kept too.
         _THREADS_BEFORE[0] = torch.get_num_threads()
-        torch.set_num_threads(cpu_threads(len(os.sched_getaffinity(0)), os.getloadavg()[0],
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+        torch.set_num_threads(cpu_threads(cores, os.getloadavg()[0],
                                           int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if on_cpu and not _OWNED["cpu_shim"]:
         cpu_shim.install()
@@ -156,6 +158,9 @@ def first_to_report(text: str) -> bool:
     store = _ERROR_STORE[0]
     if store is not None:
         try:
+            # The run is ending: a store that stopped answering must not hold the exit up for
+            # the process group's timeout.
+            store.set_timeout(datetime.timedelta(seconds=30))
             return store.add(hashlib.sha256(text.encode()).hexdigest(), 1) == 1
         except (RuntimeError, OSError):  # DistStoreError and timeouts are RuntimeErrors
             pass
