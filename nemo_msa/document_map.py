@@ -58,7 +58,7 @@ def select_document_map_source(
         The chosen source.
 
     Raises:
-        ValueError: when the chosen source has the wrong rank or dtype.
+        ValueError: when the chosen source has the wrong rank or dtype, or is on the meta device.
     """
     if packed_seq_ids is not None:
         if packed_seq_ids.dtype == torch.bool:
@@ -74,6 +74,7 @@ def select_document_map_source(
                 f"packed_seq_ids must be an integer tensor [batch, sequence]; got dtype "
                 f"{packed_seq_ids.dtype} and shape {tuple(packed_seq_ids.shape)}"
             )
+        _require_data("packed_seq_ids", packed_seq_ids)
         return DocumentMapSource("packed_seq_ids", packed_seq_ids)
     if attention_mask is not None:
         if attention_mask.dim() == 2:
@@ -83,6 +84,7 @@ def select_document_map_source(
                     "a 2-D attention_mask must hold integer document ids (0 = padding); got "
                     f"dtype {attention_mask.dtype}"
                 )
+            _require_data("attention_mask", attention_mask)
             return DocumentMapSource("attention_mask_2d", attention_mask)
         if attention_mask.dim() == 4:
             b, h, s, s2 = attention_mask.shape
@@ -92,6 +94,7 @@ def select_document_map_source(
                     f"(True = keep); got dtype {attention_mask.dtype} and shape "
                     f"{tuple(attention_mask.shape)}"
                 )
+            _require_data("attention_mask", attention_mask)
             return DocumentMapSource("attention_mask_4d", attention_mask)
         raise ValueError(
             "attention_mask must be 2-D document ids [batch, sequence] or a bool 4-D "
@@ -104,8 +107,44 @@ def select_document_map_source(
                 "padding_mask must be bool [batch, sequence] with True marking padding; got "
                 f"dtype {padding_mask.dtype} and shape {tuple(padding_mask.shape)}"
             )
+        _require_data("padding_mask", padding_mask)
         return DocumentMapSource("padding_mask", padding_mask)
     return DocumentMapSource("none", None)
+
+
+def _require_data(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a source tensor without data: the layout reads the document ids once."""
+    if tensor.is_meta:
+        raise ValueError(
+            f"{name} is on the meta device (a shape without data); expected the document map "
+            "as a tensor with data on the CPU or a CUDA device (the layout reads it once)"
+        )
+
+
+def layout_device(device: torch.device | str | None) -> torch.device:
+    """The device a layout without a source is built on, checked against this machine.
+
+    Raises:
+        ValueError: naming ``device`` when it is not a device name, is ``meta`` (no data), or
+            names a CUDA device this machine does not have.
+    """
+    try:
+        on = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device = {device!r} is not a torch device; expected e.g. 'cpu' or "
+                         "'cuda'") from None
+    if on.type == "meta":
+        raise ValueError(f"device = {device!r}: expected a device with data (the layout holds "
+                         "token indices), e.g. 'cpu' or 'cuda'")
+    if on.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device = {device!r} but this machine has no CUDA device "
+                             "(torch.cuda.is_available() is False); expected 'cpu'")
+        if on.index is not None and on.index >= count:
+            raise ValueError(f"device = {device!r} but this machine has {count} CUDA "
+                             f"device(s); expected an index below {count}")
+    return on
 
 
 def document_map_from_source(
@@ -122,6 +161,10 @@ def document_map_from_source(
     Returns:
         ``(document_map, bad_mask_row)``: int64 [b, s], and an int64 scalar tensor holding the
         first row of a 4-D mask that is not exactly block-causal (a large sentinel if none).
+
+    Raises:
+        ValueError: no source and no ``batch_size`` / ``seq_len``, a ``device`` this machine
+            does not have (:func:`layout_device`), or sizes that disagree with the source.
     """
     def no_bad(on: torch.device | str | None) -> torch.Tensor:
         # Filled on the device: a host tensor moved there would be a second synchronization.
@@ -134,7 +177,7 @@ def document_map_from_source(
                 f"padding_mask is given; got batch_size={batch_size}, seq_len={seq_len}"
             )
         _check_extent(batch_size, seq_len)
-        ones = torch.ones(batch_size, seq_len, dtype=torch.int64, device=device)
+        ones = torch.ones(batch_size, seq_len, dtype=torch.int64, device=layout_device(device))
         return ones, no_bad(ones.device)
 
     tensor = source.tensor

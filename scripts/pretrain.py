@@ -13,8 +13,11 @@ dataset, checkpoint, logger, ddp, dist); values are parsed as YAML. A bad key or
 run before anything is built, with one ``error:`` line naming it (exit code 2). A checkpoint that
 cannot be resumed from, a checkpoint directory another run holds (its lock file), a save that
 fails (disk full: the path and the cause) and a non-finite loss are one ``error:`` line too
-(exit code 1), and so is running out of memory (naming the sizes that decide it). SIGTERM ends
-the run like SIGINT (exit code 143), releasing the checkpoint lock.
+(exit code 1), and so is running out of memory (naming the sizes that decide it). Resuming
+with another schedule than the checkpoint's is one line naming the keys, both values and the
+two scheduler flags that decide (exit code 2). Under torchrun each such line is printed once
+per job, not once per rank. SIGTERM ends the run like SIGINT (exit code 143), releasing the
+checkpoint lock.
 """
 
 from __future__ import annotations
@@ -88,29 +91,31 @@ def main(argv: list[str] | None = None) -> int:
     # above must already catch.
     from nemo_msa.training.checkpoint_integrity import CheckpointError
     from nemo_msa.training.recipe import RecipeError, load_recipe
+    from nemo_msa.training.setup import first_to_report
     from nemo_msa.training.trainer import pretrain, teardown
+
+    def report(text: str) -> None:
+        # Once per job, not per rank: the ranks that meet the same error print it once.
+        if first_to_report(text):
+            print(f"error: {text}", file=sys.stderr, flush=True)
 
     recipe = None
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         pretrain(recipe)
     except RecipeError as err:
-        print(f"error: {_one_line(err)}", file=sys.stderr, flush=True)
+        report(_one_line(err))
         return 2
     except (CheckpointError, FloatingPointError) as err:
-        # Every rank reaches the same verdict (the loss is all-reduced); one line from rank 0.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {_one_line(err)}", file=sys.stderr, flush=True)
+        report(_one_line(err))
         return 1
     except (MemoryError, RuntimeError) as err:
         if not _is_out_of_memory(err):
             raise
-        if os.environ.get("RANK", "0") == "0":
-            cause = _one_line(err)
-            if len(cause) > 240:  # the allocator's text runs on into the failing module's repr
-                cause = cause[:240].rsplit(" ", 1)[0] + " ..."
-            print(f"error: out of memory ({cause}){_memory_advice(recipe)}", file=sys.stderr,
-                  flush=True)
+        cause = _one_line(err)
+        if len(cause) > 240:  # the allocator's text runs on into the failing module's repr
+            cause = cause[:240].rsplit(" ", 1)[0] + " ..."
+        report(f"out of memory ({cause}){_memory_advice(recipe)}")
         return 1
     finally:
         teardown()

@@ -33,7 +33,8 @@ from megatron.core.optimizer.optimizer_config import ParamPredicate
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
-from nemo_msa.megatron import cpu_shim
+from nemo_msa.megatron import check_msa_layer_config, cpu_shim
+from nemo_msa.megatron.config import normalize_layer_pattern
 from nemo_msa.training import msa_hooks
 from nemo_msa.training.data import MicrobatchSource, build_train_dataset, eod_token_id
 from nemo_msa.training.recipe import Recipe, RecipeError
@@ -93,6 +94,25 @@ def build_config(recipe: Recipe, ctx: RunContext):
     if ctx.on_cpu:
         cpu_shim.check_cpu_config(config)
     return config
+
+
+def check_msa_layers(config) -> None:
+    """Run the MSA layers' construction gate once, before the model is built.
+
+    Each layer runs it when it is built, where a refusal (FP8, a backend that cannot run on this
+    device, ...) surfaced as a traceback from inside Megatron's module construction.
+
+    Raises:
+        RecipeError: the gate's refusal, which names the config field and its value.
+    """
+    pattern = getattr(config, "msa_layer_pattern", None)
+    sparse = pattern is None or any(normalize_layer_pattern(pattern, config.num_layers))
+    try:
+        check_msa_layer_config(config, ps.get_tensor_model_parallel_world_size(),
+                               ps.get_context_parallel_world_size(), sparse)
+    except (NotImplementedError, ValueError) as err:
+        raise RecipeError(f"the model section cannot be built with MSA layers here: "
+                          f"{err}") from None
 
 
 def build_model(recipe: Recipe, config, hooks: msa_hooks.TrainingHooks) -> list:
@@ -264,6 +284,8 @@ def build_training(recipe: Recipe, ctx: RunContext) -> TrainingObjects:
     """
     config = build_config(recipe, ctx)
     hooks = msa_hooks.hooks_for(config)
+    if hooks.msa:
+        check_msa_layers(config)
     chunks = wrap_ddp(recipe, config, build_model(recipe, config, hooks), ctx.device)
     optimizer, scheduler = build_optimizer(recipe, config, chunks, ctx)
     connect_schedule_hooks(config, chunks, optimizer)
@@ -292,5 +314,5 @@ def build_microbatch_source(recipe: Recipe, ctx: RunContext, dp: int,
 
 
 __all__ = ["TrainingObjects", "build_config", "build_microbatch_source", "build_model",
-           "build_optimizer", "build_training", "connect_schedule_hooks", "count_parameters",
-           "wrap_ddp"]
+           "build_optimizer", "build_training", "check_msa_layers", "connect_schedule_hooks",
+           "count_parameters", "wrap_ddp"]

@@ -16,8 +16,10 @@ training state (iteration, consumed samples, the loss history for the plot, the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import queue
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ from nemo_msa.training.checkpoint_integrity import (
     find_resume_iteration,
     write_manifest,
 )
+from nemo_msa.training.recipe_fields import RecipeError
 from nemo_msa.training.save_failures import (
     WriterLog,
     agree_on_failure,
@@ -146,6 +149,26 @@ def _ensure_memory_probe() -> None:
         filesystem_async._process_memory = _rss_bytes
 
 
+@contextlib.contextmanager
+def _write_results_in_this_process():
+    """Let dist-checkpointing's writer hand its results on through a queue of this process.
+
+    Its file writer passes them through ``multiprocessing.Manager().Queue()``, made for the
+    asynchronous save, where another process writes: a spawned server process plus
+    multiprocessing's resource tracker, both of which outlive a SIGKILLed trainer. These saves
+    are synchronous (the writer runs in this process, ``AsyncRequest.execute_sync``), so a
+    ``queue.Queue`` carries the same results with no process at all. A queue made before (an
+    asynchronous save elsewhere in this process) is left in use.
+    """
+    before = filesystem_async._results_queue
+    if before is None:
+        filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = before
+
+
 def _barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -192,11 +215,16 @@ def save_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
     def write() -> None:
         sd = sharded_state_dict(model_chunks, optimizer, scheduler, state, recipe,
                                 is_loading=False)
+        # The writer's error lines are collected here, not printed: a failed save is reported
+        # as one line that quotes them (or, for a cause not recognized, as notes on the error).
         writer_logger.addHandler(writer)
+        propagate, writer_logger.propagate = writer_logger.propagate, False
         try:
-            dist_checkpointing.save(sd, str(partial))
+            with _write_results_in_this_process():
+                dist_checkpointing.save(sd, str(partial))
         finally:
             writer_logger.removeHandler(writer)
+            writer_logger.propagate = propagate
 
     def publish() -> None:
         if final.exists():
@@ -235,28 +263,77 @@ def save_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
     return final
 
 
-def _reconcile_learning_rates(saved: dict, scheduler, path) -> dict[str, tuple[float, ...]]:
-    """Compare the checkpoint's max/min lr with the recipe's and decide which to train with.
+#: The schedule fields Megatron's scheduler checks when it loads (its ``_check_and_set``): the
+#: scheduler attribute, the checkpoint's names for it (older ones first) and the recipe key
+#: that sets it (None: decided in :func:`_schedule_key`).
+_SCHEDULE_FIELDS = (
+    ("max_lr", ("start_lr", "max_lr"), "optimizer.lr"),
+    ("min_lr", ("min_lr",), "optimizer.min_lr"),
+    ("lr_warmup_steps", ("warmup_iter", "warmup_steps", "lr_warmup_steps"),
+     "scheduler.lr_warmup_iters"),
+    ("lr_decay_steps", ("end_iter", "decay_steps", "lr_decay_steps"), None),
+    ("lr_decay_style", ("decay_style", "lr_decay_style"), "scheduler.lr_decay_style"),
+    ("start_wd", ("start_wd",), None),
+    ("end_wd", ("end_wd",), None),
+    ("wd_incr_steps", ("wd_incr_steps",), "train.train_iters"),
+    ("wd_incr_style", ("wd_incr_style",), "scheduler.weight_decay_incr_style"),
+)
+
+
+def _schedule_key(attribute: str, recipe: dict | None) -> str:
+    """The recipe key behind a scheduler field whose key depends on what the recipe sets."""
+    scheduler = (recipe or {}).get("scheduler") or {}
+    if attribute == "lr_decay_steps":
+        return ("scheduler.lr_decay_iters" if scheduler.get("lr_decay_iters")
+                else "train.train_iters")
+    name = "start_weight_decay" if attribute == "start_wd" else "end_weight_decay"
+    return f"scheduler.{name}" if scheduler.get(name) is not None else "optimizer.weight_decay"
+
+
+def _check_schedule(saved: dict, scheduler, path, recipe: dict | None) -> None:
+    """Refuse a schedule that differs from the checkpoint's unless a scheduler flag decides.
+
+    Megatron's scheduler asserts equal values while it loads; checked here first, before
+    anything is loaded, so that the refusal names the recipe keys, both values and the flags.
+
+    Raises:
+        RecipeError: a value differs and neither ``scheduler.override_opt_param_scheduler`` nor
+            ``scheduler.use_checkpoint_opt_param_scheduler`` is set.
+    """
+    if scheduler.override_opt_param_scheduler or scheduler.use_checkpoint_opt_param_scheduler:
+        return
+    differ: dict[str, tuple] = {}
+    for attribute, names, key in _SCHEDULE_FIELDS:
+        name = next((n for n in names if n in saved), None)
+        now = getattr(scheduler, attribute)
+        if name is None or saved[name] == now:
+            continue
+        differ.setdefault(key or _schedule_key(attribute, recipe), (now, saved[name]))
+    if not differ:
+        return
+    flags = ("scheduler.override_opt_param_scheduler=true to train on with the recipe's {0}, "
+             "or scheduler.use_checkpoint_opt_param_scheduler=true to keep the checkpoint's")
+    if len(differ) == 1:
+        (key, (now, was)), = differ.items()
+        raise RecipeError(f"recipe key '{key}' = {now!r} but checkpoint {path} was trained with "
+                          f"{was!r}: pass {flags.format('value')}")
+    listed = ", ".join(f"'{k}' = {now!r} (checkpoint: {was!r})" for k, (now, was) in differ.items())
+    raise RecipeError(f"recipe keys {listed} differ from the schedule checkpoint {path} was "
+                      f"trained with: pass {flags.format('values')}")
+
+
+def _reconcile_learning_rates(saved: dict, scheduler) -> dict[str, tuple[float, ...]]:
+    """The max/min lr to load the checkpoint with and to train with (after
+    :func:`_check_schedule`).
 
     Returns:
         ``{"max_lr": (recipe, saved, chosen), "min_lr": (recipe, saved, chosen)}``.
-
-    Raises:
-        ValueError: a value changed and neither scheduler flag says which one to use.
     """
     result = {}
-    for name, key in (("max_lr", "optimizer.lr"), ("min_lr", "optimizer.min_lr")):
+    for name in ("max_lr", "min_lr"):
         now = float(getattr(scheduler, name))
         was = float(saved.get("start_lr" if name == "max_lr" and "start_lr" in saved else name,
                               now))
-        if was != now and not (scheduler.override_opt_param_scheduler
-                               or scheduler.use_checkpoint_opt_param_scheduler):
-            raise ValueError(
-                f"recipe key '{key}' = {now} but checkpoint {path} was trained with {was}: pass "
-                "scheduler.override_opt_param_scheduler=true to train on with the recipe's "
-                "value, or scheduler.use_checkpoint_opt_param_scheduler=true to keep the "
-                "checkpoint's"
-            )
         result[name] = (now, was, was if scheduler.use_checkpoint_opt_param_scheduler else now)
     return result
 
@@ -313,6 +390,58 @@ def _megatron_error(path: Path, exc: BaseException, saved_recipe: dict | None,
     )
 
 
+#: A loaded parameter with a value beyond this magnitude is named in a warning: trained weights
+#: stay orders of magnitude below it, a damaged file's reinterpreted bytes often do not.
+ABSURD_MAGNITUDE = 1e4
+
+
+def suspicious_parameters(model_chunks) -> list[tuple[str, float]]:
+    """This rank's parameters holding a non-finite value or one above :data:`ABSURD_MAGNITUDE`.
+
+    Returns:
+        ``(name, largest magnitude)`` per such parameter (``inf`` for a non-finite value), in
+        the order of ``named_parameters``; names carry ``model<i>.`` with several chunks. One
+        host synchronization for all of them.
+    """
+    chunks = _unwrap(model_chunks)
+    named = [(f"model{i}.{n}" if len(chunks) > 1 else n, p.detach())
+             for i, chunk in enumerate(chunks) for n, p in chunk.named_parameters()]
+    named = [(n, t) for n, t in named if t.numel()]
+    if not named:
+        return []
+    peaks = torch.stack([torch.where(torch.isfinite(t).all(), t.abs().amax().float(), torch.inf)
+                         for _, t in named]).tolist()
+    return [(n, peak) for (n, _), peak in zip(named, peaks, strict=True)
+            if peak > ABSURD_MAGNITUDE]
+
+
+def warn_on_suspicious_parameters(model_chunks, path) -> list[tuple[str, float]]:
+    """Warn once per job (rank 0) about loaded parameters that no training produces; collective.
+
+    For a checkpoint loaded with ``checkpoint.verify=false``, where a damaged file is not caught
+    by its manifest: the run goes on, the warning names the first such tensor and how many more.
+
+    Returns:
+        Every rank's findings (the same list on every rank).
+    """
+    found = suspicious_parameters(model_chunks)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        every: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, found)
+        found = list(dict.fromkeys(item for rank in every for item in rank))
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if found and rank == 0:
+        name, peak = found[0]
+        what = ("a non-finite value" if peak == float("inf")
+                else f"a value of magnitude {peak:.3g} (above {ABSURD_MAGNITUDE:g})")
+        more = f" (and {len(found) - 1} more parameters like it)" if len(found) > 1 else ""
+        logger.warning("checkpoint %s, loaded unverified (checkpoint.verify=false): parameter "
+                       "%s holds %s%s; no training produces that, so its file may be damaged "
+                       "(verify it, or resume from another checkpoint); the run goes on",
+                       path, name, what, more)
+    return found
+
+
 def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
                     iteration: int | None = None, recipe: dict | None = None) -> TrainState:
     """Load a finished checkpoint under ``root`` into the model, optimizer and scheduler.
@@ -336,8 +465,8 @@ def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
         FileNotFoundError: no finished checkpoint under ``root``.
         CheckpointError: a damaged checkpoint, or Megatron failed to load it (the message names
             the path, Megatron's error and what to do).
-        ValueError: the recipe's schedule differs from the checkpoint's and no scheduler flag
-            says which to use.
+        RecipeError: the recipe's schedule differs from the checkpoint's and no scheduler flag
+            says which to use (naming the keys, both values and the flags).
     """
     if iteration is None:
         iteration = find_resume_iteration(root)
@@ -356,7 +485,8 @@ def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
     pp, tp, _, _ = _layout()
     # Megatron names optimizer param groups by their max/min lr: build the loading state dict
     # with the checkpoint's values, then apply whichever the scheduler flags choose.
-    chosen_lrs = _reconcile_learning_rates(common.get("scheduler", {}), scheduler, path)
+    _check_schedule(common.get("scheduler", {}), scheduler, path, recipe)
+    chosen_lrs = _reconcile_learning_rates(common.get("scheduler", {}), scheduler)
     _set_group_lrs(optimizer, chosen_lrs, to_saved=True)
     sd = sharded_state_dict(model_chunks, optimizer, scheduler, None, None, is_loading=True)
     same_layout = saved_layout == [pp, tp]
@@ -376,15 +506,7 @@ def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
     except _LOAD_ERRORS as exc:  # any failure here is reported with the path
         raise _megatron_error(path, exc, saved_recipe, recipe) from exc
     _set_group_lrs(optimizer, chosen_lrs, to_saved=False)
-    try:
-        scheduler.load_state_dict(loaded["scheduler"])
-    except AssertionError as exc:  # Megatron asserts equal schedules unless a flag says otherwise
-        raise ValueError(
-            f"checkpoint {path} was trained with another schedule than the recipe's ({exc}): "
-            "pass scheduler.override_opt_param_scheduler=true to continue with the recipe's "
-            "(e.g. after raising train.train_iters), or "
-            "scheduler.use_checkpoint_opt_param_scheduler=true to keep the checkpoint's"
-        ) from exc
+    scheduler.load_state_dict(loaded["scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng_state"])
     ts = loaded["train_state"]

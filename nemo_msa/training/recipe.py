@@ -107,14 +107,22 @@ def load_recipe(path: str | os.PathLike | None = None,
         raise RecipeError(f"recipe {str(path)!r} must be a mapping of sections, got a list")
     if not base:
         raise RecipeError(f"recipe file {str(path)!r} is empty; expected {expected}")
+    # Before the merge, which would replace a section that is not a mapping with the
+    # overrides' (model: 5 plus model.num_layers=2 became a model of defaults).
+    _check_sections(OmegaConf.to_container(base, resolve=False))
     merged = OmegaConf.merge(base, parse_overrides(list(overrides or [])))
     raw = OmegaConf.to_container(merged, resolve=True)
     return validate_recipe(raw, source=str(path))
 
 
-def validate_recipe(raw: dict[str, Any], source: str = "<dict>") -> Recipe:
-    """Check every section and key of a plain-dict recipe and build the Recipe."""
-    for section in raw:
+def _check_sections(raw: dict[str, Any]) -> None:
+    """Every section is known and a mapping of key: value (or empty).
+
+    Raises:
+        RecipeError: naming an unknown section (and the closest known one), or a section whose
+            body is not a mapping (``model: 5``, ``model: 0``, ``model: [1, 2]``).
+    """
+    for section, body in raw.items():
         if section not in SECTIONS:
             close = difflib.get_close_matches(str(section), SECTIONS, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -122,13 +130,28 @@ def validate_recipe(raw: dict[str, Any], source: str = "<dict>") -> Recipe:
                 f"recipe section '{section}' is unknown.{hint} Valid sections: "
                 f"{', '.join(SECTIONS)}"
             )
-    values: dict[str, Any] = {}
-    for section in SECTIONS:
-        body = raw.get(section) or {}
-        if not isinstance(body, dict):
+        if body is not None and not isinstance(body, dict):
             raise RecipeError(
                 f"recipe section '{section}' must be a mapping of key: value, got {body!r}"
             )
+
+
+#: ``model`` keys without a usable default: TransformerConfig's are 0 (num_attention_heads = 0
+#: is a ZeroDivisionError when the config is built).
+REQUIRED_MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads")
+
+
+def validate_recipe(raw: dict[str, Any], source: str = "<dict>") -> Recipe:
+    """Check every section and key of a plain-dict recipe and build the Recipe."""
+    _check_sections(raw)
+    for key in REQUIRED_MODEL_KEYS:
+        if (raw.get("model") or {}).get(key) is None:
+            raise RecipeError(f"recipe key 'model.{key}' is not set: expected a positive integer "
+                              "(the model section must give num_layers, hidden_size and "
+                              "num_attention_heads)")
+    values: dict[str, Any] = {}
+    for section in SECTIONS:
+        body = raw.get(section) or {}
         valid = section_schema(section).types
         for key in body:
             if key not in valid:

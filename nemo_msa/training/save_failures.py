@@ -6,13 +6,19 @@ cause, on every rank, and leave the previous checkpoint as it was
 cause: its writer threads catch the OSError, log its text and hand on a RuntimeError("Worker
 failure: ... <class 'OSError'>") inside torch's CheckpointException; errors from other ranks
 arrive pickled, as text. :func:`os_error_in` looks in all of these and in the writer's log.
+torch's zip writer (``torch.save`` into the checkpoint's files) reports a write that the file
+system cut short with no errno at all ("[enforce fail at inline_container.cc:672] . unexpected
+pos 704 vs 598"): :func:`short_write_in` recognizes it, and the message then says what limits
+writing there (the process's file size limit, the free space) so that the cause can be named.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
 import re
+import resource
 from pathlib import Path
 
 import torch
@@ -40,6 +46,23 @@ class WriterLog(logging.Handler):
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^\n]*?)(?::\s*'([^']*)')?\s*$", re.M)
 
 
+def _chain(exc: BaseException) -> list[BaseException]:
+    """The exception, its causes and contexts, and the per-rank failures of torch's
+    CheckpointException (as text when pickled from another rank), breadth first."""
+    seen, todo, found = set(), [exc], []
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        found.append(e)
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return found
+
+
 def os_error_in(exc: BaseException, log: list[str]) -> tuple[int | None, str, str | None] | None:
     """The OSError behind a failed save: ``(errno, message, filename)``, or None.
 
@@ -47,24 +70,61 @@ def os_error_in(exc: BaseException, log: list[str]) -> tuple[int | None, str, st
     CheckpointException, the errno texts these carry (an exception pickled across ranks keeps
     only its text), then in the writer's log messages.
     """
-    seen, todo, texts = set(), [exc], []
-    while todo:
-        e = todo.pop(0)
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    chain = _chain(exc)
+    for e in chain:
         if isinstance(e, OSError):
             return e.errno, e.strerror or str(e), e.filename
-        texts.append(str(e))
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        todo += [e.__cause__, e.__context__]
-    for text in [*texts, *log]:
+    for text in [*map(str, chain), *log]:
         m = _ERRNO_TEXT.search(text)
         if m:
             return int(m.group(1)), m.group(2).strip(), m.group(3)
     return None
+
+
+#: torch's zip writer (caffe2's inline_container.cc) when the file took fewer bytes than it
+#: wrote: a full disk, a quota or a file size limit, with the errno lost on the way.
+_SHORT_WRITE = re.compile(r"\[enforce fail at inline_container\.cc:\d+\][ .]*"
+                          r"(unexpected pos \d+ vs \d+|PytorchStreamWriter failed [^\n]*)")
+
+
+def short_write_in(exc: BaseException, log: list[str]) -> str | None:
+    """torch's zip-writer text of a write the file system cut short, or None.
+
+    Looked for where :func:`os_error_in` looks; Megatron's wrapper ("Worker failure: ...
+    <class 'RuntimeError'>") leaves the only copy of the text in the writer's log.
+    """
+    for text in [*map(str, _chain(exc)), *log]:
+        m = _SHORT_WRITE.search(text)
+        if m:
+            return m.group(0).strip()
+    return None
+
+
+def _size(n: int) -> str:
+    """A byte count in words: bytes below 1 KiB, else KiB, MiB or GiB with one decimal."""
+    if n < 1024:
+        return f"{n} bytes"
+    exponent = min(3, (n.bit_length() - 1) // 10)
+    return f"{n / 1024 ** exponent:.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"
+
+
+def write_limits(where: Path) -> str:
+    """What limits writing under ``where``: this process's file size limit (when set) and the
+    free space of its file system, in words."""
+    facts = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        facts.append(f"this process may write files of at most {soft} bytes (RLIMIT_FSIZE, "
+                     "`ulimit -f`)")
+    probe = Path(where)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+        facts.append(f"{_size(st.f_bavail * st.f_frsize)} free on the file system of {probe}")
+    except OSError:
+        pass
+    return "; ".join(facts)
 
 
 def previous_checkpoint(root: Path) -> str:
@@ -85,11 +145,19 @@ def attempt_save_step(action, where: Path, log: list[str]) -> str | None:
     except (Exception, CheckpointException) as exc:
         found = os_error_in(exc, log)
         if found is None:
-            raise
+            short = short_write_in(exc, log)
+            if short is None:
+                for message in log:
+                    exc.add_note(f"dist-checkpointing's writer logged: {message}")
+                raise
+            return (f"the file system took fewer bytes than were written (torch's zip writer: "
+                    f"{short}; a full disk, a quota or a file size limit) writing {where} "
+                    f"({write_limits(where)})")
         code, message, filename = found
         name = errno.errorcode.get(code, "") if code is not None else ""
+        limits = f" ({write_limits(where)})" if code == errno.EFBIG else ""
         return (f"{message} ({'errno ' + str(code) if code is not None else 'OSError'}"
-                f"{' ' + name if name else ''}) writing {filename or where}")
+                f"{' ' + name if name else ''}) writing {filename or where}{limits}")
     return None
 
 
@@ -103,4 +171,4 @@ def agree_on_failure(failure: str | None) -> str | None:
 
 
 __all__ = ["WriterLog", "agree_on_failure", "attempt_save_step", "os_error_in",
-           "previous_checkpoint"]
+           "previous_checkpoint", "short_write_in", "write_limits"]

@@ -10,13 +10,19 @@ and plot the loss curve.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from nemo_msa.megatron.config import normalize_layer_pattern
 from nemo_msa.training.build import TrainingObjects, build_microbatch_source, build_training
-from nemo_msa.training.checkpoint import TrainState, load_checkpoint
+from nemo_msa.training.checkpoint import (
+    TrainState,
+    load_checkpoint,
+    warn_on_suspicious_parameters,
+)
 from nemo_msa.training.checkpoint_integrity import (
+    checkpoint_name,
     find_resume_iteration,
     finished_iterations_everywhere,
 )
@@ -37,6 +43,31 @@ def _output_dir(recipe: Recipe) -> Path:
     if recipe.checkpoint.save:
         return Path(recipe.checkpoint.save)
     return Path(recipe.logger.output_dir or "runs/latest")
+
+
+def _make_directories(recipe: Recipe) -> None:
+    """Create the directories the run writes to besides the checkpoint's, before anything runs.
+
+    Raises:
+        RecipeError: naming ``logger.output_dir`` (where the metrics and the plot go when
+            ``checkpoint.save`` is not set) or ``dataset.path_to_cache``, the path and why it
+            cannot be created or written to.
+    """
+    wanted = [("dataset.path_to_cache", recipe.dataset.path_to_cache)]
+    if not recipe.checkpoint.save:
+        wanted.append(("logger.output_dir", str(_output_dir(recipe))))
+    for key, path in wanted:
+        if path is None:
+            continue
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RecipeError(f"recipe key '{key}' = {path!r}: cannot create the directory "
+                              f"({err.strerror or err}: {err.filename or path!r}); expected a "
+                              "directory this run can create and write to") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise RecipeError(f"recipe key '{key}' = {path!r}: the directory is not writable by "
+                              "this user; expected a directory this run can write to")
 
 
 def _resume(recipe: Recipe, objs: TrainingObjects) -> tuple[TrainState, int | None]:
@@ -76,6 +107,8 @@ def _resume(recipe: Recipe, objs: TrainingObjects) -> tuple[TrainState, int | No
         return TrainState(), None
     state = load_checkpoint(load_root, objs.chunks, objs.optimizer, objs.scheduler,
                             iteration=resume_at, recipe=recipe.resolved)
+    if not ck.verify:
+        warn_on_suspicious_parameters(objs.chunks, checkpoint_name(load_root, resume_at))
     return state, state.iteration
 
 
@@ -141,11 +174,13 @@ def pretrain(recipe: Recipe) -> dict[str, Any]:
         The summary's entries plus ``history``, one dict of metrics per step of the run.
 
     Raises:
-        RecipeError: a bad recipe value found while building (layout, dataset path, CPU limits).
+        RecipeError: a bad recipe value found while building (layout, dataset path, CPU limits),
+            or an output or cache directory that cannot be created.
         CheckpointError: the checkpoint to resume from is damaged or cannot be loaded, or a save
             failed (disk full, ...).
         CheckpointLockError: another run holds ``checkpoint.save`` (or left a stale lock).
     """
+    _make_directories(recipe)
     ctx = init_distributed(recipe)
     # Before anything reads checkpoint.save: one writer per directory (ADR 0024).
     lock = acquire_on_rank0(recipe.checkpoint.save)

@@ -4,6 +4,8 @@
   ``padding_mask``.
 - Float ``block_size`` / ``init_blocks`` / ``local_blocks`` / ``top_k`` (32.0 passes a range or
   membership check) -> ValueError naming the argument; so do float MSA config fields.
+- A source on the meta device, or a ``device`` this machine lacks -> ValueError naming the
+  argument (issue #48).
 - Writes that bypass ``_version`` (``ids.data``, ``ids.numpy()``) are invisible to the layout
   memo: documented, and pinned down here so that a change of behaviour is noticed.
 """
@@ -30,6 +32,26 @@ def test_bool_packed_seq_ids_are_refused_naming_padding_mask():
     # The same mask as padding_mask means what Megatron means: True = padding.
     msa = MSAMicrobatch.build(padding_mask=mask, block_size=16)
     assert msa.num_tokens == 64 + 50
+
+
+@pytest.mark.parametrize("name", ["packed_seq_ids", "attention_mask", "padding_mask"])
+def test_a_source_on_the_meta_device_is_refused_naming_it(name):
+    dtype = torch.bool if name == "padding_mask" else torch.int64
+    source = torch.ones(2, 64, dtype=dtype, device="meta")
+    with pytest.raises(ValueError, match=rf"^{name} is on the meta device \(a shape without "
+                                         r"data\); expected .* on the CPU or a CUDA device"):
+        MSAMicrobatch.build(**{name: source}, block_size=32)
+
+
+def test_a_device_this_machine_lacks_is_refused_naming_it():
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = "cuda" if count == 0 else f"cuda:{count}"
+    with pytest.raises(ValueError, match=rf"^device = '{missing}' but this machine has "
+                                         rf"{'no' if count == 0 else count} CUDA device"):
+        MSAMicrobatch.build(batch_size=2, seq_len=64, device=missing, block_size=32)
+    for device, why in (("gpu", "is not a torch device"), ("meta", "expected a device with data")):
+        with pytest.raises(ValueError, match=rf"^device = '{device}':? {why}"):
+            MSAMicrobatch.build(batch_size=2, seq_len=64, device=device, block_size=32)
 
 
 @pytest.mark.parametrize("name, value", [

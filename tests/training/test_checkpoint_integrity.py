@@ -248,8 +248,9 @@ def test_a_run_that_would_overwrite_checkpoints_it_did_not_resume_from_is_refuse
     assert fresh["history"][0]["iteration"] == 1
 
 
-def _poison_largest_tensors(path: Path) -> None:
-    """Write fp32 NaN bit patterns (0xFF bytes) over the start of the largest tensor records.
+def _poison_largest_tensors(path: Path, data: bytes = b"\xff" * 4096) -> None:
+    """Write ``data`` (by default fp32 NaN bit patterns) over the start of the largest tensor
+    records.
 
     A ``.distcp`` file is one torch.save archive per tensor, laid end to end; tensor bytes
     follow each ``archive/data/0`` local header up to the next ``PK`` signature. Damage there
@@ -268,21 +269,34 @@ def _poison_largest_tensors(path: Path) -> None:
     assert largest >= 4096, records
     for size, start in records:
         if size == largest:
-            blob[start:start + 4096] = b"\xff" * 4096
+            blob[start:start + len(data)] = data
     path.write_bytes(bytes(blob))
 
 
+def _parameter_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelname == "WARNING" and "loaded unverified" in r.getMessage()]
+
+
 def test_unverified_damaged_checkpoint_is_not_called_intact_when_the_loss_turns_nan(
-        reference, tmp_path):
+        reference, tmp_path, caplog):
     """Issue #29 case 6: with checkpoint.verify=false a damaged newest checkpoint loads, the
     loss turns NaN, and the error called that very checkpoint intact. It is checked against its
-    manifest at that moment now and named as damaged."""
+    manifest at that moment now and named as damaged. Issue #48: the NaN weights are named in
+    one warning when they load, before any step."""
     root = _both(reference, tmp_path)
     _poison_largest_tensors(root / "iter_0000006" / SHARD)
     with pytest.raises(FloatingPointError) as err:
         train([*REFERENCE, "train.train_iters=8", f"checkpoint.save={root}",
                "checkpoint.save_interval=3", "checkpoint.verify=false",
                "scheduler.override_opt_param_scheduler=true"])
+    warned = _parameter_warnings(caplog)
+    assert len(warned) == 1, warned
+    assert re.fullmatch(r"checkpoint .*iter_0000006, loaded unverified \(checkpoint.verify=false"
+                        r"\): parameter [\w.]+ holds a non-finite value( \(and \d+ more "
+                        r"parameters like it\))?; no training produces that, so its file may be "
+                        r"damaged \(verify it, or resume from another checkpoint\); the run goes "
+                        r"on", warned[0]), warned[0]
     msg = str(err.value)
     assert re.search(r"loss is nan at iteration [78]; the last finished checkpoint \(.*iter_0000006"
                      r"\) is damaged: .*iter_0000006/__0_0.distcp: contents changed after the "
@@ -294,3 +308,18 @@ def test_unverified_damaged_checkpoint_is_not_called_intact_when_the_loss_turns_
     assert re.fullmatch(r"the last finished checkpoint \(.*iter_0000003\) is intact \(verified "
                         r"against its manifest\)", _last_checkpoint(str(root), 3))
     assert _last_checkpoint(None, None) == "no checkpoint was saved or resumed from"
+
+
+def test_unverified_absurd_weights_are_named_once_and_the_run_goes_on(reference, tmp_path,
+                                                                     caplog):
+    """Issue #48: a finite but absurd weight (2e4, as damaged bytes can read) loaded with
+    checkpoint.verify=false is one warning naming the tensor; training continues."""
+    root = _both(reference, tmp_path)
+    _poison_largest_tensors(root / "iter_0000006" / SHARD, struct.pack("<f", 2e4))
+    summary = train([*REFERENCE, "train.train_iters=7", f"checkpoint.save={root}",
+                     "checkpoint.verify=false", "scheduler.override_opt_param_scheduler=true"])
+    assert summary["steps"] == "7/7 (resumed at 6)"
+    warned = _parameter_warnings(caplog)
+    assert len(warned) == 1, warned
+    assert re.search(r"iter_0000006, loaded unverified \(checkpoint.verify=false\): parameter "
+                     r"[\w.]+weight holds a value of magnitude 2e\+04 \(above 10000\)", warned[0])

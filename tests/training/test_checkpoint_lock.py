@@ -71,7 +71,7 @@ def _start_held(tmp_path: Path, args: list[str]) -> tuple[subprocess.Popen, Path
     driver.write_text(HELD.format(repo=str(REPO), waiting=str(waiting), go=str(go), args=args,
                                   script=SCRIPT))
     out = open(log, "w")  # noqa: SIM115 (closed with the process below)
-    # Its own session: Megatron's checkpoint writer may leave a helper process behind.
+    # Its own session, so that _finish can kill whatever it started, should a test fail.
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=out, stderr=out, cwd=REPO,
                             start_new_session=True)
     proc.log_file = out

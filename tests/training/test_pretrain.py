@@ -25,6 +25,8 @@ from nemo_msa.training.checkpoint_integrity import (
     latest_iteration,
     verify_checkpoint,
 )
+from nemo_msa.training.recipe import RecipeError, load_recipe
+from nemo_msa.training.setup import cpu_threads, init_distributed, teardown
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,10 +76,19 @@ def test_resume_with_a_changed_lr_follows_the_scheduler_flags(reference, tmp_pat
     with pytest.raises(ValueError, match="optimizer.lr' = 0.005 but checkpoint .* was trained "
                        "with 0.003: pass scheduler.override_opt_param_scheduler=true"):
         train(common + [f"checkpoint.save={tmp_path / 'plain'}"])
-    # A longer run without a flag: the schedule's length differs, named the same way.
-    with pytest.raises(ValueError, match="another schedule than the recipe's .* pass "
-                       "scheduler.override_opt_param_scheduler=true"):
+    # A longer run without a flag: the schedule's length differs, named the same way (its two
+    # scheduler fields, decay and weight-decay steps, are one recipe key).
+    with pytest.raises(RecipeError, match=r"^recipe key 'train.train_iters' = 8 but checkpoint "
+                       r".*iter_0000003 was trained with 6: pass "
+                       r"scheduler.override_opt_param_scheduler=true to train on with the "
+                       r"recipe's value, or scheduler.use_checkpoint_opt_param_scheduler=true "
+                       r"to keep the checkpoint's$"):
         train(["train.train_iters=8", "model.msa_dense_warmup_steps=2",
+                f"checkpoint.save={tmp_path / 'plain'}"])
+    with pytest.raises(RecipeError, match=r"^recipe keys 'optimizer.lr' = 0.005 \(checkpoint: "
+                       r"0.003\), 'train.train_iters' = 8 \(checkpoint: 6\) differ from the "
+                       r"schedule checkpoint .* was trained with: pass .*recipe's values"):
+        train(["train.train_iters=8", "model.msa_dense_warmup_steps=2", "optimizer.lr=5e-3",
                 f"checkpoint.save={tmp_path / 'plain'}"])
     want = losses(ref["history"], "lr")
     min_lr = 3.0e-4  # recipes/msa_tiny.yaml
@@ -90,6 +101,53 @@ def test_resume_with_a_changed_lr_follows_the_scheduler_flags(reference, tmp_pat
         for it in (4, 5):
             ratio = (got[it] - min_lr) / (want[it] - min_lr)
             assert ratio == pytest.approx((peak - min_lr) / (3e-3 - min_lr), rel=1e-6), (flag, it)
+
+
+def test_torchrun_resume_with_another_schedule_is_one_error_line(reference, tmp_path):
+    """Both ranks refuse the longer schedule; the job prints the refusal once, no traceback."""
+    ref_root, _ = reference
+    copy_checkpoint(ref_root, 3, tmp_path / "ckpt")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(_free_port()), str(REPO / "scripts" / "pretrain.py"), *SMALL,
+           "train.train_iters=8", "model.msa_dense_warmup_steps=2",
+           f"checkpoint.save={tmp_path / 'ckpt'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, proc.stderr[-4000:]
+    assert errors[0].startswith("error: recipe key 'train.train_iters' = 8 but checkpoint "), errors
+    for key in ("scheduler.override_opt_param_scheduler=true",
+                "scheduler.use_checkpoint_opt_param_scheduler=true", "trained with 6"):
+        assert key in errors[0], errors[0]
+    # The ranks exit with code 2 (torchrun reports them); neither prints a traceback.
+    assert "exitcode  : 2" in proc.stderr and "[rank" not in proc.stderr, proc.stderr[-4000:]
+
+
+def test_cpu_runs_take_the_idle_cores_unless_omp_num_threads_is_set(monkeypatch):
+    """Issue #48: torch's default, one thread per core, oversubscribes a busy machine (5x
+    slower on the shared 2-core machine); a CPU run takes the idle cores per local rank."""
+    assert [cpu_threads(2, load, 1) for load in (0.0, 0.4, 0.6, 1.0, 5.0)] == [2, 2, 1, 1, 1]
+    assert cpu_threads(16, 0.0, 4) == 4 and cpu_threads(2, 0.0, 2) == 1
+    recipe = load_recipe(None, SMALL)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 1.0, 1.0))
+    try:
+        for omp, want in ((None, 5), ("3", 3)):
+            if omp is None:
+                monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+            else:
+                monkeypatch.setenv("OMP_NUM_THREADS", omp)
+            init_distributed(recipe)
+            try:
+                assert torch.get_num_threads() == want, omp
+            finally:
+                teardown()
+            assert torch.get_num_threads() == 3  # what the run found is put back
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_pointer_to_a_missing_checkpoint_is_an_error(tmp_path):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _runs import train
 
 from nemo_msa.training.recipe import (
     DEFAULT_RECIPE,
@@ -79,6 +80,15 @@ def test_cpu_refuses_what_megatron_cannot_run_there():
     cpu = RunContext(0, 1, torch.device("cpu"), True, False)
     with pytest.raises(RecipeError, match=r"'model.bf16' = True: expected false on the CPU"):
         build_config(load_recipe(None, ["model.bf16=true"]), cpu)
+
+
+def test_msa_refusals_are_recipe_errors_before_the_model_is_built(tmp_path):
+    """Issue #48: the MSA layers' gate refused FP8 (or a backend this device cannot run) from
+    inside Megatron's module construction, as a traceback; it now runs once before."""
+    with pytest.raises(RecipeError, match=r"^the model section cannot be built with MSA layers "
+                                          r"here: MSA attention does not support FP8 "
+                                          r"\(config.fp8='e4m3'\)"):
+        train(["model.fp8=e4m3", f"logger.output_dir={tmp_path}"])
 
 
 def test_unknown_key_names_key_section_and_valid_keys():
@@ -272,6 +282,20 @@ def test_empty_non_mapping_and_binary_recipe_files_are_one_error_line(tmp_path):
     bad.write_text("model: 5\n")
     with pytest.raises(RecipeError, match=r"recipe section 'model' must be a mapping"):
         load_recipe(bad)
+    # Issue #48: an override of the section used to replace the 5 (a model of defaults, a
+    # ZeroDivisionError when built); so did a falsy body, and a model without its sizes.
+    with pytest.raises(RecipeError, match=r"^recipe section 'model' must be a mapping of key: "
+                                          r"value, got 5$"):
+        load_recipe(bad, ["model.num_layers=2"])
+    for body in ("0", "false"):
+        bad.write_text(f"train:\n  train_iters: 2\nmodel: {body}\n")
+        with pytest.raises(RecipeError, match=r"^recipe section 'model' must be a mapping of "
+                                              rf"key: value, got {body.title()}$"):
+            load_recipe(bad)
+    bad.write_text("train:\n  train_iters: 2\nmodel:\n  num_layers: 2\n  hidden_size: 64\n")
+    with pytest.raises(RecipeError, match=r"^recipe key 'model.num_attention_heads' is not set: "
+                                          r"expected a positive integer"):
+        load_recipe(bad)
     bad.write_bytes(bytes(range(128, 256)) * 4)
     with pytest.raises(RecipeError, match=r"recipe file '.*bad.yaml' is not UTF-8 text"):
         load_recipe(bad)
@@ -317,3 +341,17 @@ def test_cli_reports_bad_values_on_one_line_and_exits_2(tmp_path, args, message)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.search(message, errors[0]), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("key", ["logger.output_dir", "dataset.path_to_cache"])
+def test_a_directory_that_cannot_be_created_is_named_before_the_run(tmp_path, key):
+    """Issue #48: an output or cache directory under a file was an OSError traceback (the
+    output directory only after the first step)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    where = blocker / "runs"
+    with pytest.raises(RecipeError, match=rf"^recipe key '{re.escape(key)}' = "
+                                          rf"'{re.escape(str(where))}': cannot create the "
+                                          r"directory \(Not a directory: .*a_file.*\); expected a "
+                                          r"directory this run can create and write to$"):
+        train([f"{key}={where}", "checkpoint.save=null"])

@@ -5,8 +5,9 @@ from the newest finished checkpoint and continues the curve bit-exactly.
 The killed run is ``scripts/pretrain.py`` in a child process whose checkpoint or data code is
 wrapped to SIGKILL the process at the chosen point (no test hook in the package); the resumed
 run is the same command, in this process, compared with the uninterrupted reference. The child
-runs in its own process group, killed afterwards: Megatron's checkpoint writer process outlives
-a SIGKILLed parent.
+runs in its own process group, and once it is killed no process of that group may remain (issue
+#48: Megatron's writer used to leave a spawned multiprocessing Manager and the resource tracker
+behind, orphaned, at every kill point).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +63,29 @@ DRIVER = textwrap.dedent("""
 """)
 
 
+def _live_members(pgid: int) -> list[str]:
+    """The live (not zombie) processes of process group ``pgid``: pid and command line."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            state, _, group = stat.rsplit(")", 1)[1].split()[:3]
+            if int(group) == pgid and state != "Z":
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                found.append(f"{entry.name}: {cmd.strip()}")
+        except (OSError, ValueError):
+            continue  # not a process, or it ended while read
+    return found
+
+
+def _survivors(pgid: int, grace_s: float = 5.0) -> list[str]:
+    """What of the group is still alive ``grace_s`` seconds after its leader was killed."""
+    deadline = time.monotonic() + grace_s
+    while (left := _live_members(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 @pytest.mark.parametrize("point", list(KILL_POINTS))
 def test_sigkill_then_the_same_command_resumes_bit_exactly(reference, tmp_path, point):
     _, ref = reference
@@ -73,18 +98,20 @@ def test_sigkill_then_the_same_command_resumes_bit_exactly(reference, tmp_path, 
                                     script=str(REPO / "scripts" / "pretrain.py")))
     log = tmp_path / "child.log"
     with open(log, "w") as out:
-        # Its own process group: Megatron's checkpoint writer leaves a worker process that
-        # outlives a SIGKILLed parent; the whole group is killed below.
+        # Its own process group, so that whatever it started can be found (and, should the test
+        # fail, killed) by the group.
         proc = subprocess.Popen([sys.executable, str(driver)], stdout=out, stderr=out, cwd=REPO,
                                 start_new_session=True)
         try:
             returncode = proc.wait(timeout=300)
+            survivors = _survivors(proc.pid)
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
     assert returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    assert survivors == [], survivors
     assert latest_iteration(root) == 3
     if point == "during the save":
         assert (root / "iter_0000006.partial").is_dir() and finished_iterations(root) == [3]
