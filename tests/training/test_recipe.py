@@ -83,12 +83,12 @@ def test_cpu_refuses_what_megatron_cannot_run_there():
 
 
 def test_msa_refusals_are_recipe_errors_before_the_model_is_built(tmp_path):
-    """Issue #48: the MSA layers' gate refused FP8 (or a backend this device cannot run) from
-    inside Megatron's module construction, as a traceback; it now runs once before."""
+    """Issue #48: the MSA layers' gate refused fused RoPE (or a backend this device cannot run)
+    from inside Megatron's module construction, as a traceback; it now runs once before."""
     with pytest.raises(RecipeError, match=r"^the model section cannot be built with MSA layers "
-                                          r"here: MSA attention does not support FP8 "
-                                          r"\(config.fp8='e4m3'\)"):
-        train(["model.fp8=e4m3", f"logger.output_dir={tmp_path}"])
+                                          r"here: MSA attention does not support "
+                                          r"fused_single_qkv_rope=True"):
+        train(["model.fused_single_qkv_rope=true", f"logger.output_dir={tmp_path}"])
 
 
 def test_unknown_key_names_key_section_and_valid_keys():
