@@ -35,16 +35,12 @@ _ERROR_STORE: list = [None]
 _THREADS_BEFORE: list = [None]
 
 
-def cpu_threads(cores: int, load: float, local_ranks: int) -> int:
-    """Torch threads per process of a CPU run: the idle cores, shared by this host's ranks.
-
-    ``cores`` are the cores this process may run on, ``load`` the host's 1-minute load average
-    (what other work keeps busy) and ``local_ranks`` the processes of this run on the host. A
-    thread more than there are idle cores makes torch's threads wait on each other: on the
-    project's 2-core machine, shared (load 4-6), the default recipe ran 5x slower with 2 threads
-    than with 1 (170-190 against 870-900 tokens/s).
-    """
-    return max(1, round(cores - load) // max(1, local_ranks))
+#: torch threads per process of a CPU run without OMP_NUM_THREADS. One: torch's default (one per
+#: core) oversubscribes a shared machine, where the default recipe ran 5x slower with 2 threads
+#: than with 1 on the 2-core machine (170-190 against 870-900 tokens/s at load 4-6), and a count
+#: read from the load average would make a run's speed, and its thread count, depend on what
+#: else ran when it started. The tiny CPU models gain little from a second intra-op thread.
+CPU_THREADS_PER_RANK = 1
 
 
 @dataclass
@@ -63,8 +59,8 @@ def init_distributed(recipe: Recipe) -> RunContext:
 
     Under torchrun the rendezvous comes from the environment (RANK, WORLD_SIZE, MASTER_ADDR...);
     a plain ``python scripts/pretrain.py`` gets a 1-rank group on an in-memory store. On the
-    CPU, without ``OMP_NUM_THREADS``, torch gets :func:`cpu_threads` threads (the idle cores
-    shared by the host's ranks) instead of one per core, which oversubscribes a busy machine.
+    CPU, without ``OMP_NUM_THREADS``, torch gets :data:`CPU_THREADS_PER_RANK` threads instead of
+    one per core, which oversubscribes a busy machine.
 
     Raises:
         RecipeError: ``dist.backend`` is nccl on a run without CUDA.
@@ -100,10 +96,7 @@ def init_distributed(recipe: Recipe) -> RunContext:
     if on_cpu and "OMP_NUM_THREADS" not in os.environ and _THREADS_BEFORE[0] is None:
         # torchrun sets OMP_NUM_THREADS=1 for several processes; a user's value is kept too.
         _THREADS_BEFORE[0] = torch.get_num_threads()
-        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                 else os.cpu_count() or 1)
-        torch.set_num_threads(cpu_threads(cores, os.getloadavg()[0],
-                                          int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        torch.set_num_threads(CPU_THREADS_PER_RANK)
     if on_cpu and not _OWNED["cpu_shim"]:
         cpu_shim.install()
         cpu_extras.install()
@@ -186,5 +179,5 @@ def teardown() -> None:
         _THREADS_BEFORE[0] = None
 
 
-__all__ = ["RunContext", "cpu_threads", "first_to_report", "init_distributed",
+__all__ = ["CPU_THREADS_PER_RANK", "RunContext", "first_to_report", "init_distributed",
            "init_model_parallel", "set_seeds", "teardown"]
