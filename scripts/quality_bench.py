@@ -33,9 +33,11 @@ the same ``--out`` continues it from its newest checkpoint (``checkpoint.save`` 
 ``checkpoint.resume``); an arm that has reached ``--steps`` is only summarized. ``--restart``
 deletes the arms' directories first.
 
-``--extrapolate-to L`` adds, per trained length S < L, an evaluation of each arm's newest
+``--extrapolate-to L`` adds, per trained length S <= L, an evaluation of each finished arm's
 checkpoint at L (``train.skip_train`` with ``checkpoint.load``; run directory
-``--out/seq<S>_at<L>/<arm>``), the length-extrapolation rows of the report.
+``--out/seq<S>_at<L>/<arm>``), the length-extrapolation rows of the report (S = L: a final
+evaluation at the trained length); ``--final-probe-rows N`` gives these evaluations N probe rows
+per bucket (more than the per-interval evaluations can afford, for the 5-point verdict).
 
 Examples::
 
@@ -397,6 +399,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--extrapolate-to", type=int, default=None,
                         help="also evaluate every finished arm of a shorter length at this "
                         "length (train.skip_train from its checkpoint)")
+    parser.add_argument("--final-probe-rows", type=int, default=None,
+                        help="train.eval_probe_rows of the --extrapolate-to evaluations")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke-test preset")
     parser.add_argument("--out", default="runs/quality")
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every arm")
@@ -444,7 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
               "steps_per_arm": steps, "lengths": {}}
     todo = [(s, a, None) for s in lengths for a in arms]
     if args.extrapolate_to is not None:
-        todo += [(s, a, args.extrapolate_to) for s in lengths if s < args.extrapolate_to
+        todo += [(s, a, args.extrapolate_to) for s in lengths if s <= args.extrapolate_to
                  for a in arms]
     if args.restart:
         for seq, arm, at in todo:
@@ -484,6 +488,8 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 overrides += ["train.skip_train=true", f"checkpoint.load={trained}",
                               "checkpoint.save=null", f"logger.output_dir={run_dir}"]
+                if args.final_probe_rows:
+                    overrides.append(f"train.eval_probe_rows={args.final_probe_rows}")
                 print(f"== {arm} trained at {seq}, evaluated at {at} tokens", flush=True)
             error = None
             try:

@@ -254,7 +254,7 @@ def test_quality_bench_runs_equal_steps_resumes_arms_and_evaluates_longer_rows(
     bench = _script("quality_bench")
     args = ["--tiny", "--corpus", str(corpus), "--out", str(tmp_path), "--arms", "msa,dense",
             "--steps", "4", "--probes", "passkey,mqar", "--extrapolate-to", "512",
-            "--time-budget-s", "300"]
+            "--final-probe-rows", "2", "--time-budget-s", "300"]
     # First call: each arm stops at step 2 (as the time guard would stop it).
     first = bench.main([*args, "train.exit_interval=2"])
     for arm in ("msa", "dense"):
@@ -282,6 +282,9 @@ def test_quality_bench_runs_equal_steps_resumes_arms_and_evaluates_longer_rows(
         assert {"pos_0-32", "pos_32-128"} <= set(longer["buckets"]) <= {
             "pos_0-32", "pos_32-128", "pos_128-512"}
         assert "probe/mqar_acc" in longer["probes"]
+        # One skip_train evaluation of the checkpoint of step 4, no training step.
+        longer_rows = bench.read_metrics(tmp_path / "seq256_at512" / arm / "metrics.jsonl")
+        assert longer_rows[-1]["skip_train"] and longer_rows[-1]["iteration"] == 4
     cmp_ = block["comparison"]
     assert cmp_["equal_step"] == 4 and "msa_within_5_points" in cmp_
     assert set(cmp_["arms"]["msa"]["probes_at_equal_step"]) == set(block["runs"]["msa"]["probes"])
