@@ -18,8 +18,26 @@ the validation loss of the copy documents' second copies (``--copy-marker``; a c
 ``prepare_corpus.py --copy-fraction``: only attention that reaches a copy's length back can
 predict them, so an arm that cannot must come out worse there), the mean selection recall of
 the last 10 steps, tokens/s and TFLOP/s per GPU (median over steps
-after the first 5) and MFU. ``--time-budget-s`` bounds the whole call: each run gets an equal
-share of what is left (``train.exit_duration_in_mins``), so one device call cannot overrun.
+after the first 5) and MFU. With ``--probes passkey,mqar`` every evaluation also runs the
+retrieval probes (``train.eval_probes``, ADR 0040) and the report adds a probe table: accuracy per
+passkey depth and MQAR distance bucket at the equal step, MSA minus dense in points, and whether
+MSA is within 5 points of dense at every passkey depth.
+
+Every arm trains ``--steps`` steps (its schedule spans them: ``train.train_iters``), so the arms
+compare at equal steps. ``--time-budget-s`` bounds the whole call and is only a guard: each arm
+still to run gets an equal share of what is left (``train.exit_duration_in_mins``), so one
+device call cannot overrun; an arm the guard stops is reported as stopped by the time guard at
+its step. Arms are resumable: each saves checkpoints into its run directory
+(``--out/seq<S>/<arm>``, every ``--save-interval`` steps and when stopped) and the next call with
+the same ``--out`` continues it from its newest checkpoint (``checkpoint.save`` with
+``checkpoint.resume``); an arm that has reached ``--steps`` is only summarized. ``--restart``
+deletes the arms' directories first.
+
+``--extrapolate-to L`` adds, per trained length S <= L, an evaluation of each finished arm's
+checkpoint at L (``train.skip_train`` with ``checkpoint.load``; run directory
+``--out/seq<S>_at<L>/<arm>``), the length-extrapolation rows of the report (S = L: a final
+evaluation at the trained length); ``--final-probe-rows N`` gives these evaluations N probe rows
+per bucket (more than the per-interval evaluations can afford, for the 5-point verdict).
 
 Examples::
 
@@ -27,6 +45,11 @@ Examples::
     python scripts/quality_bench.py --corpus /tmp/corpus/pycode_text_document \\
         --seq-lengths 8192,32768 --time-budget-s 420 --out runs/quality
     python scripts/quality_bench.py --tiny --corpus PREFIX --out /tmp/q   # CPU, seconds
+    python scripts/prepare_corpus.py --out /tmp/corpus --copy-fraction 0.05 \
+        --passkey-fraction 0.05 --mqar-fraction 0.05
+    python scripts/quality_bench.py --corpus /tmp/corpus/pycode_text_document --copy-marker 0 \
+        --probes passkey,mqar --steps 2000 --seq-lengths 8192 --extrapolate-to 32768 \
+        --time-budget-s 540 --out runs/quality49     # repeat the same call until every arm is done
 """
 
 from __future__ import annotations
@@ -35,6 +58,7 @@ import argparse
 import gc
 import json
 import math
+import shutil
 import statistics
 import sys
 import time
@@ -58,8 +82,10 @@ TINY = [
     "model.msa_backend=reference", "optimizer.clip_grad=0.0", "optimizer.lr=3e-3",
     "scheduler.lr_warmup_iters=1", "train.train_iters=4", "train.eval_interval=2",
     "train.eval_iters=1", "logger.progress_bar=false",
-    "logger.plot=false", "dataset.split=90,10,0",
+    "logger.plot=false", "dataset.split=90,10,0", "train.eval_probe_rows=1",
 ]
+#: The checkpoint pointer file (nemo_msa.training.checkpoint_integrity.POINTER).
+POINTER = "latest_checkpointed_iteration.txt"
 
 
 def arm_overrides(arm: str, num_layers: int) -> list[str]:
@@ -83,12 +109,17 @@ def summarize_run(rows: list[dict]) -> dict:
     train_time = 0.0
     curve = []  # (iteration, cumulative training seconds, val_loss)
     copy_curve = []  # (iteration, cumulative training seconds, val_loss/copy)
+    probe_curve = []  # (iteration, {probe/...: value})
     for r in rows:
-        train_time += r["step_time_s"]
+        train_time += r.get("step_time_s", 0.0)
         if "val_loss" in r:
             curve.append((r["iteration"], train_time, r["val_loss"]))
         if "val_loss/copy" in r:
             copy_curve.append((r["iteration"], train_time, r["val_loss/copy"]))
+        probes = {k: v for k, v in r.items() if k.startswith("probe/")}
+        if probes:
+            probe_curve.append((r["iteration"], probes))
+    rows = [r for r in rows if "step_time_s" in r] or rows  # training steps (not skip_train)
     steady = rows[5:] or rows
     last_eval = next((r for r in reversed(rows) if "val_loss" in r), {})
     recalls = [r["recall"] for r in rows[-10:] if "recall" in r]
@@ -97,12 +128,16 @@ def summarize_run(rows: list[dict]) -> dict:
         "train_seconds": train_time,
         "val_curve": curve,
         "copy_curve": copy_curve,
+        "probe_curve": probe_curve,
+        "probes": probe_curve[-1][1] if probe_curve else {},
         "final_val_loss": last_eval.get("val_loss", math.nan),
         "buckets": {k.split("/", 1)[1]: v for k, v in last_eval.items()
                     if k.startswith("val_loss/")},
         "recall": statistics.fmean(recalls) if recalls else None,
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if rows else 0.0,
-        "tflops_per_gpu": statistics.median(r["tflops_per_gpu"] for r in steady) if rows else 0.0,
+        "tokens_per_s": statistics.median(r.get("tokens_per_s", 0.0) for r in steady)
+        if rows else 0.0,
+        "tflops_per_gpu": statistics.median(r.get("tflops_per_gpu", 0.0) for r in steady)
+        if rows else 0.0,
     }
     mfu = [r["mfu"] for r in steady if "mfu" in r]
     out["mfu"] = statistics.median(mfu) if mfu else None
@@ -131,6 +166,31 @@ def _gaps(loss: dict[str, float], suffix: str) -> dict[str, float]:
     return out
 
 
+#: The issue's bar: MSA's passkey accuracy at most this many points below dense at every depth.
+PROBE_TOLERANCE_POINTS = 5.0
+
+
+def probe_gaps(probes: dict[str, dict[str, float]]) -> dict:
+    """MSA minus dense probe accuracy in points per bucket, and the 5-point verdict.
+
+    Args:
+        probes: per arm, its ``probe/...`` metrics at the equal step (empty: none).
+
+    Returns:
+        ``{"probe_msa_minus_dense_points": {bucket key: points}, "msa_within_5_points":
+        bool}`` when both arms have probe accuracies (the verdict over the passkey depths when
+        there are any, else over every bucket); empty otherwise.
+    """
+    msa, dense = probes.get("msa") or {}, probes.get("dense") or {}
+    keys = [k for k in msa if "_acc/" in k and k in dense]
+    if not keys:
+        return {}
+    gaps = {k: 100.0 * (msa[k] - dense[k]) for k in keys}
+    judged = [k for k in keys if k.startswith("probe/passkey_acc/")] or keys
+    return {"probe_msa_minus_dense_points": gaps,
+            "msa_within_5_points": all(gaps[k] >= -PROBE_TOLERANCE_POINTS for k in judged)}
+
+
 def compare(runs: dict[str, dict]) -> dict:
     """Equal-step and equal-time validation losses of the arms of one sequence length."""
     steps_sets = [{it for it, _, _ in r["val_curve"]} for r in runs.values()]
@@ -146,7 +206,11 @@ def compare(runs: dict[str, dict]) -> dict:
         if r.get("copy_curve"):
             out["arms"][arm]["copy_loss_at_equal_step"] = next(
                 (v for it, _, v in r["copy_curve"] if it == eq_step), math.nan)
+        probes = dict(r.get("probe_curve", [])).get(eq_step)
+        if probes:
+            out["arms"][arm]["probes_at_equal_step"] = probes
     arms = out["arms"]
+    out.update(probe_gaps({arm: a.get("probes_at_equal_step", {}) for arm, a in arms.items()}))
     out.update(_gaps({arm: a["val_loss_at_equal_step"] for arm, a in arms.items()}, ""))
     if arms and all("copy_loss_at_equal_step" in a for a in arms.values()):
         out.update(_gaps({arm: a["copy_loss_at_equal_step"] for arm, a in arms.items()}, "_copy"))
@@ -172,7 +236,9 @@ def markdown(report: dict) -> str:
                          key=lambda b: int(b.split("_")[1].split("-")[0].replace("k", "000")))
         if any("copy" in r["buckets"] for r in block["runs"].values()):
             buckets.append("copy")
-        lines += [f"## {seq} tokens per sequence", "",
+        title = (f"{seq} tokens per sequence" if "_at_" not in seq else
+                 "trained at {} tokens, evaluated at {} tokens".format(*seq.split("_at_")))
+        lines += [f"## {title}", "",
                   f"equal step = {cmp_['equal_step']}, equal training time = "
                   f"{_fmt(cmp_['equal_time_s'], 1)} s", ""]
         head = ["arm", "steps", "val loss @ equal step", "val loss @ equal time",
@@ -187,8 +253,15 @@ def markdown(report: dict) -> str:
                      *(_fmt(r["buckets"].get(b)) for b in buckets), _fmt(r["recall"], 3),
                      f"{r['tokens_per_s']:.0f}", _fmt(r["tflops_per_gpu"], 2), _fmt(r["mfu"], 3)]
             lines.append("| " + " | ".join(cells) + " |")
+        lines += probe_table(block)
         notes = [f"{arm} failed: {r['error']}" for arm, r in block["runs"].items()
                  if "error" in r]
+        notes += [f"{arm} stopped at step {r['steps']} of {r['target_steps']} (the time guard; "
+                  "call again with the same --out to resume it)"
+                  for arm, r in block["runs"].items() if r.get("stopped_early")]
+        if "msa_within_5_points" in cmp_:
+            notes.append("MSA within 5 points of dense at every passkey depth: "
+                         + ("yes" if cmp_["msa_within_5_points"] else "NO"))
         if "msa_minus_dense" in cmp_:
             notes.append(f"MSA - dense validation loss at equal step: "
                          f"{cmp_['msa_minus_dense']:+.4f}")
@@ -203,6 +276,37 @@ def markdown(report: dict) -> str:
                          f"{cmp_['control_minus_best_copy']:+.4f}")
         lines += [""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)
+
+
+def probe_table(block: dict) -> list[str]:
+    """Markdown lines of one length's probe accuracies (%) per arm at the equal step (or the
+    last evaluation), empty without probes."""
+    cmp_ = block.get("comparison", {})
+    per_arm = {arm: cmp_.get("arms", {}).get(arm, {}).get("probes_at_equal_step") or r["probes"]
+               for arm, r in block["runs"].items()}
+    keys = sorted({k for p in per_arm.values() for k in p if "_acc/" in k},
+                  key=lambda k: (not k.startswith("probe/passkey"), k.split("/")[1],
+                                 _bucket_order(k)))
+    if not keys:
+        return []
+    head = ["arm", *(k.removeprefix("probe/").replace("_acc", "") for k in keys)]
+    lines = ["Retrieval probes, accuracy % (teacher-forced argmax), at the equal step:", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, p in per_arm.items():
+        cells = [arm, *(_fmt(100.0 * p[k], 1) if k in p else "-" for k in keys)]
+        lines.append("| " + " | ".join(cells) + " |")
+    gaps = cmp_.get("probe_msa_minus_dense_points")
+    if gaps:
+        cells = ["MSA - dense (points)", *(f"{gaps[k]:+.1f}" if k in gaps else "-"
+                                           for k in keys)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _bucket_order(key: str) -> int:
+    """Sort key of a probe bucket name (``depth_25``, ``dist_50-75``): its first number."""
+    digits = key.rsplit("_", 1)[-1].split("-")[0]
+    return int(digits) if digits.isdigit() else 0
 
 
 def plot(report: dict, path: Path) -> Path | None:
@@ -256,8 +360,17 @@ def _device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
 
 
+def finished_steps(run_dir: Path) -> int:
+    """The iteration of the newest finished checkpoint in ``run_dir`` (0: none)."""
+    pointer = run_dir / POINTER
+    try:
+        return int(pointer.read_text().strip()) if pointer.is_file() else 0
+    except ValueError:
+        return 0
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Run the arms, write the report, return it."""
+    """Run (or continue) the arms, write the report, return it."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", required=True, help="indexed-dataset prefix (prepare_corpus)")
     parser.add_argument("--recipe", default=None,
@@ -267,11 +380,27 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--tokens-per-step", type=int, default=None,
                         help=f"default {TOKENS_PER_STEP} (512 with --tiny)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps of every arm (default: the recipe's "
+                        "train.train_iters; 4 with --tiny)")
+    parser.add_argument("--save-interval", type=int, default=None,
+                        help="checkpoint every this many steps (default 200; 2 with --tiny); "
+                        "an arm also saves when it stops")
+    parser.add_argument("--restart", action="store_true",
+                        help="delete the arms' run directories (checkpoints, metrics) first")
     parser.add_argument("--time-budget-s", type=float, default=480.0,
-                        help="wall-time budget of the whole call (default 480)")
+                        help="wall-time guard of the whole call (default 480)")
     parser.add_argument("--copy-marker", type=int, default=None,
                         help="the corpus's copy marker (prepare_corpus --copy-fraction: 0); "
                         "adds the copy column, the loss of second copies")
+    parser.add_argument("--probes", default="",
+                        help="retrieval probes at every evaluation, e.g. passkey,mqar "
+                        "(train.eval_probes)")
+    parser.add_argument("--extrapolate-to", type=int, default=None,
+                        help="also evaluate every finished arm of a shorter length at this "
+                        "length (train.skip_train from its checkpoint)")
+    parser.add_argument("--final-probe-rows", type=int, default=None,
+                        help="train.eval_probe_rows of the --extrapolate-to evaluations")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke-test preset")
     parser.add_argument("--out", default="runs/quality")
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every arm")
@@ -279,6 +408,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     args.seq_lengths = args.seq_lengths or ("256" if args.tiny else "8192,32768")
     args.tokens_per_step = args.tokens_per_step or (512 if args.tiny else TOKENS_PER_STEP)
+    args.save_interval = args.save_interval or (2 if args.tiny else 200)
     lengths = [int(x) for x in args.seq_lengths.split(",") if x]
     arms = [a for a in args.arms.split(",") if a]
     if not arms or not lengths:
@@ -286,48 +416,95 @@ def main(argv: list[str] | None = None) -> dict:
     for arm in arms:
         arm_overrides(arm, 1)  # names a bad arm before anything runs
     bad = [s for s in lengths if s <= 0 or args.tokens_per_step % s]
+    if args.extrapolate_to is not None:
+        bad += [] if args.extrapolate_to > 0 and args.tokens_per_step % args.extrapolate_to == 0 \
+            else [args.extrapolate_to]
     if bad:
-        raise SystemExit(f"error: --seq-lengths {bad[0]}: expected a positive divisor of "
-                         f"--tokens-per-step ({args.tokens_per_step})")
+        raise SystemExit(f"error: --seq-lengths / --extrapolate-to {bad[0]}: expected a positive "
+                         f"divisor of --tokens-per-step ({args.tokens_per_step})")
     if args.time_budget_s <= 0:
         raise SystemExit(f"error: --time-budget-s = {args.time_budget_s}: expected > 0")
+    if args.save_interval <= 0 or (args.steps is not None and args.steps <= 0):
+        raise SystemExit(f"error: --steps = {args.steps}, --save-interval = "
+                         f"{args.save_interval}: expected positive step counts")
     recipe = args.recipe or (None if args.tiny else str(REPO / "recipes/quality_bench.yaml"))
     base = (TINY if args.tiny else []) + list(args.overrides)
     if args.copy_marker is not None:
         base.append(f"train.eval_copy_marker={args.copy_marker}")
+    if args.probes:
+        base.append(f"train.eval_probes=[{args.probes}]")
+    if args.steps is not None:
+        base.append(f"train.train_iters={args.steps}")
     from nemo_msa.training.recipe import load_recipe
 
-    num_layers = int(load_recipe(recipe, base).model.get("num_layers", 1))
+    loaded = load_recipe(recipe, base)  # a bad override or probe key stops here, named
+    num_layers = int(loaded.model.get("num_layers", 1))
+    steps = loaded.train.train_iters
     out = Path(args.out)
     report = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "device": _device_name(),
               "commit": commit_id(), "command": "python scripts/quality_bench.py "
               + " ".join(argv if argv is not None else sys.argv[1:]),
-              "corpus": args.corpus, "tokens_per_step": args.tokens_per_step, "lengths": {}}
-    todo = [(s, a) for s in lengths for a in arms]
-    for i, (seq, arm) in enumerate(todo):
-        left = args.time_budget_s - (time.perf_counter() - t0)
-        # Start-up (model build, data indices, kernel compiles) is outside the loop's clock.
-        share_min = max(left / (len(todo) - i) - (3.0 if args.tiny else 20.0), 1.0) / 60.0
-        gbs = args.tokens_per_step // seq
-        run_dir = out / f"seq{seq}" / arm
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        overrides = base + [
-            f"dataset.data_path=[{args.corpus}]", f"model.seq_length={seq}",
-            f"train.global_batch_size={gbs}", f"train.micro_batch_size={min(gbs, 4)}",
-            f"train.exit_duration_in_mins={share_min}", f"logger.output_dir={run_dir}",
-            "checkpoint.save=null",
-        ] + arm_overrides(arm, num_layers)
-        print(f"== {arm} at {seq} tokens ({share_min * 60:.0f} s of training at most)",
-              flush=True)
-        error = None
-        try:
-            run_arm(recipe, overrides)
-        except Exception as err:  # noqa: BLE001 - one failed run must not lose the others
-            error = f"{type(err).__name__}: {err}"
-            print(f"== {arm} at {seq} tokens failed: {error}", flush=True)
+              "corpus": args.corpus, "tokens_per_step": args.tokens_per_step,
+              "steps_per_arm": steps, "lengths": {}}
+    todo = [(s, a, None) for s in lengths for a in arms]
+    if args.extrapolate_to is not None:
+        todo += [(s, a, args.extrapolate_to) for s in lengths if s <= args.extrapolate_to
+                 for a in arms]
+    if args.restart:
+        for seq, arm, at in todo:
+            shutil.rmtree(_run_dir(out, seq, arm, at), ignore_errors=True)
+    text = ""
+    for i, (seq, arm, at) in enumerate(todo):
+        run_dir = _run_dir(out, seq, arm, at)
+        trained = _run_dir(out, seq, arm, None)
+        done = finished_steps(trained)
+        if at is None and done >= steps:
+            print(f"== {arm} at {seq} tokens: finished ({done} steps), summarized", flush=True)
+            error = None
+        elif at is not None and (done < steps or (run_dir / "metrics.jsonl").exists()
+                                 and _evaluated_at(run_dir) == done):
+            why = "already evaluated" if done >= steps else f"trained {done} of {steps} steps"
+            print(f"== {arm} trained at {seq}, at {at} tokens: skipped ({why})", flush=True)
+            if done < steps:
+                continue  # nothing to report until the arm has trained to the end
+            error = None
+        else:
+            left = args.time_budget_s - (time.perf_counter() - t0)
+            # Start-up (model build, data indices, kernel compiles) is outside the loop's clock.
+            share_min = max(left / (len(todo) - i) - (3.0 if args.tiny else 20.0), 1.0) / 60.0
+            length = at or seq
+            gbs = args.tokens_per_step // length
+            overrides = base + [
+                f"dataset.data_path=[{args.corpus}]", f"model.seq_length={length}",
+                f"train.global_batch_size={gbs}", f"train.micro_batch_size={min(gbs, 4)}",
+            ] + arm_overrides(arm, num_layers)
+            if at is None:
+                overrides += [f"train.exit_duration_in_mins={share_min}",
+                              f"checkpoint.save={run_dir}",
+                              f"checkpoint.save_interval={args.save_interval}",
+                              "checkpoint.keep_last=2"]
+                print(f"== {arm} at {seq} tokens: steps {done} -> {steps} "
+                      f"({share_min * 60:.0f} s of training at most)", flush=True)
+            else:
+                overrides += ["train.skip_train=true", f"checkpoint.load={trained}",
+                              "checkpoint.save=null", f"logger.output_dir={run_dir}"]
+                if args.final_probe_rows:
+                    overrides.append(f"train.eval_probe_rows={args.final_probe_rows}")
+                print(f"== {arm} trained at {seq}, evaluated at {at} tokens", flush=True)
+            error = None
+            try:
+                run_arm(recipe, overrides)
+            except Exception as err:  # noqa: BLE001 - one failed run must not lose the others
+                error = f"{type(err).__name__}: {err}"
+                print(f"== {arm} at {seq} tokens failed: {error}", flush=True)
         log = run_dir / "metrics.jsonl"
-        block = report["lengths"].setdefault(str(seq), {"runs": {}})
-        block["runs"][arm] = summarize_run(read_metrics(log) if log.exists() else [])
+        key = str(seq) if at is None else f"{seq}_at_{at}"
+        block = report["lengths"].setdefault(key, {"runs": {}})
+        summary = summarize_run(read_metrics(log) if log.exists() else [])
+        if at is None:
+            summary["target_steps"] = steps
+            summary["stopped_early"] = not error and summary["steps"] < steps
+        block["runs"][arm] = summary
         if error:
             block["runs"][arm]["error"] = error
         block["comparison"] = compare(block["runs"])
@@ -336,6 +513,17 @@ def main(argv: list[str] | None = None) -> dict:
         text = write_report(report, out)
     print(text, flush=True)
     return report
+
+
+def _run_dir(out: Path, seq: int, arm: str, at: int | None) -> Path:
+    """An arm's run directory: ``seq<S>/<arm>``, or ``seq<S>_at<L>/<arm>`` evaluated at L."""
+    return out / (f"seq{seq}" if at is None else f"seq{seq}_at{at}") / arm
+
+
+def _evaluated_at(run_dir: Path) -> int | None:
+    """The iteration a skip_train evaluation in ``run_dir`` evaluated (None: none)."""
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    return next((r["iteration"] for r in reversed(rows) if "val_loss" in r), None)
 
 
 def write_report(report: dict, out: Path) -> str:

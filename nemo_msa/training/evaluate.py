@@ -11,7 +11,11 @@ attention shows. With ``train.eval_copy_marker`` it also reports ``val_loss/copy
 of the tokens after their document's second marker (the second copy of a copy document), the
 long-range recall a model can only do by attending back to the first copy. Every evaluation
 reads the same first ``eval_iters * global_batch_size`` validation samples, so values at
-different steps (and of different runs) are comparable.
+different steps (and of different runs) are comparable. With ``train.eval_probes`` it also runs
+the retrieval probes of :mod:`nemo_msa.training.probes` (passkey per depth, MQAR per distance;
+rows built once from the validation split) and reports ``probe/<kind>_acc/<bucket>`` and
+``probe/<kind>_loss/<bucket>``; they are split over data-parallel ranks and context-parallel
+ranks (each CP rank scores the positions it holds) like the validation rows.
 
 :class:`StepFlops` counts each step's model FLOPs (:mod:`nemo_msa.training.flops`) and turns
 them into TFLOP/s per GPU and MFU. :func:`should_exit` is the ``train.exit_duration_in_mins``
@@ -26,17 +30,27 @@ from functools import partial
 
 import torch
 from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from nemo_msa.context_parallel import split_for_context_parallel
 from nemo_msa.megatron.microbatch import SharedMicrobatchIterators
 from nemo_msa.training.data import (
+    Microbatch,
     MicrobatchSource,
     build_gpt_datasets,
+    collate,
     eod_token_id,
     positions_from_document_ids,
 )
 from nemo_msa.training.flops import FlopsModel, device_peak_flops, throughput
 from nemo_msa.training.msa_hooks import TrainingHooks
+from nemo_msa.training.probes import (
+    ProbeSet,
+    ProbeSettings,
+    build_probes,
+    probe_metrics,
+    score_positions,
+)
 from nemo_msa.training.recipe import Recipe, RecipeError
 
 
@@ -118,6 +132,63 @@ def _eval_forward_step(hooks: TrainingHooks, edges, marker, data_iterator, model
     return output, partial(_eval_loss_func, mb.loss_mask, bucket, edges.numel(), copies)
 
 
+def _probe_loss_func(labels, group, num_groups, vocab_size, output_tensor):
+    """Probe sums of one microbatch from its logits, in Megatron's 3-tuple form.
+
+    ``output_tensor`` is the model's logits [b, s, V / TP] (this CP rank's columns); only the
+    scored positions are gathered over the tensor-parallel ranks and scored.
+    """
+    sel = group >= 0
+    picked = output_tensor[sel]
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        picked = gather_from_tensor_model_parallel_region(picked)
+    report = score_positions(picked, labels[sel], group[sel], num_groups, vocab_size)
+    zero = torch.zeros((), dtype=torch.float32, device=output_tensor.device)
+    return zero, torch.ones((), dtype=torch.int, device=output_tensor.device), \
+        {"probe": report.view(-1)}
+
+
+def _probe_forward_step(hooks: TrainingHooks, num_groups, vocab_size, data_iterator, model):
+    mb, group = next(data_iterator)
+    output = model(mb.tokens, mb.position_ids, labels=None,
+                   **hooks.model_forward_kwargs(mb.packed_seq_ids))
+    return output, partial(_probe_loss_func, mb.labels, group, num_groups, vocab_size)
+
+
+def probe_microbatches(probes: ProbeSet, *, micro_batch_size: int, dp_size: int, dp_rank: int,
+                       cp_size: int, cp_rank: int, pp_size: int, eod_id: int,
+                       device: torch.device) -> list[tuple[Microbatch, torch.Tensor]]:
+    """This rank's probe microbatches, built once.
+
+    The rows are padded (with copies of row 0 that score nothing) to a multiple of
+    ``micro_batch_size * dp_size * pp_size`` so that every rank runs the same number of
+    microbatches (interleaved pipelines need a multiple of the pipeline size); microbatch ``m``
+    of data-parallel rank ``r`` holds rows ``(m * dp + r) * mbs`` onward, as the training
+    sampler. Under context parallelism the rows and the bucket map are split into this rank's
+    load-balanced columns, as :func:`nemo_msa.training.data.collate` splits tokens.
+
+    Returns:
+        ``(microbatch, group)`` per microbatch: the Microbatch of ``mbs`` rows and the int64
+        ``[mbs, S / CP]`` bucket map of its labels (-1: not scored), on ``device``.
+    """
+    n, step = probes.rows, micro_batch_size * dp_size * pp_size
+    pad = -n % step
+    idx = torch.cat([torch.arange(n), torch.zeros(pad, dtype=torch.int64)])
+    group = probes.group.clone()
+    group = torch.cat([group, torch.full((pad, group.shape[1]), -1, dtype=torch.int64)])
+    out = []
+    for m in range((n + pad) // (micro_batch_size * dp_size)):
+        start = (m * dp_size + dp_rank) * micro_batch_size
+        rows = range(start, start + micro_batch_size)
+        samples = [{"tokens": probes.tokens[idx[i]], "labels": probes.labels[idx[i]],
+                    "loss_mask": torch.ones(probes.tokens.shape[1])} for i in rows]
+        mb = collate(samples, eod_id, device, True, cp_size, cp_rank)
+        g = split_for_context_parallel(group[start:start + micro_batch_size], 1, cp_size,
+                                       cp_rank)
+        out.append((mb, g.to(device)))
+    return out
+
+
 class Evaluator:
     """Validation-loss evaluation of the model chunks (collective: every rank calls it).
 
@@ -145,6 +216,8 @@ class Evaluator:
         self.dp = dp
         self.last_evaluated: int | None = None
         self.seconds = 0.0
+        self.probes: ProbeSet | None = None
+        self.probe_batches: list = []
         if self.interval:
             _, self.dataset = build_gpt_datasets(
                 recipe.dataset, recipe.gpt, train.seed, train.train_iters * train.global_batch_size,
@@ -155,6 +228,19 @@ class Evaluator:
                     f"is empty, but train.eval_interval = {self.interval} asks for evaluation "
                     "(expected a non-zero second weight, e.g. '98,2,0', or "
                     "train.eval_interval=null)")
+            if train.eval_probes:
+                eod = eod_token_id(recipe.dataset, recipe.gpt)
+                seq = recipe.gpt.seq_length
+                self.probes = build_probes(self.dataset, ProbeSettings.from_train(train, seq),
+                                           seq, eod)
+                vpp = recipe.model.get("virtual_pipeline_model_parallel_size")
+                self.probe_batches = probe_microbatches(
+                    self.probes, micro_batch_size=train.micro_batch_size, dp_size=dp,
+                    dp_rank=ps.get_data_parallel_rank(),
+                    cp_size=ps.get_context_parallel_world_size(),
+                    cp_rank=ps.get_context_parallel_rank(),
+                    pp_size=ps.get_pipeline_model_parallel_world_size() if vpp else 1,
+                    eod_id=eod, device=self.device)
 
     @property
     def enabled(self) -> bool:
@@ -170,8 +256,8 @@ class Evaluator:
         return self.enabled and self.last_evaluated != iteration and iteration > 0
 
     def run(self, iteration: int) -> dict[str, float]:
-        """Evaluate now; return ``val_loss``, ``val_ppl``, ``val_loss/pos_*`` and, with a copy
-        marker, ``val_loss/copy`` (all ranks)."""
+        """Evaluate now; return ``val_loss``, ``val_ppl``, ``val_loss/pos_*``, with a copy
+        marker ``val_loss/copy`` and with probes ``probe/*`` (all ranks)."""
         t0 = time.perf_counter()
         train = self.recipe.train
         source = MicrobatchSource(
@@ -205,6 +291,7 @@ class Evaluator:
                     if owner:
                         for r in reports:
                             buf += r["val"].to(buf)
+                probe_sums = self._run_probes(owner)
         finally:
             for m in self.chunks:
                 m.train()
@@ -216,9 +303,38 @@ class Evaluator:
         for name, total, count in zip([*self.names, "copy"], sums, counts, strict=True):
             if count > 0:
                 out[f"val_loss/{name}"] = total / count
+        if probe_sums is not None:
+            torch.distributed.all_reduce(probe_sums)
+            out.update(probe_metrics(probe_sums.tolist(), self.probes.names))
         self.last_evaluated = iteration
         self.seconds += time.perf_counter() - t0
         return out
+
+
+    def _run_probes(self, owner: bool) -> torch.Tensor | None:
+        """This rank's probe sums, float64 [3 * G] (zeros off the owner ranks); None: no probes.
+
+        Called inside :meth:`run` (eval mode, no_grad); collective over the model-parallel group.
+        """
+        if self.probes is None:
+            return None
+        g = len(self.probes.names)
+        sums = torch.zeros(3 * g, dtype=torch.float64, device=self.device)
+        train, seq = self.recipe.train, self.recipe.gpt.seq_length
+        shared = SharedMicrobatchIterators(iter(self.probe_batches), len(self.chunks))
+        iterators = shared.iterators()
+        reports = self.forward_backward(
+            forward_step_func=partial(_probe_forward_step, self.hooks, g,
+                                      self.recipe.gpt.vocab_size),
+            data_iterator=iterators if len(self.chunks) > 1 else iterators[0],
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=len(self.probe_batches), seq_length=seq,
+            micro_batch_size=train.micro_batch_size, decoder_seq_length=seq,
+            forward_only=True)
+        if owner:
+            for r in reports:
+                sums += r["probe"].to(sums)
+        return sums
 
 
 class StepFlops:

@@ -162,6 +162,15 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
     # Where last_saved lives: the directory resumed from until this run saves.
     last_root = (ck.load or ck.save) if resumed_from is not None else None
     phase = "n/a"
+    if train.skip_train:  # Megatron's --skip-train: one evaluation of the model as loaded
+        if evaluator.enabled:
+            last_eval = evaluator.run(state.iteration)
+            if is_rank0:
+                metrics_log.write({"iteration": state.iteration, "skip_train": True,
+                                   **last_eval})
+        progress.close()
+        return LoopResult(phase, last_saved, time.perf_counter() - t_start, evaluator.seconds,
+                          {}, last_eval)
     for m in chunks:
         m.train()
     while state.iteration < stop_at:

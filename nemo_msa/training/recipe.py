@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from nemo_msa.megatron.layer_specs import te_unavailable_reason
 from nemo_msa.support import FP8_ATTENTION_FIELDS
+from nemo_msa.training.probes import check_probe_settings
 from nemo_msa.training.recipe_fields import RecipeError, require
 from nemo_msa.training.recipe_schema import (
     SECTION_DATACLASSES,
@@ -199,6 +200,7 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "train.eval_interval": (0, False, None, False),
     "train.eval_iters": (0, False, None, False),
     "train.eval_copy_marker": (0, True, None, False),
+    "train.eval_probe_seed": (0, True, None, False),
     "train.exit_duration_in_mins": (0, False, None, False),
     "scheduler.lr_warmup_init": (0, True, None, False),
     "scheduler.lr_decay_iters": (0, False, None, False),
@@ -337,6 +339,11 @@ def _check_values(r: Recipe) -> None:
                 "train.eval_copy_marker", marker,
                 "null with model.context_parallel_size > 1 (the recall loss counts markers "
                 "along whole rows)")
+    require(not t.skip_train or t.eval_interval is not None, "train.skip_train", t.skip_train,
+            "false without evaluation (a run that skips training only evaluates: set "
+            "train.eval_interval)")
+    eod = r.dataset.eod_id if r.dataset.eod_id is not None else r.gpt.vocab_size - 1
+    check_probe_settings(r.train, r.gpt.seq_length, r.gpt.vocab_size, eod)
     optimizer = r.optimizer.get("optimizer", "adam")
     require(optimizer in ("adam", "sgd"), "optimizer.optimizer", optimizer,
             "'adam' or 'sgd' (Megatron-Core's own optimizers)")

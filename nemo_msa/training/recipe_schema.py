@@ -62,6 +62,32 @@ class TrainConfig:
     #: ``val_loss/copy``, the loss of the tokens that follow their document's second marker,
     #: which only an attention that reaches back to the first copy predicts. Null: not reported.
     eval_copy_marker: int | None = None
+    #: Retrieval probes run at every evaluation (ADR 0040, :mod:`nemo_msa.training.probes`):
+    #: ``passkey`` (a random key planted at a depth of held-out text and asked for at the end;
+    #: accuracy and loss of the key's tokens per depth bucket) and ``mqar`` (multi-query
+    #: associative recall; accuracy and loss of the values per query-pair distance bucket).
+    #: Needs ``train.eval_interval``. Empty: no probes.
+    eval_probes: list[str] = field(default_factory=list)
+    #: Passkey rows per depth bucket (5 buckets), and MQAR rows.
+    eval_probe_rows: int = 8
+    #: Seed of the probes' random draws (keys, values, depths, query order).
+    eval_probe_seed: int = 0
+    #: Tokens of the passkey key.
+    eval_probe_key_length: int = 8
+    #: Key-value pairs (and queries) per MQAR row, at most seq_length // 4 // 5 (null: 16, or
+    #: as many as fit).
+    eval_probe_mqar_pairs: int | None = None
+    #: ``[passkey marker, MQAR marker]`` token ids, removed from the held-out text of the probes
+    #: (bytes 1 and 2 by default: control characters that Python source does not hold; the same
+    #: as ``scripts/prepare_corpus.py --passkey-fraction / --mqar-fraction`` plant).
+    eval_probe_markers: list[int] = field(default_factory=lambda: [1, 2])
+    #: ``[lo, hi]``: key and value tokens are drawn from ``lo <= id < hi`` (default: the bytes of
+    #: 'A'..'Z', as prepare_corpus.py draws them).
+    eval_probe_token_range: list[int] = field(default_factory=lambda: [65, 91])
+    #: Run no training step: evaluate the loaded (or fresh) model once at its iteration and exit
+    #: (Megatron's --skip-train); with ``checkpoint.load`` and another ``model.seq_length`` it
+    #: evaluates a model at a length it was not trained at (length extrapolation, ADR 0040).
+    skip_train: bool = False
     #: Stop this run (final evaluation and checkpoint included) after the first step that ends
     #: this many minutes after the first step began (Megatron's --exit-duration-in-mins).
     exit_duration_in_mins: float | None = None

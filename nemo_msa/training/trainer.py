@@ -159,6 +159,8 @@ def _summary(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, dp: int, st
         summary["final recall"] = hist[-1]["recall"]
     summary.update(result.flops_summary or {})
     for key, value in (result.last_eval or {}).items():
+        if key.startswith("probe/") and key.count("/") > 1:
+            continue  # per-bucket probe values: metrics.jsonl; the summary keeps the overall ones
         summary[key.replace("val_loss/", "val loss ").replace("_", " ")] = value
     if ck.save:
         last = result.last_saved

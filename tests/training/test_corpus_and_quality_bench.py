@@ -154,3 +154,145 @@ def test_copy_loss_covers_exactly_the_tokens_after_the_second_marker():
     want = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1],
                          [0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     assert torch.equal(got, want)
+
+
+def test_passkey_and_mqar_documents_plant_what_the_probes_ask(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from nemo_msa.training.probes import MQAR_KEY_TOKENS, MQAR_VALUE_TOKENS
+    from nemo_msa.training.recipe_schema import TrainConfig
+
+    prep = _script("prepare_corpus")
+    # The corpus plants what the evaluation's default probe keys ask for.
+    defaults = TrainConfig()
+    assert defaults.eval_probe_markers == [prep.PASSKEY_MARKER, prep.MQAR_MARKER]
+    assert tuple(defaults.eval_probe_token_range) == prep.KEY_RANGE
+    assert (prep.MQAR_KEY_BYTES, prep.MQAR_VALUE_BYTES) == (MQAR_KEY_TOKENS, MQAR_VALUE_TOKENS)
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = {f"m{i}.py": f"# m\u00f6dule {i}\n" + "".join(f"v{j} = {i * j}\n"
+                                                        for j in range(30 + i))
+             for i in range(30)}
+    for name, text in texts.items():
+        (src / name).write_text(text)
+    (src / "soh.py").write_bytes(b"x = '\x01'\n")  # holds the passkey marker: dropped
+    assert prep.main(["--source", str(src), "--out", str(tmp_path / "out"),
+                      "--passkey-fraction", "0.4", "--mqar-fraction", "0.4",
+                      "--passkey-length", "6", "--mqar-pairs", "3"]) == 0
+    ds = IndexedDataset(str(tmp_path / "out" / prep.PREFIX_NAME))
+    docs = [bytes(ds[i][:-1].astype(np.uint8)) for i in range(len(ds))]
+    assert len(docs) == len(texts)
+    kinds = {n: prep.retrieval_kind(f"0:{n}", 0.4, 0.4) for n in texts}
+    assert {"passkey", "mqar", None} == set(kinds.values())  # a real mix at these shares
+    for name, text in texts.items():
+        data = text.encode()
+        kind = kinds[name]
+        if kind is None:
+            assert data in docs
+            continue
+        doc = next(d for d in docs if _unplant(d) == data)
+        if kind == "passkey":
+            needle = doc[-7:]
+            assert needle[0] == 1 and all(65 <= b < 91 for b in needle[1:])
+            first = doc.index(needle)
+            assert first < len(doc) - 7 and doc.count(b"\x01") == 2
+            assert doc[:first] + doc[first + 7:-7] == data
+            assert (doc[:first] + doc[first + 7:]).decode("utf-8")  # planted at a char start
+        else:
+            starts = [i for i, b in enumerate(doc) if b == 2]
+            items = [doc[i:i + 5] for i in starts]
+            assert len(items) == 6 and len({it[1:3] for it in items}) == 3  # distinct keys
+            pairs, queries = items[:3], items[3:]
+            assert sorted(pairs) == sorted(queries)  # every pair asked once, after all pairs
+            # Pairs in the text's first three quarters, queries in its last (in the text's
+            # coordinates; each earlier insertion shifts a position by 5 bytes).
+            cut = 3 * len(data) // 4
+            assert max(starts[:3]) < cut + 10 and min(starts[3:]) >= cut + 15
+    # The same call on another machine builds the same corpus (hash-seeded draws).
+    assert prep.main(["--source", str(src), "--out", str(tmp_path / "again"),
+                      "--passkey-fraction", "0.4", "--mqar-fraction", "0.4",
+                      "--passkey-length", "6", "--mqar-pairs", "3"]) == 0
+    again = IndexedDataset(str(tmp_path / "again" / prep.PREFIX_NAME))
+    assert [bytes(again[i][:-1].astype(np.uint8)) for i in range(len(again))] == docs
+    assert prep.main(["--source", str(src), "--out", str(tmp_path / "x"),
+                      "--passkey-fraction", "0.7", "--mqar-fraction", "0.4"]) == 2
+
+
+def _unplant(doc: bytes) -> bytes:
+    """A planted document without its passkey needles or MQAR items (marker + 5 or 4 bytes)."""
+    out, i = bytearray(), 0
+    passkey_len = 6
+    while i < len(doc):
+        if doc[i] == 1:
+            i += 1 + passkey_len
+        elif doc[i] == 2:
+            i += 5
+        else:
+            out.append(doc[i])
+            i += 1
+    return bytes(out)
+
+
+def test_probe_gaps_judge_msa_against_dense_at_every_passkey_depth():
+    bench = _script("quality_bench")
+    msa = {"probe/passkey_acc/depth_25": 0.90, "probe/passkey_acc/depth_75": 0.97,
+           "probe/mqar_acc/dist_0-25": 0.10, "probe/passkey_loss/depth_25": 1.0}
+    dense = {"probe/passkey_acc/depth_25": 0.94, "probe/passkey_acc/depth_75": 0.95,
+             "probe/mqar_acc/dist_0-25": 0.50}
+    got = bench.probe_gaps({"msa": msa, "dense": dense, "control": {}})
+    assert got["probe_msa_minus_dense_points"] == pytest.approx(
+        {"probe/passkey_acc/depth_25": -4.0, "probe/passkey_acc/depth_75": 2.0,
+         "probe/mqar_acc/dist_0-25": -40.0})
+    assert got["msa_within_5_points"]  # the MQAR gap is reported, the verdict is per depth
+    msa["probe/passkey_acc/depth_25"] = 0.88
+    assert not bench.probe_gaps({"msa": msa, "dense": dense})["msa_within_5_points"]
+    assert bench.probe_gaps({"msa": msa}) == {}
+
+
+def test_quality_bench_runs_equal_steps_resumes_arms_and_evaluates_longer_rows(
+        corpus, tmp_path, monkeypatch):
+    bench = _script("quality_bench")
+    args = ["--tiny", "--corpus", str(corpus), "--out", str(tmp_path), "--arms", "msa,dense",
+            "--steps", "4", "--probes", "passkey,mqar", "--extrapolate-to", "512",
+            "--final-probe-rows", "2", "--time-budget-s", "300"]
+    # First call: each arm stops at step 2 (as the time guard would stop it).
+    first = bench.main([*args, "train.exit_interval=2"])
+    for arm in ("msa", "dense"):
+        run = first["lengths"]["256"]["runs"][arm]
+        assert run["steps"] == 2 and run["stopped_early"] and run["target_steps"] == 4
+        assert bench.finished_steps(tmp_path / "seq256" / arm) == 2
+    assert "256_at_512" not in first["lengths"]  # not trained to the end: not extrapolated
+    assert "msa stopped at step 2 of 4" in (tmp_path / "quality.md").read_text()
+    before = {arm: bench.read_metrics(tmp_path / "seq256" / arm / "metrics.jsonl")
+              for arm in ("msa", "dense")}
+    # Second call: the arms continue from their checkpoints to step 4, then the 512 rows.
+    second = bench.main(args)
+    block = second["lengths"]["256"]
+    for arm in ("msa", "dense"):
+        rows = bench.read_metrics(tmp_path / "seq256" / arm / "metrics.jsonl")
+        assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+        assert rows[:2] == before[arm]  # steps 1-2 were not run again
+        run = block["runs"][arm]
+        assert run["steps"] == 4 and not run["stopped_early"]
+        assert [c[0] for c in run["val_curve"]] == [2, 4]
+        assert 0.0 <= run["probes"]["probe/passkey_acc/depth_50"] <= 1.0
+        longer = second["lengths"]["256_at_512"]["runs"][arm]
+        assert longer["steps"] == 4 and math.isfinite(longer["final_val_loss"])
+        # The 512-token rows' buckets (this corpus's documents are ~100 tokens long).
+        assert {"pos_0-32", "pos_32-128"} <= set(longer["buckets"]) <= {
+            "pos_0-32", "pos_32-128", "pos_128-512"}
+        assert "probe/mqar_acc" in longer["probes"]
+        # One skip_train evaluation of the checkpoint of step 4, no training step.
+        longer_rows = bench.read_metrics(tmp_path / "seq256_at512" / arm / "metrics.jsonl")
+        assert longer_rows[-1]["skip_train"] and longer_rows[-1]["iteration"] == 4
+    cmp_ = block["comparison"]
+    assert cmp_["equal_step"] == 4 and "msa_within_5_points" in cmp_
+    assert set(cmp_["arms"]["msa"]["probes_at_equal_step"]) == set(block["runs"]["msa"]["probes"])
+    text = (tmp_path / "quality.md").read_text()
+    assert "Retrieval probes" in text and "trained at 256 tokens, evaluated at 512" in text
+    # Third call: everything is done; nothing trains or evaluates again.
+    monkeypatch.setattr(bench, "run_arm", lambda *a: pytest.fail("ran an arm again"))
+    third = bench.main(args)
+    assert third["lengths"]["256"]["runs"]["msa"]["steps"] == 4
+    assert third["lengths"]["256_at_512"]["runs"]["dense"]["final_val_loss"] == \
+        second["lengths"]["256_at_512"]["runs"]["dense"]["final_val_loss"]
