@@ -135,7 +135,7 @@ def padded_length(length: int) -> int:
     ``max(64, 2**floor(log2(length)) / 8)``, so at most 8 lengths per doubling.
 
     Why: cuDNN plans one graph per shape, and a new shape costs about 120 ms on the H200 (torch
-    2.11; bench_dense_sdpa.py, ADR 0012), more than the attention of a document of 16k tokens.
+    2.11; ADR 0012), more than the attention of a document of 16k tokens.
     Packed batches bring new document lengths every step; rounded up to a few lengths, every
     shape is planned once per process. Causal attention is unchanged by keys appended after a
     document's last query, so the padded tail only costs its compute: at most (1 + 1/8)^2 - 1 =

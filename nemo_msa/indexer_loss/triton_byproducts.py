@@ -43,7 +43,7 @@ __all__ = ["BlockPlan", "block_plan", "block_scores_triton", "byproduct_grads_tr
 _BT = 32
 # Slots per program of the block-major passes (at most: a block's slots split into chunks), and
 # per step of one (the rows of its MMAs; 32 keeps the [32, block] score tile and the [block, d]
-# accumulator of 8 warps free of spills, scripts/kernel_report.py).
+# accumulator of 8 warps free of spills, benchmarks/kernel_report.py).
 _CHUNK = 8192
 # The chunk shrinks (by powers of two, to _MIN_CHUNK) until the slots make about _PROGRAMS
 # chunks, four per SM of an H100/H200 (132). A chunk's program runs its steps in series, and a

@@ -1,4 +1,4 @@
-"""Independent references for the MSA kernels, shared by the tests and scripts/bench_msa.py.
+"""Independent references for the MSA kernels, shared by the tests and benchmarks/bench_msa.py.
 
 Written from MSA_SPEC.md, not from the package's kernels or reference backend:
 

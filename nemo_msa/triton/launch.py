@@ -7,7 +7,7 @@ when it is None the launcher uses :func:`current_launch`, which is the defaults 
 :func:`launch_overrides` block is active. The defaults are the H200 (d = 128, block 128)
 schedule of ADR 0003; smaller head dims use a whole block per key tile whatever they say.
 
-Tests and ``scripts/bench_msa.py --set KERNEL.KEY=VALUE`` change parameters only through
+Tests and ``benchmarks/bench_msa.py --set KERNEL.KEY=VALUE`` change parameters only through
 :func:`launch_overrides`, which validates every key and value and restores the previous
 parameters when the block ends.
 """

@@ -1,4 +1,4 @@
-"""Runs scripts/device_validation.sh's stages on the CPU for the tests of its stages."""
+"""Runs benchmarks/device_validation.sh's stages on the CPU for the tests of its stages."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_stages(out: Path, **settings: str) -> subprocess.CompletedProcess:
-    """scripts/device_validation.sh with ``OUT=out`` and ``settings`` (STAGES and the stages'
+    """benchmarks/device_validation.sh with ``OUT=out`` and ``settings`` (STAGES and the stages'
     variables) in its environment; its ``python3`` is the interpreter running the tests, which
     has the package. Fails the calling test where the script exits non-zero."""
     env = {
@@ -20,7 +20,7 @@ def run_stages(out: Path, **settings: str) -> subprocess.CompletedProcess:
         "OUT": str(out),
         **settings,
     }
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "device_validation.sh")], cwd=ROOT,
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "device_validation.sh")], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

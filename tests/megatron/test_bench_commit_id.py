@@ -1,4 +1,4 @@
-"""scripts/layer_bench/report.py's commit_id, which every benchmark JSON records: the caller's
+"""benchmarks/layer_bench/report.py's commit_id, which every benchmark JSON records: the caller's
 NEMO_MSA_COMMIT first, else the checkout's HEAD, marked ``-dirty`` where tracked files differ
 from it (a device copy whose git metadata is older than its files once recorded a commit it was
 not running)."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from layer_bench.report import commit_id  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""scripts/bench_layer.py end to end on the CPU (--tiny, gloo, the CPU shim): every case and
+"""benchmarks/bench_layer.py end to end on the CPU (--tiny, gloo, the CPU shim): every case and
 attention row is measured and lands in the JSON with positive finite numbers, in a subprocess
 (the script owns its process group)."""
 
@@ -16,7 +16,7 @@ CASES = ("dense", "msa_loss_off", "msa_sparse_loss", "msa_dense_loss", "msa_warm
 
 
 def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_layer.py"), "--tiny", "--cpu",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_layer.py"), "--tiny", "--cpu",
            "--steps", "1", "--warmup", "1", "--json", str(tmp_path / "layer.json"), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=tmp_path,
                           env={**os.environ, "NEMO_MSA_COMMIT": "test-commit"})
@@ -100,7 +100,7 @@ def test_packed_rows_and_two_layers(tmp_path):
 
 
 def test_packed_lengths_fill_the_row_with_the_stated_distribution():
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
     from layer_bench.steps import packed_lengths
 

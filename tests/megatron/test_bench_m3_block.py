@@ -1,4 +1,4 @@
-"""scripts/bench_layer.py --m3-block on the CPU (--tiny): the real M3 block (one MoE layer with
+"""benchmarks/bench_layer.py --m3-block on the CPU (--tiny): the real M3 block (one MoE layer with
 SwiGLU-OAI and Gemma norms) is timed for dense attention and MSA, and the JSON says which block."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     # on the CPU (about 15 s alone, twice that with both cores busy), past bench_layer.py's
     # default --max-step-s of 30 s, which would report the dense row too_slow: these tests check
     # the rows, not the speed.
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_layer.py"), "--tiny", "--cpu",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_layer.py"), "--tiny", "--cpu",
            "--m3-block", "--steps", "1", "--warmup", "1", "--max-step-s", "600",
            "--json", str(tmp_path / "m3.json"), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=tmp_path,
@@ -39,7 +39,7 @@ def test_m3_block_rows_dense_vs_msa(tmp_path):
 
 
 def test_experts_needs_the_block_and_enough_experts(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_layer.py"), "--tiny",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_layer.py"), "--tiny",
                            "--cpu", "--experts", "8"], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     assert proc.returncode != 0 and "--experts needs --m3-block" in proc.stderr

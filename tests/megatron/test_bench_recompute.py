@@ -1,4 +1,4 @@
-"""scripts/bench_recompute.py end to end on the CPU (--tiny, gloo, the CPU shim), in a subprocess
+"""benchmarks/bench_recompute.py end to end on the CPU (--tiny, gloo, the CPU shim), in a subprocess
 (the script owns its process group): every mode gives the reference's loss and gradients bit for
 bit and scores once per layer."""
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_recompute.py"), "--tiny", "--layers",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_recompute.py"), "--tiny", "--layers",
            "2", "--steps", "1", "--json", str(tmp_path / "recompute.json"), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

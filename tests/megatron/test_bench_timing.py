@@ -1,4 +1,4 @@
-"""scripts/layer_bench/timing.py's too-slow check: the first warm-up step, which compiles the
+"""benchmarks/layer_bench/timing.py's too-slow check: the first warm-up step, which compiles the
 row's kernels, decides only where it is the only one; a later slow warm-up step stops the row."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from argparse import Namespace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from layer_bench.timing import run_timed  # noqa: E402
 

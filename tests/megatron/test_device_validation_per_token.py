@@ -1,7 +1,7 @@
-"""scripts/device_validation.sh's "per_token" stage: it runs scripts/per_token_variants.py with
-PER_TOKEN_ARGS into $OUT/per_token.log (and .json) and records the exit status. On the CPU the
-script refuses (it times GPU kernels) and says why; on a GPU it writes a row whose key-split
-kernels agree with the production ones."""
+"""benchmarks/device_validation.sh's "per_token" stage: it runs
+benchmarks/per_token_variants.py with PER_TOKEN_ARGS into $OUT/per_token.log (and .json) and
+records the exit status. On the CPU the script refuses (it times GPU kernels) and says why; on a
+GPU it writes a row whose key-split kernels agree with the production ones."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_per_token_stage_runs_the_script_and_records_its_status(tmp_path):
     run_stages(out, STAGES="per_token", PER_TOKEN_ARGS="--tokens 256 --reps 1",
                PER_TOKEN_S="300")
     log = (out / "per_token.log").read_text()
-    assert log.startswith("== per_token: scripts/per_token_variants.py --tokens 256 --reps 1\n")
+    assert log.startswith("== per_token: benchmarks/per_token_variants.py --tokens 256 --reps 1\n")
     if not torch.cuda.is_available():
         assert "per_token_variants.py needs a CUDA GPU" in log, log
         assert log.rstrip().endswith("rc 1"), log

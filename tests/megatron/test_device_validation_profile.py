@@ -1,4 +1,4 @@
-"""scripts/device_validation.sh's "profile" stage on the CPU (bench_layer.py --tiny --cpu): dense
+"""benchmarks/device_validation.sh's "profile" stage on the CPU (bench_layer.py --tiny --cpu): dense
 and MSA rows are profiled with their traces in one process, every MSA trace is attributed
 minus the dense trace of its row, and the short rows' traces come back gzipped."""
 

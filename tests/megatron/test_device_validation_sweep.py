@@ -1,4 +1,4 @@
-"""scripts/device_validation.sh's "sweep" stage on the CPU (bench_layer.py --tiny --cpu): the
+"""benchmarks/device_validation.sh's "sweep" stage on the CPU (bench_layer.py --tiny --cpu): the
 launch variants run in turn, each round in its own process, dense only in the first (or the
 cases SWEEP_CASES names in every process), and every process's rows land in one JSON keyed by
 round and variant."""
@@ -55,8 +55,8 @@ print("|   64 | stub row")
 def _stub_tree(tmp_path):
     """A base tree (commit abc1234) whose bench_layer.py only records how it was called."""
     base = tmp_path / "base"
-    (base / "scripts").mkdir(parents=True)
-    (base / "scripts" / "bench_layer.py").write_text(_STUB_BENCH)
+    (base / "benchmarks").mkdir(parents=True)
+    (base / "benchmarks" / "bench_layer.py").write_text(_STUB_BENCH)
     (base / ".commit").write_text("abc1234\n")
     return base
 

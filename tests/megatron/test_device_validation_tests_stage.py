@@ -1,4 +1,4 @@
-"""scripts/device_validation.sh's "tests" stage on the CPU: each of its two pytest calls runs
+"""benchmarks/device_validation.sh's "tests" stage on the CPU: each of its two pytest calls runs
 under its own bound, and the log and the call's output give each one's exit status (a partial
 run's counts read like a finished run's without it); a call the bound stops still prints its
 counts, and the output names the last test it finished."""

@@ -1,5 +1,5 @@
 """The kernels one training step of a small MiniMax-M3-shaped layer launches (issue #28 item 3),
-counted on the CPU by scripts/count_layer_ops.py (aten ops that launch a kernel on the GPU plus
+counted on the CPU by benchmarks/count_layer_ops.py (aten ops that launch a kernel on the GPU plus
 Triton launches, the Triton backend under the interpreter in bf16; one row of 128 tokens, one
 document, 8 query heads per KV head, blocks of 16, top-4), in a subprocess (the script owns its
 process group).
@@ -47,7 +47,7 @@ MSA_EXTRA_BOUND = 46
 
 def test_msa_layer_step_launches_at_most_the_bound(tmp_path):
     out = tmp_path / "counts.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "count_layer_ops.py"), "--tokens", "128",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "count_layer_ops.py"), "--tokens", "128",
            "--cases", "dense,msa_sparse_loss", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=tmp_path,
                           env={**os.environ, "TRITON_INTERPRET": "1"})

@@ -1,4 +1,4 @@
-"""scripts/layer_bench/trace_attribution.py on synthetic Chrome traces: kernels land on the host
+"""benchmarks/layer_bench/trace_attribution.py on synthetic Chrome traces: kernels land on the host
 op (or backward node) that launched them, the GPU's idle gaps on the kernel that ends each, and
 ``--against`` subtracts the dense step's trace."""
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from layer_bench.trace_attribution import (  # noqa: E402
     attribute,
@@ -100,7 +100,7 @@ def test_cli_prints_the_difference(tmp_path):
     (tmp_path / "dense.json").write_text(json.dumps(DENSE))
     (tmp_path / "msa.json").write_text(json.dumps(MSA))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "layer_bench" / "trace_attribution.py"),
+        [sys.executable, str(ROOT / "benchmarks" / "layer_bench" / "trace_attribution.py"),
          str(tmp_path / "msa.json"), "--against", str(tmp_path / "dense.json")],
         capture_output=True, text=True, timeout=60,
     )

@@ -1,6 +1,6 @@
 """Shared helpers of the Triton kernel tests: layouts of packed rows and random selections.
 
-The float64 references are nemo_msa.testing.oracle's (shared with scripts/bench_msa.py).
+The float64 references are nemo_msa.testing.oracle's (shared with benchmarks/bench_msa.py).
 """
 
 from __future__ import annotations

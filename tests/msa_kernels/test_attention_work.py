@@ -1,4 +1,4 @@
-"""scripts/attention_work.py (issue #28's attention work and its floor at the GPU's peak)
+"""benchmarks/attention_work.py (issue #28's attention work and its floor at the GPU's peak)
 against brute force, and end to end."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from attention_work import document_pairs, row_work  # noqa: E402
 from layer_bench.rows import parse_rows  # noqa: E402
@@ -65,7 +65,7 @@ def test_rows_are_bench_layers():
 
 def test_script_end_to_end(tmp_path):
     out = tmp_path / "work.json"
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "attention_work.py"),
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_work.py"),
                           "--tokens", "8192,32768:4096", "--tflops", "500", "--json", str(out)],
                          capture_output=True, text=True, check=True, cwd=ROOT)
     assert "| 8192 | - | 1.0 |" in run.stdout

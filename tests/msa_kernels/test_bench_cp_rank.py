@@ -1,4 +1,4 @@
-"""scripts/bench_cp_rank.py end to end on the CPU (--tiny, Triton interpreter): the single-GPU
+"""benchmarks/bench_cp_rank.py end to end on the CPU (--tiny, Triton interpreter): the single-GPU
 row and one CP pair's most- and least-loaded ranks are measured and land in the JSON with
 cp_size / cp_rank, positive finite times and the per-pair summary; a spent time budget skips
 rows; bad pairs fail before anything runs. In a subprocess (the script decides interpretation
@@ -21,7 +21,7 @@ ON_GPU = torch.cuda.is_available()
 
 
 def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_cp_rank.py"), "--tiny",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_cp_rank.py"), "--tiny",
            *([] if ON_GPU else ["--cpu"]),
            "--steps", "1", "--warmup", "1", "--json", str(tmp_path / "cp.json"), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=tmp_path,

@@ -1,4 +1,4 @@
-"""scripts/bench_msa.py's ``--set KERNEL.KEY=VALUE`` overrides: the hook every launch variant
+"""benchmarks/bench_msa.py's ``--set KERNEL.KEY=VALUE`` overrides: the hook every launch variant
 of the device benchmarks goes through, so a typo must fail before any GPU time is spent."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_msa", ROOT / "scripts" / "bench_msa.py")
+    spec = importlib.util.spec_from_file_location("bench_msa", ROOT / "benchmarks" / "bench_msa.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

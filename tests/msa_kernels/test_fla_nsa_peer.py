@@ -1,4 +1,5 @@
-"""scripts/bench_fla_nsa_peer.py and scripts/msa_bench/fla_nsa_peer.py: our q2k and documents as
+"""benchmarks/bench_fla_nsa_peer.py and benchmarks/msa_bench/fla_nsa_peer.py:
+our q2k and documents as
 fla-core's NSA block_indices and cu_seqlens, the float64 oracle of fla's rules, the checks of the
 peer's call, the table; fla-core's kernels themselves (the Triton interpreter on the CPU, compiled
 on a GPU) against our reference on packed documents; the benchmark's case logic with a stand-in
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from msa_bench import fla_nsa_peer as peer  # noqa: E402
 from msa_bench.cases import make_case  # noqa: E402
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 def _cli():
     spec = importlib.util.spec_from_file_location(
-        "bench_fla_nsa_peer", ROOT / "scripts" / "bench_fla_nsa_peer.py")
+        "bench_fla_nsa_peer", ROOT / "benchmarks" / "bench_fla_nsa_peer.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

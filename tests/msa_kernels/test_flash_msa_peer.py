@@ -1,4 +1,5 @@
-"""scripts/bench_flash_msa_peer.py and scripts/msa_bench/flash_msa_peer.py: the layout and top-k
+"""benchmarks/bench_flash_msa_peer.py and benchmarks/msa_bench/flash_msa_peer.py:
+the layout and top-k
 conversions to poolside's flash-msa, the float64 reference of its token-level KL gradient, the
 clear exit where it cannot be imported, the table/JSON writer; on a GPU with flash-msa, one small
 run of the peer beside ours."""
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from msa_bench import flash_msa_peer as peer  # noqa: E402
 from msa_bench.cases import make_case  # noqa: E402
@@ -28,7 +29,7 @@ from nemo_msa.testing.oracle import rel_err, select_rows_f64  # noqa: E402
 
 def _cli():
     spec = importlib.util.spec_from_file_location(
-        "bench_flash_msa_peer", ROOT / "scripts" / "bench_flash_msa_peer.py")
+        "bench_flash_msa_peer", ROOT / "benchmarks" / "bench_flash_msa_peer.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

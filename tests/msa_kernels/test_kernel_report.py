@@ -1,4 +1,4 @@
-"""scripts/kernel_report.py compiles the hot kernels for sm_90a without a GPU and reads their
+"""benchmarks/kernel_report.py compiles the hot kernels for sm_90a without a GPU and reads their
 registers, spills and MMA loops from ptxas and the disassembly."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kernel_report.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_report.py"
 
 
 def _run(*args):
@@ -81,7 +81,7 @@ def test_kernel_report_shows_the_per_token_kernels_hmma_loops():
 
 
 def test_kernel_report_compiles_the_key_split_variants_with_fewer_barriers():
-    """The key-split per-token kernels of scripts/per_token_variants.py (ADR 0035) compile with
+    """The key-split per-token kernels of benchmarks/per_token_variants.py (ADR 0035) compile with
     one key group per warp: their slot loops hold the MMAs of that group and fewer barriers
     than the production per-token kernels' (no exchange of P or dS between warps per block)."""
     pattern = r"loop at 0x[0-9a-f]+: \d+ instructions, (\d+) BAR.SYNC, (\d+) HMMA"

@@ -1,4 +1,4 @@
-"""scripts/per_token_variants.py's kernels (ADR 0035): the key-split per-token forward and dq
+"""benchmarks/per_token_variants.py's kernels (ADR 0035): the key-split per-token forward and dq
 against float64 attention on the same selection, and the gather kernel's fold against the
 blocks it reads. Under the interpreter the split kernels take fp32 operands (its bf16 dot is
 not the GPU's), compiled on a GPU the production bf16 ones; the timing itself needs the GPU."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import per_token_variants as ptv  # noqa: E402
 from _msa_support import KERNEL_DEVICE, on_kernel_device  # noqa: E402

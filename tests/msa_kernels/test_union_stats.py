@@ -1,10 +1,9 @@
-"""scripts/msa_bench/unions.py (the hybrid schedule's split of a selection, ADR 0031) against
-brute force on random selections with padding and packed documents, and scripts/union_stats.py
-end to end."""
+"""benchmarks/msa_bench/unions.py (the hybrid schedule's split of a selection, ADR 0031; read by
+benchmarks/indexer_regime.py and the layer bench) against brute force on random selections with
+padding and packed documents."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from msa_bench.unions import hybrid_work, tile_union_sizes  # noqa: E402
 
@@ -63,24 +62,3 @@ def test_bad_arguments():
         tile_union_sizes(q2k, torch.zeros(4), torch.arange(4), 0)
     with pytest.raises(ValueError, match=r"expected \[4\] like q2k's tokens"):
         tile_union_sizes(q2k, torch.zeros(3), torch.arange(4), 2)
-
-
-def test_script_random_and_coherent_selections():
-    # Random index vectors make wide unions; coherent ones (shared per block) nearly the
-    # tokens' own blocks. 4096 tokens: 32 blocks, so past the first 2048 tokens 16 of up to 32.
-    def table(*extra):
-        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "union_stats.py"),
-                               "--tokens", "4096", "--qt", "8", "--caps", "64", *extra],
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        row = [line for line in proc.stdout.splitlines() if line.startswith("| 8 |")]
-        assert len(row) == 1, proc.stdout
-        cells = row[0].split("|")
-        assert cells[4].strip() == "100%"  # no union exceeds 32 blocks < the cap 64
-        return float(cells[6].strip().rstrip("x"))  # union work / exact work
-
-    random_inflation, coherent_inflation = table(), table("--coherent")
-    assert 1.0 <= coherent_inflation < 1.15 < 1.25 < random_inflation
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "union_stats.py"),
-                           "--tokens", "1000"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "expected a positive multiple of 128" in proc.stderr

@@ -1,4 +1,4 @@
-"""scripts/indexer_regime.py: tile-union statistics of a trained MSA model's own selections."""
+"""benchmarks/indexer_regime.py: tile-union statistics of a trained MSA model's own selections."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

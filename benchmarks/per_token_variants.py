@@ -23,7 +23,7 @@ error; the same function, another summation order).
 
 Usage::
 
-    python scripts/per_token_variants.py --tokens 32768,131072 [--reps 5]
+    python benchmarks/per_token_variants.py --tokens 32768,131072 [--reps 5]
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ bench's format plus ``cp_size`` / ``cp_rank``.
 
 Usage (H200)::
 
-    python scripts/bench_cp_rank.py --json $OUT/cp_rank.json --time-budget-s 420
-    python scripts/bench_cp_rank.py --tiny --cp 128:2,256:4 --baseline 64 --json /tmp/cp.json
+    python benchmarks/bench_cp_rank.py --json $OUT/cp_rank.json --time-budget-s 420
+    python benchmarks/bench_cp_rank.py --tiny --cp 128:2,256:4 --baseline 64 --json /tmp/cp.json
 
 On a machine without CUDA (or with ``--cpu``) the kernels run under the Triton interpreter, so
 only ``--tiny`` sizes are practical.

@@ -20,11 +20,11 @@ For each case (single documents of 8192..131072 tokens, a packed batch of mixed 
 
 Usage (on the GPU)::
 
-    python scripts/bench_msa.py [--sizes 8192,32768,65536,131072] [--packed 32768] [--sweep]
+    python benchmarks/bench_msa.py [--sizes 8192,32768,65536,131072] [--packed 32768] [--sweep]
         [--set KERNEL.KEY=VALUE ...]
 
 It needs a CUDA GPU; the CPU checks of the same kernels are tests/msa_kernels (interpreter).
-The parts: scripts/msa_bench (cases, timing, sweep, report); the float64 oracles:
+The parts: benchmarks/msa_bench (cases, timing, sweep, report); the float64 oracles:
 nemo_msa.testing.oracle.
 """
 

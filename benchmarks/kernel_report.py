@@ -11,11 +11,11 @@ size in instructions, its program-wide barriers (BAR.SYNC) and its local-memory 
 
 This screens variants before device time is spent (ADR 0003): a variant that spills in
 its hot loop, or needs more registers or shared memory than two programs per SM allow, can be
-dropped here. Timing still needs the GPU (scripts/bench_msa.py).
+dropped here. Timing still needs the GPU (benchmarks/bench_msa.py).
 
 Usage::
 
-    python scripts/kernel_report.py \
+    python benchmarks/kernel_report.py \
         [--kernel sel|fwd_union|dq_union|fwd_token|dq_token|union_build|loss_scores|loss_dk|
                   fwd_split|dq_split|all] \
         [--set KERNEL.KEY=VALUE ...] [--emit] [--guarded]
@@ -191,7 +191,7 @@ def _dq_token(cfg, emit, guarded):
 
 
 def _key_split(fn_name, warps, stages, pointers, floats, extra):
-    """The key-split per-token kernels of scripts/per_token_variants.py (ADR 0035): as many key
+    """The key-split per-token kernels of benchmarks/per_token_variants.py (ADR 0035): as many key
     groups as warps, from the per-token kernels' ``warps`` and ``stages`` launch fields."""
     import per_token_variants as ptv
 

@@ -3,7 +3,7 @@
 
 The GPU step of an MSA layer is longer than the dense layer's partly by its count of small
 kernels (issue #28: 652 against 357 at 8192 tokens on the H200, each a launch the host pays and
-the GPU may idle for). This tool runs one forward + backward of ``scripts/bench_layer.py``'s
+the GPU may idle for). This tool runs one forward + backward of ``benchmarks/bench_layer.py``'s
 model at a small M3-like shape (8 query heads per KV head, index heads of the KV heads, 16
 candidate blocks per document and top-4, so a quarter of a document's queries select every
 candidate block, as at 8192 tokens with M3's top-16 of 128) under :class:`nemo_msa.testing.op_count.
@@ -19,8 +19,8 @@ CPU count cannot show: torch ops that are one fused kernel on CUDA but decompose
 
 Usage::
 
-    TRITON_INTERPRET=1 python scripts/count_layer_ops.py [--tokens 256] [--doc-mean 0]
-    python scripts/count_layer_ops.py --backend reference --json counts.json
+    TRITON_INTERPRET=1 python benchmarks/count_layer_ops.py [--tokens 256] [--doc-mean 0]
+    python benchmarks/count_layer_ops.py --backend reference --json counts.json
 """
 
 from __future__ import annotations

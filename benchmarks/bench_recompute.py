@@ -2,7 +2,7 @@
 """Peak memory and step time of MSA layers with and without full activation recompute (ADR 0028).
 
 The model is a Megatron-Core ``GPTModel`` of ``--layers`` MSA layers at MiniMax-M3's attention
-and dense-FFN width (the shape of ``scripts/bench_layer.py``: hidden 6144, SwiGLU FFN 16384,
+and dense-FFN width (the shape of ``benchmarks/bench_layer.py``: hidden 6144, SwiGLU FFN 16384,
 64 query / 4 KV heads of 128, index heads 4 x 128, blocks of 128, top-16; bf16 under
 ``Float16Module``, Triton backend on the GPU), one document per row of ``--tokens`` tokens. For
 each size the SAME model and the same inputs run a training step (forward + backward of the mean
@@ -24,8 +24,8 @@ size (``reference``), ``bitwise`` (loss and every gradient bit-identical) and ``
 
 Usage::
 
-    python scripts/bench_recompute.py --tokens 16384,65536 --layers 4 --json recompute.json
-    python scripts/bench_recompute.py --tiny    # CPU, gloo, seconds
+    python benchmarks/bench_recompute.py --tokens 16384,65536 --layers 4 --json recompute.json
+    python benchmarks/bench_recompute.py --tiny    # CPU, gloo, seconds
 """
 
 from __future__ import annotations

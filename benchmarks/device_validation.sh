@@ -16,12 +16,12 @@
 # the log gives each pytest call's exit status, 124 where its bound stopped it, and the bound
 # interrupts pytest, which still prints its counts; the output names the last test the first
 # call finished); "bench" adds
-# scripts/bench_msa.py runs, one per ';'-separated argument list in BENCH_RUNS, all logged to
+# benchmarks/bench_msa.py runs, one per ';'-separated argument list in BENCH_RUNS, all logged to
 # $OUT/bench.log under "== bench <n>" headers (one file: the device tool returns only a few).
 # "rows" runs issue #28's five bench_layer.py rows (ROWS_TOKENS) twice: dense and MSA with the
 # untrained indexer's selections, and MSA with coherent, trained-like ones (--index coherent),
 # writing $OUT/rows_fresh.json and rows_coherent.json (each process bounded by ROWS_S, 270 s).
-# "layer" adds scripts/bench_layer.py (one-layer MiniMax-M3 GPTModel training step, dense vs MSA,
+# "layer" adds benchmarks/bench_layer.py (one-layer MiniMax-M3 GPTModel training step, dense vs MSA,
 # plus the dense_attention / cudnn_attention rows) with the arguments in LAYER_ARGS, writing
 # $OUT/layer.json and $OUT/layer.log and printing its table; LAYER_S bounds it (default 540 s).
 # "quality" builds the byte-level corpus from this machine's Python sources (scripts/
@@ -34,11 +34,11 @@
 # replaces the corpus options (default:
 # half the documents are long-range copy documents, "--copy-fraction 0.5 --copy-kb 2",
 # whose second copies the bench scores with --copy-marker 0).
-# "peer" runs scripts/bench_flash_msa_peer.py (poolside's flash-msa beside our MSA op and cuDNN,
+# "peer" runs benchmarks/bench_flash_msa_peer.py (poolside's flash-msa beside our MSA op and cuDNN,
 # same inputs; docs/adr/0029) within PEER_S seconds (default 520), writing $OUT/peer.log and
 # $OUT/peer.json; flash-msa and its wheels must already be installed with pip --target in
 # PEER_SITE (default /tmp/fm_site; /tmp/site is tried too); PEER_ARGS adds arguments.
-# "fla_peer" runs scripts/bench_fla_nsa_peer.py (fla-core's NSA selected-block attention beside
+# "fla_peer" runs benchmarks/bench_fla_nsa_peer.py (fla-core's NSA selected-block attention beside
 # ours on the same q2k, and cuDNN; one document and packed documents of 8192/32768/131072 tokens,
 # coherent and random selections; docs/adr/0029) within FLA_PEER_S seconds (default 540), writing
 # $OUT/fla_peer.log and $OUT/fla_peer.json; fla-core and einops come from their wheels in .whl/
@@ -46,12 +46,12 @@
 # the others above; FLA_SITE names another --target directory); FLA_PEER_ARGS adds arguments
 # (e.g. "--sizes 8192,32768 --inputs coherent").
 # "ab" times kernels before and after a change in one call: for each ';'-separated argument list
-# in AB_RUNS, scripts/bench_msa.py runs first in the tree under .base/ (carried: e.g. `git
+# in AB_RUNS, benchmarks/bench_msa.py runs first in the tree under .base/ (carried: e.g. `git
 # archive BASE_COMMIT | tar -x -C .base`), then in this tree, both logged to $OUT/ab.log under
 # "== ab <n> base|head" headers; AB_S bounds each run (default 200 s).
 # "sweep" times launch variants on whole training steps: for each ';'-separated entry of
 # SWEEP_SETS (space-separated KERNEL.KEY=VALUE settings; an empty entry is the defaults),
-# scripts/bench_layer.py runs the MSA rows SWEEP_ROWS (default 8192,32768:4096) in its own
+# benchmarks/bench_layer.py runs the MSA rows SWEEP_ROWS (default 8192,32768:4096) in its own
 # process, the variants in turn, SWEEP_ROUNDS times (default 2, so drift between processes shows
 # as the spread of a variant's rounds); the first process also runs dense. Each row goes to
 # $OUT/sweep.log under "== sweep <round> <variant>: ..." headers, every process's JSON into
@@ -64,14 +64,14 @@
 # bench_layer.py cases instead (e.g. "dense": a change to the dense layers, timed against
 # ";tree=.base"); SWEEP_ARGS="--profile --profile-top 60" adds each row's kernel times to the
 # JSON, which resolves a kernel's change that whole steps do not.
-# "per_token" runs scripts/per_token_variants.py (the per-token kernels against the gather
+# "per_token" runs benchmarks/per_token_variants.py (the per-token kernels against the gather
 # bandwidth of their access pattern, and the key-split variants; ADR 0035) with PER_TOKEN_ARGS
 # (default "--tokens 32768,131072") within PER_TOKEN_S seconds (default 240), writing
 # $OUT/per_token.log and $OUT/per_token.json.
 # "profile" runs PROFILE_ROWS (default issue #28's five rows) dense and MSA in one
-# scripts/bench_layer.py process (PROFILE_S, default 420 s) with --profile and each step's Chrome
+# benchmarks/bench_layer.py process (PROFILE_S, default 420 s) with --profile and each step's Chrome
 # trace (in PROFILE_TRACE_DIR, default /tmp/msa_profile_traces), writing $OUT/profile.log and
-# $OUT/profile.json; then scripts/layer_bench/trace_attribution.py attributes every MSA trace by
+# $OUT/profile.json; then benchmarks/layer_bench/trace_attribution.py attributes every MSA trace by
 # site, and the GPU's idle time by the kernel it waited for, each also minus the dense trace of
 # its row (what the MSA step adds), into $OUT/attribution.txt; the traces of the rows of up to
 # 32768 tokens come back gzipped in $OUT/traces_short.tgz. PROFILE_ARGS adds arguments.
@@ -97,14 +97,14 @@ table_or_tail() {
     tail -n 15 "$1"
   fi
 }
-# bench_msa_logged HEADER DIR SECONDS ALL_LOG ARGS...: one scripts/bench_msa.py run of the tree
+# bench_msa_logged HEADER DIR SECONDS ALL_LOG ARGS...: one benchmarks/bench_msa.py run of the tree
 # in DIR (on PYTHONPATH), bounded by SECONDS, its output appended to ALL_LOG under HEADER, its
 # table rows (or its end) echoed.
 bench_msa_logged() {
   local header=$1 dir=$2 seconds=$3 all=$4 log="$OUT/bench_run.log"
   shift 4
   echo "$header" | tee "$log"
-  (cd "$dir" && PYTHONPATH="/tmp/site:$PWD" timeout "$seconds" python3 scripts/bench_msa.py \
+  (cd "$dir" && PYTHONPATH="/tmp/site:$PWD" timeout "$seconds" python3 benchmarks/bench_msa.py \
     "$@") >> "$log" 2>&1
   echo "rc $?" >> "$log"
   grep -E "^\| (doc|packed)|^rc |Error" "$log" || tail -n 5 "$log"
@@ -171,10 +171,10 @@ if [[ " $STAGES " == *" te_rows "* ]]; then
 for precision in bf16 fp8; do
   fp8=()
   [[ $precision == fp8 ]] && fp8=(--fp8 "${TE_ROWS_FP8:-hybrid}")
-  echo "== te_rows ($precision): scripts/bench_layer.py --transformer-impl transformer_engine" \
+  echo "== te_rows ($precision): benchmarks/bench_layer.py --transformer-impl transformer_engine" \
     "${fp8[*]}" | tee "$OUT/te_rows_$precision.log"
   # shellcheck disable=SC2086  # TE_ROWS_ARGS is a list
-  timeout "${TE_ROWS_S:-270}" python3 scripts/bench_layer.py --transformer-impl transformer_engine \
+  timeout "${TE_ROWS_S:-270}" python3 benchmarks/bench_layer.py --transformer-impl transformer_engine \
     ${fp8[@]+"${fp8[@]}"} --tokens "${TE_ROWS_TOKENS:-8192,32768,131072,32768:4096,131072:16384}" \
     --cases dense,msa_sparse_loss --no-attention-rows --steps 3 --warmup 2 \
     --json "$OUT/te_rows_$precision.json" ${TE_ROWS_ARGS:-} >> "$OUT/te_rows_$precision.log" 2>&1
@@ -211,14 +211,14 @@ n=0
 for args in "${runs[@]}"; do
   n=$((n + 1))
   # shellcheck disable=SC2086  # the argument list is split on purpose
-  bench_msa_logged "== bench $n: scripts/bench_msa.py $args" . "${BENCH_S:-300}" \
+  bench_msa_logged "== bench $n: benchmarks/bench_msa.py $args" . "${BENCH_S:-300}" \
     "$OUT/bench.log" $args
 done
 fi
 
 if [[ " $STAGES " == *" ab "* ]]; then
-if [[ ! -f .base/scripts/bench_msa.py ]]; then
-  echo "== ab: no .base/scripts/bench_msa.py (carry .base with the base commit's tree)" \
+if [[ ! -f .base/benchmarks/bench_msa.py ]]; then
+  echo "== ab: no .base/benchmarks/bench_msa.py (carry .base with the base commit's tree)" \
     | tee "$OUT/ab.log"
 else
 IFS=';' read -ra runs <<< "${AB_RUNS:---sizes 8192,32768 --packed 32768 --no-dense}"
@@ -229,7 +229,7 @@ for args in "${runs[@]}"; do
     dir=.
     [[ $side == base ]] && dir=.base
     # shellcheck disable=SC2086  # the argument list is split on purpose
-    bench_msa_logged "== ab $n $side: scripts/bench_msa.py $args" "$dir" "${AB_S:-200}" \
+    bench_msa_logged "== ab $n $side: benchmarks/bench_msa.py $args" "$dir" "${AB_S:-200}" \
       "$OUT/ab.log" $args
   done
 done
@@ -258,7 +258,7 @@ for round in $(seq 1 "${SWEEP_ROUNDS:-2}"); do
     echo "== sweep $round $v: ${variants[$v]:-defaults}" | tee -a "$OUT/sweep.log"
     # shellcheck disable=SC2086  # SWEEP_ARGS is a list
     (cd "$tree" && NEMO_MSA_COMMIT=$commit PYTHONPATH="/tmp/site:$PWD" \
-      timeout "${SWEEP_S:-90}" python3 scripts/bench_layer.py \
+      timeout "${SWEEP_S:-90}" python3 benchmarks/bench_layer.py \
       --tokens "${SWEEP_ROWS:-8192,32768:4096}" --cases "$cases" \
       --no-attention-rows ${SWEEP_ARGS:-} ${sets[@]+"${sets[@]}"} \
       --json "$OUT/sweep_json/$round-$v.json") > "$OUT/sweep_run.log" 2>&1
@@ -281,10 +281,10 @@ if [[ " $STAGES " == *" profile "* ]]; then
 rows="${PROFILE_ROWS:-8192,32768,32768:4096,131072:16384,131072}"
 traces="${PROFILE_TRACE_DIR:-/tmp/msa_profile_traces}"
 rm -rf "$traces"
-echo "== profile: scripts/bench_layer.py --tokens $rows --cases dense,msa_sparse_loss" \
+echo "== profile: benchmarks/bench_layer.py --tokens $rows --cases dense,msa_sparse_loss" \
   | tee "$OUT/profile.log"
 # shellcheck disable=SC2086  # PROFILE_ARGS is a list
-timeout "${PROFILE_S:-420}" python3 scripts/bench_layer.py --tokens "$rows" \
+timeout "${PROFILE_S:-420}" python3 benchmarks/bench_layer.py --tokens "$rows" \
   --cases dense,msa_sparse_loss --no-attention-rows --steps 3 --warmup 2 --profile \
   --profile-top 30 --trace "$traces" --json "$OUT/profile.json" ${PROFILE_ARGS:-} \
   >> "$OUT/profile.log" 2>&1
@@ -296,7 +296,7 @@ for msa in "$traces"/msa_sparse_loss_*.json; do
   dense="$traces/dense_${msa##*/msa_sparse_loss_}"
   against=()
   [[ -e $dense ]] && against=(--against "$dense")
-  python3 scripts/layer_bench/trace_attribution.py "$msa" --top 45 \
+  python3 benchmarks/layer_bench/trace_attribution.py "$msa" --top 45 \
     ${against[@]+"${against[@]}"} >> "$OUT/attribution.txt" 2>&1
 done
 grep -E '^== |minus|by kind' "$OUT/attribution.txt"
@@ -310,9 +310,9 @@ done
 fi
 
 if [[ " $STAGES " == *" layer "* ]]; then
-echo "== layer: scripts/bench_layer.py ${LAYER_ARGS:-}" | tee "$OUT/layer.log"
+echo "== layer: benchmarks/bench_layer.py ${LAYER_ARGS:-}" | tee "$OUT/layer.log"
 # shellcheck disable=SC2086  # the argument list is split on purpose
-timeout "${LAYER_S:-540}" python3 scripts/bench_layer.py ${LAYER_ARGS:-} --json "$OUT/layer.json" \
+timeout "${LAYER_S:-540}" python3 benchmarks/bench_layer.py ${LAYER_ARGS:-} --json "$OUT/layer.json" \
   >> "$OUT/layer.log" 2>&1
 echo "rc $?" >> "$OUT/layer.log"
 # The table (every case row and the two attention rows), or the rows and the log's end.
@@ -326,10 +326,10 @@ rows="${ROWS_TOKENS:-8192,32768,32768:4096,131072:16384,131072}"
 for index in fresh coherent; do
   cases=dense,msa_sparse_loss
   [[ $index == coherent ]] && cases=msa_sparse_loss
-  echo "== rows ($index): scripts/bench_layer.py --tokens $rows --cases $cases" \
+  echo "== rows ($index): benchmarks/bench_layer.py --tokens $rows --cases $cases" \
     | tee "$OUT/rows_$index.log"
   # shellcheck disable=SC2086  # the argument list is split on purpose
-  timeout "${ROWS_S:-270}" python3 scripts/bench_layer.py --tokens "$rows" --cases "$cases" \
+  timeout "${ROWS_S:-270}" python3 benchmarks/bench_layer.py --tokens "$rows" --cases "$cases" \
     --index "$index" --no-attention-rows --steps 3 --warmup 2 --json "$OUT/rows_$index.json" \
     ${ROWS_ARGS:-} >> "$OUT/rows_$index.log" 2>&1
   echo "rc $?" >> "$OUT/rows_$index.log"
@@ -338,10 +338,10 @@ done
 fi
 
 if [[ " $STAGES " == *" per_token "* ]]; then
-echo "== per_token: scripts/per_token_variants.py ${PER_TOKEN_ARGS:---tokens 32768,131072}" \
+echo "== per_token: benchmarks/per_token_variants.py ${PER_TOKEN_ARGS:---tokens 32768,131072}" \
   | tee "$OUT/per_token.log"
 # shellcheck disable=SC2086  # the argument list is split on purpose
-timeout "${PER_TOKEN_S:-240}" python3 scripts/per_token_variants.py \
+timeout "${PER_TOKEN_S:-240}" python3 benchmarks/per_token_variants.py \
   ${PER_TOKEN_ARGS:---tokens 32768,131072} --json "$OUT/per_token.json" \
   >> "$OUT/per_token.log" 2>&1
 echo "rc $?" >> "$OUT/per_token.log"
@@ -366,9 +366,9 @@ fi
 
 if [[ " $STAGES " == *" peer "* ]]; then
 peer_s="${PEER_S:-520}"
-echo "== peer: scripts/bench_flash_msa_peer.py ${PEER_ARGS:-}" | tee "$OUT/peer.log"
+echo "== peer: benchmarks/bench_flash_msa_peer.py ${PEER_ARGS:-}" | tee "$OUT/peer.log"
 # shellcheck disable=SC2086  # the argument list is split on purpose
-timeout "$peer_s" python3 scripts/bench_flash_msa_peer.py --site "${PEER_SITE:-/tmp/fm_site}" \
+timeout "$peer_s" python3 benchmarks/bench_flash_msa_peer.py --site "${PEER_SITE:-/tmp/fm_site}" \
   --site /tmp/site --budget-s $(( peer_s - 90 )) --json "$OUT/peer.json" ${PEER_ARGS:-} \
   >> "$OUT/peer.log" 2>&1
 echo "rc $?" >> "$OUT/peer.log"
@@ -378,9 +378,9 @@ fi
 
 if [[ " $STAGES " == *" fla_peer "* ]]; then
 fla_s="${FLA_PEER_S:-540}"
-echo "== fla_peer: scripts/bench_fla_nsa_peer.py ${FLA_PEER_ARGS:-}" | tee "$OUT/fla_peer.log"
+echo "== fla_peer: benchmarks/bench_fla_nsa_peer.py ${FLA_PEER_ARGS:-}" | tee "$OUT/fla_peer.log"
 # shellcheck disable=SC2086  # the argument list is split on purpose
-timeout "$fla_s" python3 scripts/bench_fla_nsa_peer.py --site "${FLA_SITE:-/tmp/site}" \
+timeout "$fla_s" python3 benchmarks/bench_fla_nsa_peer.py --site "${FLA_SITE:-/tmp/site}" \
   --budget-s $(( fla_s - 60 )) --json "$OUT/fla_peer.json" ${FLA_PEER_ARGS:-} \
   >> "$OUT/fla_peer.log" 2>&1
 echo "rc $?" >> "$OUT/fla_peer.log"

@@ -8,13 +8,13 @@ arm of ``scripts/quality_bench.py``), runs held-out rows of the validation split
 ``model.seq_length`` (e.g. 32768 for a model trained at 8192) and reports per MSA layer and
 union tile size ``qt``: the mean union of a tile's selected blocks, the share of tiles and of
 the exact (token, block) work the union kernel would take at the cap ``--cap``, and its work
-inflation (``scripts/msa_bench/unions.py``: the statistics ``scripts/union_stats.py`` and the
+inflation (``benchmarks/msa_bench/unions.py``: the statistics ``benchmarks/union_stats.py`` and the
 layer bench report). ``qt = 1`` is the exact selection (inflation 1).
 
 One process, no tensor/pipeline/context parallelism (the statistics need each layer's whole
 selection). Example::
 
-    python scripts/indexer_regime.py --recipe recipes/quality_bench.yaml --rows 2 \\
+    python benchmarks/indexer_regime.py --recipe recipes/quality_bench.yaml --rows 2 \\
         --out runs/quality49/regime_8192_at_32768.json \\
         dataset.data_path=[/tmp/corpus/pycode_text_document] model.seq_length=32768 \\
         checkpoint.load=runs/quality49/seq8192/msa train.global_batch_size=1 \\
@@ -31,7 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(1, str(REPO / "scripts"))
+sys.path.insert(1, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 from msa_bench.unions import hybrid_work, tile_union_sizes  # noqa: E402

@@ -51,7 +51,7 @@ Per row: ``docs`` (mean documents per step), ``doc_mean`` (0 for one document pe
 ``peak_gib`` (``torch.cuda.max_memory_allocated`` since the row started, model, gradients and
 inputs included) or ``fwdbwd_ms`` for the attention rows; with ``--profile`` the top kernels by
 CUDA time of one more step. MSA rows also say how one more step's selections (first MSA layer)
-split between the Triton kernels (``scripts/msa_bench/unions.py``): ``union_mean`` (blocks in
+split between the Triton kernels (``benchmarks/msa_bench/unions.py``): ``union_mean`` (blocks in
 the union of a ``union_qt``-token tile), ``union_kernel_share`` (the share of the exact
 (token, block) work on the union kernel at the launch's ``union_max``) and
 ``union_inflation`` (the union kernel's work over that exact work). ``--index coherent`` makes
@@ -64,10 +64,10 @@ skipped and reported as such).
 
 Usage::
 
-    python scripts/bench_layer.py --tokens 8192,32768,131072 --json layer.json [--profile]
-    python scripts/bench_layer.py --tokens 8192,32768,32768:4096,131072:16384,131072 \
+    python benchmarks/bench_layer.py --tokens 8192,32768,131072 --json layer.json [--profile]
+    python benchmarks/bench_layer.py --tokens 8192,32768,32768:4096,131072:16384,131072 \
         --cases dense,msa_sparse_loss --json layer.json
-    python scripts/bench_layer.py --tiny --json /tmp/layer.json   # CPU, gloo, seconds
+    python benchmarks/bench_layer.py --tiny --json /tmp/layer.json   # CPU, gloo, seconds
 
 ``--m3-block`` times the real MiniMax-M3 block instead of the dense-FFN stand-in: one MoE
 layer as recipes/minimax_m3_msa.yaml builds layers 4-60 (SwiGLU-OAI, Gemma RMSNorm, QK norm,
@@ -80,7 +80,7 @@ case is the same block with dense attention (default cases: dense,msa_loss_off,m
 fp32 on the CPU through ``nemo_msa.megatron.cpu_shim``) so the whole script runs end to end
 without a GPU.
 
-The parts: scripts/layer_bench (model: shape, cases and the model; timing; steps: the timed work
+The parts: benchmarks/layer_bench (model: shape, cases and the model; timing; steps: the timed work
 of each row; report: the table and the JSON); this file is the command line.
 """
 
@@ -96,7 +96,7 @@ import sys
 import warnings
 from pathlib import Path
 
-# Runs from a checkout without installing the package: the parts (scripts/layer_bench) and the
+# Runs from a checkout without installing the package: the parts (benchmarks/layer_bench) and the
 # repository (nemo_msa, layer_specs) are found next to this file.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))

@@ -13,7 +13,7 @@ trace minus that one, so what the MSA step adds over the dense step shows by sit
 
 Usage::
 
-    python scripts/layer_bench/trace_attribution.py TRACE.json[.gz] [...] [--top N]
+    python benchmarks/layer_bench/trace_attribution.py TRACE.json[.gz] [...] [--top N]
         [--top-waits N] [--against DENSE_TRACE.json]
 """
 

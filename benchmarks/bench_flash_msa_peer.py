@@ -16,13 +16,13 @@ of 128, 128-token blocks, top-16 blocks; index queries random or coherent, see b
   query gradient against a float64 reference of its token-level KL, and the two outputs against
   each other where the selections agree.
 
-Semantic differences: scripts/msa_bench/flash_msa_peer.py and docs/adr/0029-flash-msa-peer.md.
+Semantic differences: benchmarks/msa_bench/flash_msa_peer.py and docs/adr/0029-flash-msa-peer.md.
 Every step is caught and its error stored in the JSON and the table; a case's JSON is written as
 soon as it ends.
 
 Usage (on the GPU; the peer's wheels installed with ``pip install --target DIR``)::
 
-    python scripts/bench_flash_msa_peer.py --site DIR [--sizes 32768,131072]
+    python benchmarks/bench_flash_msa_peer.py --site DIR [--sizes 32768,131072]
         [--inputs coherent,random] [--json peer.json]
 
 Exit status 2, with one line naming the missing module, where flash-msa cannot be imported.

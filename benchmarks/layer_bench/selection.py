@@ -6,7 +6,7 @@ to a uniform draw, the Triton kernels' worst case; a trained indexer's neighbour
 mostly the same blocks. :func:`coherent_index_hooks` gives the benchmark's MSA layers the second
 regime without training: each index query becomes its 128-token compact block's first index
 query plus 5% of its own (gradients reach both, so the indexer loss still trains the indexer),
-as ``scripts/bench_msa.py --coherent`` draws its inputs. :func:`selection_stats` runs one untimed
+as ``benchmarks/bench_msa.py --coherent`` draws its inputs. :func:`selection_stats` runs one untimed
 step and reports the selections' tile unions.
 """
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The attention work of issue #28's rows, and the time it takes at the GPU's peak (CPU only).
 
-For each row (``scripts/bench_layer.py``'s: ``N`` one document, ``N:MEAN`` packed with its
+For each row (``benchmarks/bench_layer.py``'s: ``N`` one document, ``N:MEAN`` packed with its
 seeded document lengths, the maps averaged) it counts the causal (query, key) pairs that dense
 attention computes and the most that MSA's selection can attend. A query at document position
 ``p`` sees ``p + 1`` keys; MSA attends at most ``top_k`` blocks, its own block's ``p % bs + 1``
@@ -14,7 +14,7 @@ time that no kernel goes under. The selection, indexer and loss come on top.
 
 Usage::
 
-    python scripts/attention_work.py [--tokens 8192,32768,32768:4096,131072:16384,131072]
+    python benchmarks/attention_work.py [--tokens 8192,32768,32768:4096,131072:16384,131072]
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ tokens of packed documents of 1024..16384 tokens in rows of 16384):
   (``attention_rows_f64`` with the same q2k), and fla's dq / dk / dv against ours.
 
 Every step is caught and its error stored in the JSON and the table; the JSON is written after
-every case. Semantics: scripts/msa_bench/fla_nsa_peer.py, docs/adr/0029-flash-msa-peer.md.
+every case. Semantics: benchmarks/msa_bench/fla_nsa_peer.py, docs/adr/0029-flash-msa-peer.md.
 
 Usage (on the GPU; fla-core and einops installed with ``pip install --target DIR``)::
 
-    python scripts/bench_fla_nsa_peer.py --site DIR [--sizes 8192,32768,131072]
+    python benchmarks/bench_fla_nsa_peer.py --site DIR [--sizes 8192,32768,131072]
         [--layouts one,packed] [--inputs coherent,random] [--json fla.json]
 
 Exit status 2, with one line naming the missing module, where fla-core cannot be imported.
