@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from nemo_msa.capabilities import TRITON
 from nemo_msa.indexer_loss.triton_byproducts import (
     block_scores_triton,
     byproduct_grads_triton,
@@ -108,14 +109,14 @@ def sparse_kl_forward_reference(
 def _fused(target: torch.Tensor, index_q: torch.Tensor) -> bool:
     """The Triton kernels (:mod:`nemo_msa.indexer_loss.triton_byproducts`) where they run: the
     kernels' device (CUDA, or the host under the interpreter), an fp32 target, fp16/bf16 index
-    tensors, d a power of two in 16..128. They are deterministic (no atomics), so a
-    deterministic-algorithms request keeps them."""
+    tensors, d one of the Triton record's index head dims (nemo_msa.capabilities). They are
+    deterministic (no atomics), so a deterministic-algorithms request keeps them."""
     dim = index_q.shape[-1]
     return (
         (target.is_cuda or INTERPRET)
         and target.dtype == torch.float32
         and index_q.dtype in (torch.float16, torch.bfloat16)
-        and dim in (16, 32, 64, 128)
+        and dim in TRITON.index_head_dims
     )
 
 

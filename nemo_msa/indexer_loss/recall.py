@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from nemo_msa.capabilities import TRITON
 from nemo_msa.indexer_loss.triton_recall import selection_recall_rows_triton
 from nemo_msa.layout import query_rows
 from nemo_msa.limits import accumulation_dtype
@@ -134,8 +135,8 @@ def _fused_reason(query: torch.Tensor, key: torch.Tensor) -> str | None:
     """Why the Triton recall cannot run these inputs (None when it can)."""
     if query.dtype not in (torch.float16, torch.bfloat16) or key.dtype != query.dtype:
         return f"query/key dtypes {query.dtype}/{key.dtype}: the kernel reads fp16/bf16"
-    if query.shape[-1] not in (16, 32, 64, 128):
-        return f"head dim {query.shape[-1]}: the kernel takes 16, 32, 64 or 128"
+    if query.shape[-1] not in TRITON.head_dims:
+        return f"head dim {query.shape[-1]}: the kernel takes one of {TRITON.head_dims}"
     return None
 
 
