@@ -78,9 +78,7 @@ class MSASelfAttentionSubmodules(SelfAttentionSubmodules):
     indexer: ModuleSpec | type | None = None
 
 
-def check_msa_layer_config(
-    config: TransformerConfig, tp_size: int, cp_size: int, sparse: bool
-) -> MSAPlan:
+def check_msa_layer_config(config: TransformerConfig, tp_size: int, cp_size: int) -> MSAPlan:
     """The construction gate of MSA and dense-document layers (Megatron side).
 
     Returns:
@@ -127,11 +125,7 @@ def check_msa_layer_config(
             "rank to hold whole KV heads with their index heads (num_query_groups divisible by "
             "the TP size, TP <= num_query_groups)"
         )
-    if sparse and config.msa_num_index_heads != groups:
-        raise ValueError(
-            f"msa_num_index_heads={config.msa_num_index_heads}; expected num_query_groups="
-            f"{groups} (index head h serves KV head h)"
-        )
+    # Index heads == KV heads is the topology's check (MSATopology.validate, run by the plan).
     return plan
 
 
@@ -165,7 +159,7 @@ class MSASelfAttention(SelfAttention):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         sparse = submodules.indexer is not None
         plan = check_msa_layer_config(
-            config, get_pg_size(pg_collection.tp), get_pg_size(pg_collection.cp), sparse
+            config, get_pg_size(pg_collection.tp), get_pg_size(pg_collection.cp)
         )
         super().__init__(
             config=config,
