@@ -142,7 +142,7 @@ def test_query_subset_rows_are_the_full_launch_rows():
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_loss_gradients_bf16_fused_and_torch(monkeypatch, deterministic):
+def test_loss_gradients_bf16_fused_and_torch(deterministic):
     msa, q2k, iq, ik, _ = _inputs([[40, 1], [16, 57], [80]], 100, 16, 2, 4, 32, 1)
     gen = torch.Generator().manual_seed(2)
     heads, tokens, top_k = q2k.shape
@@ -152,18 +152,17 @@ def test_loss_gradients_bf16_fused_and_torch(monkeypatch, deterministic):
     dev = layout_on_kernel_device(msa)
     grads = []
     for fused in (True, False):
-        if not fused:
-            monkeypatch.setattr(byproducts_module, "_fused", lambda *_: False)
         previous = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(deterministic, warn_only=True)
         try:
             if fused:
-                assert byproducts_module._fused(mass.to(KERNEL_DEVICE), iq.to(KERNEL_DEVICE))
+                assert byproducts_module._fused(mass.to(KERNEL_DEVICE), iq.to(KERNEL_DEVICE),
+                                                fused)
             q = iq.to(KERNEL_DEVICE).clone().requires_grad_()
             k = ik.to(KERNEL_DEVICE).clone().requires_grad_()
             loss, _ = sparse_indexer_loss_from_byproducts(
                 q, k, *(x.to(KERNEL_DEVICE) for x in (q2k, mass)), dev,
-                num_index_heads_total=heads, loss_coeff=1.0)
+                num_index_heads_total=heads, loss_coeff=1.0, fused=fused)
             loss.backward()
             grads.append((q.grad.float().cpu(), k.grad.float().cpu()))
         finally:
