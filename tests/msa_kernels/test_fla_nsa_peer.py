@@ -32,8 +32,8 @@ from nemo_msa.testing.oracle import attention_f64, attention_grads_f64, rel_err 
 
 BS = 16
 # fla-core says so once when its kernels are first used on CPU tensors (the interpreter runs them).
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Triton is not supported on current platform:UserWarning")
+pytestmark = [pytest.mark.bench, pytest.mark.filterwarnings(
+    "ignore:Triton is not supported on current platform:UserWarning")]
 
 
 def _cli():
