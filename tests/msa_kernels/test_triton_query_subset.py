@@ -105,7 +105,13 @@ def test_subset_selection_equals_full_rows(set_launch, bm):
         assert torch.equal(sub.cpu(), ref), (cp, r)
 
 
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+# Under the interpreter the mixed schedule runs the union programs the union-only one would;
+# compiled on a GPU every schedule runs (ADR 0038).
+@pytest.mark.parametrize("schedule", [
+    pytest.param(name, marks=pytest.mark.skipif(
+        INTERPRET and name == "union",
+        reason="the [mixed] case runs the union programs under the interpreter"))
+    for name in sorted(SCHEDULES)])
 def test_subset_attention_equals_full_rows(set_launch, schedule):
     set_launch(SCHEDULES[schedule])
     # Compiled, only the per-token programs are certain to repeat the full run's operations
