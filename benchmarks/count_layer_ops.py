@@ -12,8 +12,9 @@ by where they come from (the package function, or the backward node of a built-i
 difference MSA minus dense per site.
 
 The Triton backend runs under the interpreter (set ``TRITON_INTERPRET=1``; bf16) so its kernel
-launches are counted as the GPU would launch them (the sampled recall takes its Triton kernel,
-as on CUDA); ``--backend reference`` counts the torch reference path instead (fp32). What the
+launches are counted as the GPU would launch them (its plan runs the fused helpers: the norms,
+RoPE, loss passes and the sampled recall take their Triton kernels, as on CUDA);
+``--backend reference`` counts the torch reference path instead (fp32). What the
 CPU count cannot show: torch ops that are one fused kernel on CUDA but decompose on the CPU
 (``rms_norm``: pow, mean, add, rsqrt, mul each way).
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import functools
 import json
 import os
 import sys
@@ -44,8 +44,6 @@ from layer_bench.model import Shape, build_model, case_config, init_single_rank 
 from layer_bench.steps import layer_step  # noqa: E402
 
 from nemo_msa import backends  # noqa: E402
-from nemo_msa.indexer_loss import sampled_selection_recall  # noqa: E402
-from nemo_msa.megatron import msa_attention  # noqa: E402
 from nemo_msa.testing.op_count import OpCounter  # noqa: E402
 
 #: M3's proportions, small: 8 query heads per KV head, index heads = KV heads.
@@ -80,10 +78,6 @@ def count_step(case: str, tokens: int, backend: str, doc_mean: int = 0,
         record = backends.get_backend("triton")
         backends._REGISTRY["triton"] = dataclasses.replace(
             record, unavailable_reason=lambda device: None
-        )
-        # The layer's recall takes its Triton kernel on CUDA only; here the interpreter runs it.
-        msa_attention.sampled_selection_recall = functools.partial(
-            sampled_selection_recall, fused=True
         )
     model = build_model(config, SMALL_M3, tokens, on_gpu=False)
     if triton:

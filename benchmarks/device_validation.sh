@@ -130,6 +130,9 @@ export PYTHONUNBUFFERED=1
 # also run compiled on the GPU. The whole log is kept (a failure's traceback included).
 STAGES="${STAGES:-tests}"
 if [[ " $STAGES " == *" tests "* ]]; then
+# The benchmark tooling's tests (marked bench, left out of the default run: ADR 0038) run here
+# too: the device is where the benchmarks run.
+export NEMO_MSA_BENCH_TESTS=1
 # Each pytest call's exit status follows its output, as in the other stages ("rc 124" where its
 # bound stopped it). The bound interrupts pytest (SIGINT; a kill 30 s later if that does not end
 # it), so a stopped call still prints its counts and skip reasons; the first call names each test

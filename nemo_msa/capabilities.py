@@ -45,6 +45,10 @@ class MSACapabilities:
             per-slot scores (the indexer loss from by-products, ADR 0016).
         query_subset: the ops take a subset of the queries (context parallelism's
             ``queries=``); declared for the backends that implement it.
+        fused_helpers: a layer on this backend runs the fused helpers around the ops where
+            their inputs allow (the one-kernel RMSNorm and RoPE, the by-product loss's Triton
+            passes, the Triton recall, the per-document SDPA of the dense path); False: their
+            torch references, so that the reference backend runs plain PyTorch everywhere.
     """
 
     name: str
@@ -59,6 +63,7 @@ class MSACapabilities:
     fused_dense_loss_max_group: int = 0
     block_mass: bool = True
     query_subset: bool = False
+    fused_helpers: bool = False
 
     def why_not(
         self,
@@ -155,6 +160,7 @@ TRITON = MSACapabilities(
     # The fused loss's program holds 16 query tokens x the padded group in 256 rows.
     fused_dense_loss_max_group=16,
     query_subset=True,
+    fused_helpers=True,
 )
 
 FLASHINFER_PREFILL = MSACapabilities(

@@ -381,6 +381,7 @@ def document_attention(
     backend: str | MSABackend | None = None,
     return_block_mass: bool = False,
     queries: torch.Tensor | None = None,
+    fused: bool | None = None,
 ):
     """Causal attention within documents on compact tokens: a layer's core attention.
 
@@ -402,6 +403,8 @@ def document_attention(
             [Hkv, T, top_k] (no gradient; the sparse indexer loss's target).
         queries: optional int64 [Tq] global compact rows of query's tokens (a query subset:
             context parallelism); query and q2k then have Tq rows, key and value every token's.
+        fused: whether the dense path may take its per-document SDPA (a layer's
+            ``plan.fused_helpers``; see :func:`nemo_msa.attention.dense.dense_document_attention`).
 
     Returns:
         [T, Hq, d] ([Tq, Hq, d]) in query's dtype; with ``return_block_mass`` the pair
@@ -413,7 +416,8 @@ def document_attention(
     if q2k is None:
         if return_block_mass:
             raise ValueError("return_block_mass=True needs q2k (the selected blocks)")
-        return dense_document_attention(query, key, value, msa, softmax_scale, queries=queries)
+        return dense_document_attention(query, key, value, msa, softmax_scale, queries=queries,
+                                        fused=fused)
     return sparse_attention(
         query, key, value, q2k, msa, softmax_scale=softmax_scale, backend=backend,
         return_block_mass=return_block_mass, queries=queries,

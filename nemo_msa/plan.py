@@ -3,9 +3,10 @@
 :meth:`MSAPlan.build` is the construction gate: the config's refusals and topology
 (:func:`nemo_msa.support.require_msa_support`), the backend for the device (the registry, with
 ``NEMO_MSA_BACKEND`` read here and nowhere later), the backend's capability record asked for the
-layer's shape and dtype, and the indexer loss's path. The layer keeps the plan and passes
-``plan.backend`` (an :class:`~nemo_msa.backend_spec.MSABackend`, not a name) to the ops, so a
-training step makes no registry lookup and repeats no range check.
+layer's shape and dtype, whether the helpers around the ops run fused, and the indexer loss's
+path. The layer keeps the plan and passes ``plan.backend`` (an
+:class:`~nemo_msa.backend_spec.MSABackend`, not a name) to the ops and ``plan.fused_helpers`` to
+the helpers, so a training step makes no registry lookup and repeats no range check.
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ class MSAPlan:
         device: where the layer runs.
         dtype: the layer's parameter dtype (q/k/v and the indexer's).
         cp_size: the context-parallel group size the layer was built in.
+        fused_helpers: the layer's helpers around the ops run fused where their inputs allow
+            (:attr:`~nemo_msa.capabilities.MSACapabilities.fused_helpers` of the backend: its
+            q/k and index norms, RoPE, the by-product loss's passes, the recall, the dense
+            path's per-document SDPA); False (the reference backend): their torch references.
+            The layer passes it down; the helpers decide per call from the device only where
+            no plan exists (a direct caller).
+        sparse_loss: ``msa_indexer_loss_type="sparse"``: past the dense warm-up the indexer
+            loss is the KL over the selected blocks (else over every candidate block).
         loss_from_byproducts: the sparse indexer loss takes its target from the sparse
             forward's block mass (``msa_indexer_loss_type="sparse"``, score ``"max"``; ADR 0016,
             0033); otherwise :func:`nemo_msa.indexer_loss.compute_indexer_loss` recomputes its
@@ -57,6 +66,8 @@ class MSAPlan:
     device: torch.device
     dtype: torch.dtype
     cp_size: int = 1
+    fused_helpers: bool = False
+    sparse_loss: bool = False
     loss_from_byproducts: bool = False
     fused_dense_loss: bool = False
     dense_loss_reason: str | None = None
@@ -104,8 +115,8 @@ class MSAPlan:
             top_k=topology.top_k, dtype=dtype, cp_size=cp_size,
         )
         caps = chosen.capabilities
-        loss_type = getattr(config, "msa_indexer_loss_type", "sparse")
-        byproducts = loss_type == "sparse" and topology.score_type == "max" and caps.block_mass
+        sparse_loss = getattr(config, "msa_indexer_loss_type", "sparse") == "sparse"
+        byproducts = sparse_loss and topology.score_type == "max" and caps.block_mass
         reason = caps.why_not_fused_dense_loss(
             dtype=dtype, head_dim=topology.head_dim, index_head_dim=topology.index_head_dim,
             block_size=topology.block_size, group=topology.num_heads // topology.num_kv_heads,
@@ -113,6 +124,7 @@ class MSAPlan:
         )
         return cls(
             topology=topology, backend=chosen, device=device, dtype=dtype, cp_size=cp_size,
+            fused_helpers=caps.fused_helpers, sparse_loss=sparse_loss,
             loss_from_byproducts=byproducts, fused_dense_loss=reason is None,
             dense_loss_reason=reason,
         )

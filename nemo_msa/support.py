@@ -62,21 +62,23 @@ class MSATopology:
 
     @classmethod
     def from_config(cls, config: Any) -> MSATopology:
-        """Reads a Megatron TransformerConfig carrying the ``msa_*`` fields."""
+        """Reads a Megatron TransformerConfig carrying the ``msa_*`` fields (an absent one takes
+        :data:`DEFAULT_TOPOLOGY`'s value; index heads default to the KV heads)."""
         heads = config.num_attention_heads
         groups = getattr(config, "num_query_groups", None) or heads
         head_dim = getattr(config, "kv_channels", None) or config.hidden_size // heads
+        default = DEFAULT_TOPOLOGY
         return cls(
             num_heads=heads,
             num_kv_heads=groups,
             head_dim=head_dim,
             num_index_heads=getattr(config, "msa_num_index_heads", groups),
             index_head_dim=getattr(config, "msa_index_head_dim", head_dim),
-            block_size=getattr(config, "msa_block_size", 128),
-            top_k=getattr(config, "msa_topk", 16),
-            init_blocks=getattr(config, "msa_init_blocks", 0),
-            local_blocks=getattr(config, "msa_local_blocks", 1),
-            score_type=getattr(config, "msa_score_type", "max"),
+            block_size=getattr(config, "msa_block_size", default.block_size),
+            top_k=getattr(config, "msa_topk", default.top_k),
+            init_blocks=getattr(config, "msa_init_blocks", default.init_blocks),
+            local_blocks=getattr(config, "msa_local_blocks", default.local_blocks),
+            score_type=getattr(config, "msa_score_type", default.score_type),
         )
 
     def validate(self) -> None:
@@ -109,6 +111,13 @@ class MSATopology:
                 raise ValueError(f"MSA cannot run {field_name}={value!r}; expected an integer")
             if not ok:
                 raise ValueError(f"MSA cannot run {field_name}={value!r}; expected {expected}")
+
+
+#: The production topology (MiniMax-M3): 64 query heads over 4 KV heads of 128 channels, 4 index
+#: heads of 128, blocks of 128 tokens, top-16 with the own block forced, block score "max". The
+#: one statement of these defaults: MSATransformerConfig's ``msa_*`` fields and the FLOPs model
+#: read them here.
+DEFAULT_TOPOLOGY = MSATopology()
 
 
 #: FP8 fields that would hand the attention FP8 tensors: MSA's kernels read bf16 q/k/v.

@@ -5,6 +5,10 @@
   loads it lazily), so the variable is set here, before any test module is collected.
 - Tests marked ``gpu`` or ``te`` skip, with the reason, where CUDA or transformer-engine is
   missing.
+- Tests marked ``bench`` (those of the benchmark tooling under benchmarks/) are deselected unless
+  ``--run-bench`` is given, ``NEMO_MSA_BENCH_TESTS=1`` is set or ``-m`` names ``bench``
+  (ADR 0038): the default run tests the product in minutes; the device validation sets the
+  variable, so its ``-m gpu`` calls still run them.
 - ``kernel_backends_on_the_cpu``: GPU-less doubles of the kernel backends' device checks.
 """
 
@@ -21,7 +25,28 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+BENCH_ENV = "NEMO_MSA_BENCH_TESTS"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--run-bench", action="store_true", default=False,
+        help=f"also run the tests marked bench (the benchmark tooling under benchmarks/); the same "
+             f"as {BENCH_ENV}=1",
+    )
+
+
+def _runs_bench_tests(config) -> bool:
+    return (config.getoption("--run-bench") or os.environ.get(BENCH_ENV) == "1"
+            or "bench" in (config.getoption("markexpr") or ""))
+
+
 def pytest_collection_modifyitems(config, items):
+    if not _runs_bench_tests(config):
+        bench = [item for item in items if item.get_closest_marker("bench") is not None]
+        if bench:
+            config.hook.pytest_deselected(items=bench)
+            items[:] = [item for item in items if item.get_closest_marker("bench") is None]
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU; runs on the device (H200) instead")
     no_te = pytest.mark.skip(reason="needs transformer-engine, which is not installed here")
     has_te = importlib.util.find_spec("transformer_engine") is not None

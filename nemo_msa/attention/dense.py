@@ -348,14 +348,15 @@ def dense_document_attention(
     msa: MSAMicrobatch,
     softmax_scale: float,
     queries: torch.Tensor | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Dense causal attention within documents on compact tokens (dense layers, warm-up).
 
-    On CUDA in fp16/bf16: :func:`dense_document_attention_per_document` (cuDNN SDPA per run of
-    equal-length documents, GQA without copies, no mask). Elsewhere (CPU, fp32/fp64):
-    :func:`dense_document_attention_rows` (per-row SDPA with the cached document mask). Both
-    compute the same function and gradients. With ``queries`` (a query subset: context
-    parallelism) :func:`dense_document_attention_queries` on any device.
+    On CUDA in fp16/bf16 where ``fused`` allows it: :func:`dense_document_attention_per_document`
+    (cuDNN SDPA per run of equal-length documents, GQA without copies, no mask). Elsewhere (CPU,
+    fp32/fp64, a reference plan): :func:`dense_document_attention_rows` (per-row SDPA with the
+    cached document mask). Both compute the same function and gradients. With ``queries`` (a
+    query subset: context parallelism) :func:`dense_document_attention_queries` on any device.
 
     Args:
         q: [T, Hq, d] compact queries ([Tq, Hq, d] with ``queries``).
@@ -365,6 +366,9 @@ def dense_document_attention(
         softmax_scale: multiplies q.k.
         queries: optional int64 [Tq] global compact rows of q's tokens (ascending); None =
             every token.
+        fused: whether the per-document path may run (a layer passes its plan's
+            :attr:`~nemo_msa.plan.MSAPlan.fused_helpers`: False on the reference backend);
+            None allows it.
 
     Returns:
         [T, Hq, d] ([Tq, Hq, d]) in q's dtype.
@@ -375,7 +379,7 @@ def dense_document_attention(
     if queries is not None:
         validate_qkv(q, k, v, msa, queries, softmax_scale)
         return dense_document_attention_queries(q, k, v, msa, softmax_scale, queries)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if (fused is None or fused) and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return dense_document_attention_per_document(q, k, v, msa, softmax_scale)
     return dense_document_attention_rows(q, k, v, msa, softmax_scale)
 

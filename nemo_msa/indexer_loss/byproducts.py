@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from nemo_msa.capabilities import TRITON
 from nemo_msa.indexer_loss.triton_byproducts import (
     block_scores_triton,
     byproduct_grads_triton,
@@ -22,7 +23,7 @@ from nemo_msa.indexer_loss.triton_byproducts import (
 )
 from nemo_msa.layout import query_rows
 from nemo_msa.limits import accumulation_dtype
-from nemo_msa.triton.kernel_layout import INTERPRET
+from nemo_msa.triton.kernel_layout import kernels_run_on
 
 __all__ = [
     "block_scores_reference",
@@ -51,9 +52,10 @@ class _SparseKLFromByproducts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, index_q, index_k, q2k, target, msa, queries, index_scale, denominator):
+    def forward(ctx, index_q, index_k, q2k, target, msa, queries, index_scale, denominator,
+                fused):
         ctx.plan = None
-        if _fused(target, index_q):
+        if _fused(target, index_q, fused):
             scores, keys, ctx.plan = block_scores_triton(index_q, index_k, q2k, msa, queries)
             row_kl, unit = sparse_kl_forward_triton(scores, target, index_scale, _EPS)
         else:
@@ -74,7 +76,7 @@ class _SparseKLFromByproducts(torch.autograd.Function):
                                             factor=factor)
         else:
             dq, dk = _gather_scatter_grads(unit * factor, keys, index_q, index_k)
-        return dq, dk, None, None, None, None, None, None
+        return dq, dk, None, None, None, None, None, None, None
 
 
 def sparse_kl_forward_reference(
@@ -105,17 +107,18 @@ def sparse_kl_forward_reference(
     return terms.sum(-1), unit
 
 
-def _fused(target: torch.Tensor, index_q: torch.Tensor) -> bool:
-    """The Triton kernels (:mod:`nemo_msa.indexer_loss.triton_byproducts`) where they run: the
-    kernels' device (CUDA, or the host under the interpreter), an fp32 target, fp16/bf16 index
-    tensors, d a power of two in 16..128. They are deterministic (no atomics), so a
-    deterministic-algorithms request keeps them."""
+def _fused(target: torch.Tensor, index_q: torch.Tensor, fused: bool | None) -> bool:
+    """The Triton kernels (:mod:`nemo_msa.indexer_loss.triton_byproducts`) where they run: where
+    ``fused`` allows them (None: the kernels' device, CUDA or the host under the interpreter),
+    an fp32 target, fp16/bf16 index tensors, d one of the Triton record's index head dims
+    (nemo_msa.capabilities). They are deterministic (no atomics), so a deterministic-algorithms
+    request keeps them."""
     dim = index_q.shape[-1]
     return (
-        (target.is_cuda or INTERPRET)
+        (kernels_run_on(target) if fused is None else fused)
         and target.dtype == torch.float32
         and index_q.dtype in (torch.float16, torch.bfloat16)
-        and dim in (16, 32, 64, 128)
+        and dim in TRITON.index_head_dims
     )
 
 
@@ -213,6 +216,7 @@ def sparse_indexer_loss_from_byproducts(
     num_index_heads_total: int,
     loss_coeff: float,
     queries: torch.Tensor | None = None,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The sparse indexer loss (score ``"max"``) from the sparse forward's block mass.
 
@@ -236,6 +240,10 @@ def sparse_indexer_loss_from_byproducts(
             context parallelism); q2k and the mass then have Tq token rows and the argmax keys
             are global rows of index_k. The KL is divided by index_k's (global) token count, so
             the ranks' losses add up to the unsplit loss.
+        fused: whether the Triton passes may run (where the inputs allow them); False: the
+            torch references (:func:`block_scores_reference`,
+            :func:`sparse_kl_forward_reference`); None decides from the device. A layer passes
+            its plan's :attr:`~nemo_msa.plan.MSAPlan.fused_helpers`.
 
     Returns:
         ``(loss, stats)`` as :func:`compute_indexer_loss`: ``coeff * sum_local KL / (T * H)``
@@ -277,6 +285,6 @@ def sparse_indexer_loss_from_byproducts(
     denominator = float(index_k.shape[0] * num_index_heads_total)
     kl = _SparseKLFromByproducts.apply(
         index_q, index_k, q2k, block_mass.detach(), msa, queries,
-        1.0 / math.sqrt(index_dim), denominator,
+        1.0 / math.sqrt(index_dim), denominator, fused,
     )
     return kl * loss_coeff, {"kl": kl.detach()}

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from nemo_msa.capabilities import TRITON
 from nemo_msa.indexer_loss.triton_recall import selection_recall_rows_triton
 from nemo_msa.layout import query_rows
 from nemo_msa.limits import accumulation_dtype
@@ -63,12 +64,13 @@ def sampled_selection_recall(
             subset: context parallelism; key stays every token's). The sample is then drawn
             from the Tq local tokens (each rank samples its own; the sums add over ranks, and
             ``num_rows >= Tq`` on every rank gives the exact recall of the whole microbatch).
-        fused: measure the sample with the Triton kernel
+        fused: whether the Triton kernel may measure the sample
             (:func:`~nemo_msa.indexer_loss.triton_recall.selection_recall_rows_triton`: one pass
             per sampled row over its own document's visible keys, products of the fp16/bf16
             inputs accumulated in fp32, no [n, Hq, T] score tensor) instead of the chunked torch
-            pass over the whole workspace (TF32 on CUDA). None: where it can run (CUDA,
-            fp16/bf16, head dim 16..128, every token a query).
+            pass over the whole workspace (TF32 on CUDA). It runs where the inputs allow it
+            (fp16/bf16, a head dim of the Triton record, every token a query); None allows it on
+            CUDA. A layer passes its plan's :attr:`~nemo_msa.plan.MSAPlan.fused_helpers`.
 
     Returns:
         ``{"recall_mass": sum of covered mass, "recall_count": sampled (token, head) pairs}``,
@@ -79,9 +81,8 @@ def sampled_selection_recall(
     """
     if num_rows < 1:
         raise ValueError(f"num_rows={num_rows}; expected >= 1")
-    if fused is None:
-        fused = query.is_cuda and queries is None and _fused_reason(query, key) is None
-    if fused:
+    allowed = query.is_cuda if fused is None else fused
+    if allowed and queries is None and _fused_reason(query, key) is None:
         return _fused_recall(query, key, q2k, msa, softmax_scale, num_rows)
     tokens, q_heads, dim = query.shape
     heads = key.shape[1]
@@ -134,8 +135,8 @@ def _fused_reason(query: torch.Tensor, key: torch.Tensor) -> str | None:
     """Why the Triton recall cannot run these inputs (None when it can)."""
     if query.dtype not in (torch.float16, torch.bfloat16) or key.dtype != query.dtype:
         return f"query/key dtypes {query.dtype}/{key.dtype}: the kernel reads fp16/bf16"
-    if query.shape[-1] not in (16, 32, 64, 128):
-        return f"head dim {query.shape[-1]}: the kernel takes 16, 32, 64 or 128"
+    if query.shape[-1] not in TRITON.head_dims:
+        return f"head dim {query.shape[-1]}: the kernel takes one of {TRITON.head_dims}"
     return None
 
 

@@ -5,10 +5,11 @@ block-sparse attention (MiniMax-M3 style). Every knob is validated in ``__post_i
 configuration MSA cannot run fails when the config is made, and again (with the parallel groups
 at hand) when an MSA layer is built (:func:`nemo_msa.support.require_msa_support`).
 
-The production topology (MiniMax-M3) is the default of the MSA fields: 4 index heads of dim 128
-serving the 4 KV heads, blocks of 128 tokens, 16 blocks per query, no sink block, one local
-block, block score ``"max"``. The model-side fields of that topology are Megatron's own:
-``num_attention_heads=64``, ``num_query_groups=4``, ``kv_channels=128``, and GPTModel's
+The production topology (MiniMax-M3, :data:`nemo_msa.support.DEFAULT_TOPOLOGY`) is the default of
+the MSA fields: 4 index heads of dim 128 serving the 4 KV heads, blocks of 128 tokens, 16 blocks
+per query, no sink block, one local block, block score ``"max"``. The model-side fields of that
+topology are Megatron's own: ``num_attention_heads=64``, ``num_query_groups=4``,
+``kv_channels=128``, and GPTModel's
 ``rotary_percent=0.5`` (64 of 128 channels rotated) and ``rotary_base=5_000_000``.
 """
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler
-from nemo_msa.support import MSATopology
+from nemo_msa.support import DEFAULT_TOPOLOGY, MSATopology
 
 __all__ = ["MSATransformerConfig", "normalize_layer_pattern", "normalize_moe_layer_freq"]
 
@@ -116,22 +117,22 @@ class MSATransformerConfig(TransformerConfig):
     """Indexer query heads; index head h serves KV head h, so it must equal num_query_groups
     (None = num_query_groups)."""
 
-    msa_index_head_dim: int = 128
+    msa_index_head_dim: int = DEFAULT_TOPOLOGY.index_head_dim
     """Channels per index head (and of the one shared index key head)."""
 
-    msa_block_size: int = 128
+    msa_block_size: int = DEFAULT_TOPOLOGY.block_size
     """Tokens per key block."""
 
-    msa_topk: int = 16
+    msa_topk: int = DEFAULT_TOPOLOGY.top_k
     """Key blocks attended per query token and KV head (forced blocks count inside)."""
 
-    msa_init_blocks: int = 0
+    msa_init_blocks: int = DEFAULT_TOPOLOGY.init_blocks
     """Blocks at the start of each document every query always selects (attention sinks)."""
 
-    msa_local_blocks: int = 1
+    msa_local_blocks: int = DEFAULT_TOPOLOGY.local_blocks
     """Blocks ending at the query's own block that every query always selects."""
 
-    msa_score_type: str = "max"
+    msa_score_type: str = DEFAULT_TOPOLOGY.score_type
     """Block score of the indexer: "max" (max of q.k over the block's visible keys, the
     MiniMax-M3 contract) or "lse" (log-sum-exp)."""
 

@@ -82,6 +82,7 @@ class MSACoreAttention(MegatronModule):
         backend: MSABackend | str | None = None,
         return_block_mass: bool = False,
         queries: torch.Tensor | None = None,
+        fused: bool | None = None,
     ):
         """Attention over compact tokens (this rank's queries against every token's keys under
         context parallelism).
@@ -100,6 +101,8 @@ class MSACoreAttention(MegatronModule):
                 fp32 [Hkv_local, T, top_k] (no gradient; the sparse indexer loss's target).
             queries: optional int64 [Tq] global compact rows of the local queries (context
                 parallelism); q2k and the outputs then have Tq token rows.
+            fused: the layer's ``msa_plan.fused_helpers`` (the dense path's choice); None
+                decides from the device.
 
         Returns:
             [T, Hq_local, d] in query's dtype; with ``return_block_mass`` the pair
@@ -108,5 +111,5 @@ class MSACoreAttention(MegatronModule):
         return document_attention(
             query, key, value, msa, softmax_scale=self.softmax_scale, q2k=q2k,
             backend=self.backend if backend is None else backend,
-            return_block_mass=return_block_mass, queries=queries,
+            return_block_mass=return_block_mass, queries=queries, fused=fused,
         )

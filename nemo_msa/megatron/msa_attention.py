@@ -18,13 +18,15 @@ with a forward for packed documents:
 4. MSA layers: the indexer (index_q/index_k on the detached input), block selection, and block-
    sparse core attention; dense layers of a mixed pattern (no indexer) and the dense warm-up:
    document-causal dense attention;
-5. the indexer loss (training, coefficient > 0), attached to the core output by the autograd
-   scaler;
+5. the indexer loss (training, coefficient > 0; its route is the plan's, its per-step part
+   :class:`nemo_msa.megatron.indexer_step.IndexerStep`), attached to the core output by the
+   autograd scaler;
 6. scatter back to [s, b, heads * dim] and ``linear_proj``; returns ``(output, bias)``.
 
 Construction refuses what MSA cannot run and resolves what runs (the layer's
-:class:`nemo_msa.plan.MSAPlan`: backend, capability check, indexer-loss path; plus the
-Megatron-side checks here), never the first step; the forward reads the plan.
+:class:`nemo_msa.plan.MSAPlan`: backend, capability check, fused helpers, indexer-loss path; plus
+the Megatron-side checks here), never the first step; the forward reads the plan (the topology's
+top_k and score, ``fused_helpers`` for the norms, RoPE, loss passes, recall and dense path).
 """
 
 from __future__ import annotations
@@ -40,16 +42,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
-from nemo_msa.indexer_loss import (
-    compute_indexer_loss,
-    dense_indexer_loss_triton,
-    sampled_selection_recall,
-    sparse_indexer_loss_from_byproducts,
-)
 from nemo_msa.layout import query_rows
 from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler, MSAIndexerMetrics
+from nemo_msa.megatron.indexer_step import IndexerStep, indexer_loss
 from nemo_msa.megatron.microbatch import context_parallel_layout_for_layer, full_rotary_table
-from nemo_msa.megatron.phase import dense_warmup_active
+from nemo_msa.megatron.norms import RMSNorm
 from nemo_msa.megatron.rope import apply_rope, rope_factors
 from nemo_msa.megatron.selection_replay import (
     RECORD,
@@ -78,9 +75,7 @@ class MSASelfAttentionSubmodules(SelfAttentionSubmodules):
     indexer: ModuleSpec | type | None = None
 
 
-def check_msa_layer_config(
-    config: TransformerConfig, tp_size: int, cp_size: int, sparse: bool
-) -> MSAPlan:
+def check_msa_layer_config(config: TransformerConfig, tp_size: int, cp_size: int) -> MSAPlan:
     """The construction gate of MSA and dense-document layers (Megatron side).
 
     Returns:
@@ -127,11 +122,7 @@ def check_msa_layer_config(
             "rank to hold whole KV heads with their index heads (num_query_groups divisible by "
             "the TP size, TP <= num_query_groups)"
         )
-    if sparse and config.msa_num_index_heads != groups:
-        raise ValueError(
-            f"msa_num_index_heads={config.msa_num_index_heads}; expected num_query_groups="
-            f"{groups} (index head h serves KV head h)"
-        )
+    # Index heads == KV heads is the topology's check (MSATopology.validate, run by the plan).
     return plan
 
 
@@ -165,7 +156,7 @@ class MSASelfAttention(SelfAttention):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         sparse = submodules.indexer is not None
         plan = check_msa_layer_config(
-            config, get_pg_size(pg_collection.tp), get_pg_size(pg_collection.cp), sparse
+            config, get_pg_size(pg_collection.tp), get_pg_size(pg_collection.cp)
         )
         super().__init__(
             config=config,
@@ -178,7 +169,8 @@ class MSASelfAttention(SelfAttention):
             name=name,
         )
         self.is_msa_layer = sparse
-        #: What this layer runs, resolved once (backend, indexer-loss path); read per step.
+        #: What this layer runs, resolved once (backend, fused helpers, indexer-loss path,
+        #: topology); read per step.
         self.msa_plan = plan
         self.indexer = (
             build_module(
@@ -192,6 +184,10 @@ class MSASelfAttention(SelfAttention):
         )
         #: Under full recompute: the first forward's layout and selection, for the recompute.
         self.selection_replay = SelectionReplay()
+        # The plan decides for the layer's own norms (q/k, index q/k) as for its other helpers.
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = plan.fused_helpers
 
     # ------------------------------------------------------------------ helpers
     def _token_rotary_freqs(
@@ -225,6 +221,31 @@ class MSASelfAttention(SelfAttention):
         query, key, value = self.get_query_key_value_tensors(hidden_states, None)
         # [s, b, heads, dim] -> compact [T, heads, dim] (this rank's tokens under CP)
         return tuple(cp.pack_local(x) for x in (query, key, value))
+
+    def _core_attention(self, query, key, value, msa, q2k, byproducts: bool, queries):
+        """The core attention on the plan's backend: ``(output, block mass or None)``; the mass
+        (the sparse loss's target) only with ``byproducts``. Under selective recompute
+        ("core_attn" in recompute_modules) only q/k/v are kept and the attention is redone in
+        the backward, with the layout and the selection reused, not redone."""
+        plan = self.msa_plan
+        found = {}
+
+        def run(q, k, v):
+            out = self.core_attention(
+                q, k, v, msa, q2k=q2k, backend=plan.backend, return_block_mass=byproducts,
+                queries=queries, fused=plan.fused_helpers,
+            )
+            if byproducts:
+                # A recompute in the backward finds the same mass; the loss keeps the first.
+                out, mass = out
+                found.setdefault("block_mass", mass)
+            return out
+
+        if self.checkpoint_core_attention and self.training:
+            core = tensor_parallel.checkpoint(run, False, query, key, value)
+        else:
+            core = run(query, key, value)
+        return core, found.get("block_mass")
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -273,6 +294,7 @@ class MSASelfAttention(SelfAttention):
             raise NotImplementedError(
                 "MSA attention does not take attention_bias or precomputed rotary cos/sin"
             )
+        plan = self.msa_plan
         seq_local, batch = hidden_states.shape[0], hidden_states.shape[1]
         seq = seq_local * self.world_size if self.config.sequence_parallel else seq_local
         # Full recompute (ADR 0028): the first forward records its layout and selection, the
@@ -291,115 +313,38 @@ class MSASelfAttention(SelfAttention):
             rotary_pos_emb, msa, cp, sliced=packed_seq_params is None
         )
         # cos/sin of the angles once for q, k, index_q and index_k (same bits as Megatron's).
-        rope = rope_factors(freqs, self.config)
+        rope = rope_factors(freqs, self.config, fused=plan.fused_helpers)
         if rope is not None:
-            cp_group = self.pg_collection.cp
-            query = apply_rope(query, rope, self.config, cp_group)
-            key = apply_rope(key, rope, self.config, cp_group)
+            query = apply_rope(query, rope, self.config, self.pg_collection.cp)
+            key = apply_rope(key, rope, self.config, self.pg_collection.cp)
         # Queries stay local; every rank's keys and values (global compact order) travel.
         key, value = cp.gather(key), cp.gather(value)
 
-        # The first forward of a full recompute has no grad, yet runs the kernels (and records
-        # the by-products) of the training forward its recompute will be; the loss is attached
-        # once, in the recompute.
-        trains_indexer = (
-            self.is_msa_layer
-            and self.training
-            and (torch.is_grad_enabled() or replay == RECORD)
-            and self.config.msa_indexer_loss_coeff > 0
-        )
-        need_loss = trains_indexer and torch.is_grad_enabled()
-        sparse = self.is_msa_layer and not dense_warmup_active(self.config)
-        log_recall = need_loss and self.config.msa_log_selection_recall
-        plan = self.msa_plan
-        byproducts = trains_indexer and sparse and plan.loss_from_byproducts
-        replayed = entry.selection if entry is not None and sparse else None
+        step = IndexerStep.of(plan, self.config, is_msa_layer=self.is_msa_layer,
+                              training=self.training, recording=replay == RECORD)
+        replayed = entry.selection if entry is not None and step.sparse else None
         selected = index_q = index_k = None
-        if sparse or need_loss:
-            if replayed is None or need_loss:
+        if step.indexes:
+            if replayed is None or step.need_loss:
                 index_q, index_k = self.indexer(hidden_states, cp, freqs, rope=rope)
-            # During the dense warm-up the selection feeds only the recall metric (how much dense
-            # attention mass the indexer's blocks would hold); attention stays dense.
-            if sparse or log_recall:
+            if step.selects:
                 selected = replayed if replayed is not None else select_blocks(
-                    index_q.detach(),
-                    index_k.detach(),
-                    msa,
-                    top_k=self.config.msa_topk,
-                    score=self.config.msa_score_type,
-                    backend=plan.backend,
-                    queries=queries,
+                    index_q.detach(), index_k.detach(), msa, top_k=plan.topology.top_k,
+                    score=plan.topology.score_type, backend=plan.backend, queries=queries,
                 )
         if replay == RECORD:
             self.selection_replay.record(
-                anchor, ReplayEntry(cp, selected if sparse else None, seq, batch)
+                anchor, ReplayEntry(cp, selected if step.sparse else None, seq, batch)
             )
-        q2k = selected if sparse else None
-        found = {}
-
-        def run_core(q, k, v):
-            out = self.core_attention(
-                q, k, v, msa, q2k=q2k, backend=plan.backend, return_block_mass=byproducts,
-                queries=queries,
-            )
-            if byproducts:
-                # A recompute in the backward finds the same mass; the loss keeps the first.
-                out, mass = out
-                found.setdefault("block_mass", mass)
-            return out
-
-        if self.checkpoint_core_attention and self.training:
-            # Selective recompute ("core_attn" in recompute_modules): keep only q/k/v and redo the
-            # attention in the backward; the layout and the selection are reused, not redone.
-            core = tensor_parallel.checkpoint(run_core, False, query, key, value)
-        else:
-            core = run_core(query, key, value)
-
-        if byproducts and need_loss:
-            loss, stats = sparse_indexer_loss_from_byproducts(
-                index_q,
-                index_k,
-                selected,
-                found["block_mass"],
-                msa,
-                num_index_heads_total=self.config.msa_num_index_heads,
-                loss_coeff=self.config.msa_indexer_loss_coeff,
-                queries=queries,
-            )
-            if log_recall:
-                stats.update(
-                    sampled_selection_recall(
-                        query, key, selected, msa,
-                        softmax_scale=self.core_attention.softmax_scale,
-                        num_rows=self.config.msa_recall_sample_rows,
-                        queries=queries,
-                    )
-                )
-            MSAIndexerMetrics.record(self.layer_number, stats)
-            core = MSAIndexerLossAutoScaler.apply(core, loss)
-        elif need_loss:
-            # The dense warm-up has no selection, so its loss is always the dense one.
-            sparse_loss = self.config.msa_indexer_loss_type == "sparse" and q2k is not None
-            common = dict(
+        core, block_mass = self._core_attention(
+            query, key, value, msa, selected if step.sparse else None, step.byproducts, queries
+        )
+        if step.need_loss:
+            loss, stats = indexer_loss(
+                plan, step, self.config, index_q=index_q, index_k=index_k, query=query,
+                key=key, selected=selected, block_mass=block_mass, msa=msa, queries=queries,
                 softmax_scale=self.core_attention.softmax_scale,
-                num_index_heads_total=self.config.msa_num_index_heads,
-                loss_coeff=self.config.msa_indexer_loss_coeff,
             )
-            if not sparse_loss and plan.fused_dense_loss:
-                loss, stats = dense_indexer_loss_triton(
-                    index_q, index_k, query, key, msa,
-                    q2k=selected if log_recall else None, queries=queries, **common,
-                )
-            else:
-                loss, stats = compute_indexer_loss(
-                    index_q, index_k, query, key, msa,
-                    score_type=self.config.msa_score_type,
-                    q2k=selected if (sparse_loss or log_recall) else None,
-                    query_chunk=self.config.msa_indexer_loss_query_chunk,
-                    sparse=sparse_loss,
-                    queries=queries,
-                    **common,
-                )
             MSAIndexerMetrics.record(self.layer_number, stats)
             core = MSAIndexerLossAutoScaler.apply(core, loss)
 

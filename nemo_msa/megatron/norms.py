@@ -22,7 +22,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size, get_tensor_model_parallel_group_if_none
 
-from nemo_msa.triton.kernel_layout import INTERPRET
+from nemo_msa.triton.kernel_layout import kernels_run_on
 from nemo_msa.triton.rms_norm import rms_norm_backward_triton, rms_norm_forward_triton
 
 __all__ = ["GemmaRMSNorm", "RMSNorm"]
@@ -50,6 +50,11 @@ class RMSNorm(MegatronModule):
         sum_grad_across_tp: sum the weight's gradient over ``tp_group`` inside autograd (for a
             replicated weight applied to rank-local heads, as the index q norm is).
         zero_centered_gamma: override of ``config.layernorm_zero_centered_gamma``.
+        fused: whether the one-kernel RMSNorm may run (where the input allows it: see
+            :func:`_kernel_runs`); None decides per call from the input's device. An MSA layer
+            sets its own norms' ``fused`` from its plan
+            (:attr:`nemo_msa.plan.MSAPlan.fused_helpers`), so the reference backend runs torch's
+            RMSNorm; the block's other norms (no plan) keep the per-call choice.
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class RMSNorm(MegatronModule):
         tp_group: torch.distributed.ProcessGroup | None = None,
         sum_grad_across_tp: bool = False,
         zero_centered_gamma: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         super().__init__(config=config)
         if zero_centered_gamma is None:
@@ -67,6 +73,7 @@ class RMSNorm(MegatronModule):
         self.hidden_size = hidden_size
         self.eps = eps
         self.zero_centered_gamma = zero_centered_gamma
+        self.fused = fused
         init = torch.zeros if zero_centered_gamma else torch.ones
         self.weight = torch.nn.Parameter(
             init(hidden_size, dtype=config.params_dtype, device=_param_device(config))
@@ -82,7 +89,7 @@ class RMSNorm(MegatronModule):
         weight = self.weight
         if self._sum_grad:
             weight = copy_to_tensor_model_parallel_region(weight, group=self.tp_group)
-        if _kernel_runs(x):
+        if _kernel_runs(x, self.fused):
             return _RMSNormKernel.apply(x, weight, self.eps, self.zero_centered_gamma)
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         scale = weight.to(compute)
@@ -97,14 +104,14 @@ class RMSNorm(MegatronModule):
                 f"zero_centered_gamma={self.zero_centered_gamma}")
 
 
-def _kernel_runs(x: torch.Tensor) -> bool:
+def _kernel_runs(x: torch.Tensor, fused: bool | None) -> bool:
     """The one-kernel RMSNorm (:mod:`nemo_msa.triton.rms_norm`) where it runs: fp16/bf16 rows of
-    a power-of-two width up to 256 (the MSA indexer's heads) on CUDA or under the interpreter.
-    The same fp32 arithmetic as the torch path, rounded once (the mean square is summed in
-    another order: the last fp32 bit of 1/rms may differ)."""
+    a power-of-two width up to 256 (the MSA indexer's heads), where ``fused`` allows it (None:
+    on CUDA or under the interpreter). The same fp32 arithmetic as the torch path, rounded once
+    (the mean square is summed in another order: the last fp32 bit of 1/rms may differ)."""
     dim = x.shape[-1]
     return (
-        (x.is_cuda or INTERPRET)
+        (kernels_run_on(x) if fused is None else fused)
         and x.dtype in (torch.float16, torch.bfloat16)
         and 16 <= dim <= 256
         and dim & (dim - 1) == 0

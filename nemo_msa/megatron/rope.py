@@ -7,7 +7,8 @@ and concatenates a rotated half, and its autograd backward adds the slices' zero
 gradients: about 12 kernels forward and 10 backward per tensor on the GPU (issue #28's
 profile). :func:`rope_factors` builds ``cos`` and a sign-folded ``sin`` once per layer call and
 dtype; :func:`apply_rope` applies them in one autograd function: one Triton kernel each way
-for fp16/bf16 on the GPU (:func:`nemo_msa.triton.rope.rope_triton`), else 4-5 torch kernels.
+for bf16 on the GPU where the layer's plan runs fused helpers
+(:func:`nemo_msa.triton.rope.rope_triton`), else 4-5 torch kernels.
 
 The arithmetic is Megatron's, operation for operation, so the result is the same bits: with
 ``x = t[..., :rot]`` in halves ``x1, x2`` and ``c = cos(f).to(dtype)``, ``s = sin(f).to(dtype)``,
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
-from nemo_msa.triton.kernel_layout import INTERPRET
+from nemo_msa.triton.kernel_layout import kernels_run_on
 from nemo_msa.triton.rope import rope_triton
 
 __all__ = ["RopeFactors", "apply_rope", "rope_factors"]
@@ -36,13 +37,17 @@ class RopeFactors:
     Args:
         freqs: fp32 [Tq, 1, rot_dim] per-token angles (``MSASelfAttention``'s table rows).
         interleaved: ``config.rotary_interleaved`` (then Megatron's function runs).
+        fused: whether the one-kernel RoPE may run (where the input allows it); None decides
+            per call from the device. The layer passes its plan's
+            :attr:`~nemo_msa.plan.MSAPlan.fused_helpers`.
     """
 
-    def __init__(self, freqs: torch.Tensor, interleaved: bool) -> None:
+    def __init__(self, freqs: torch.Tensor, interleaved: bool, fused: bool | None = None) -> None:
         if freqs.shape[-1] % 2:
             raise ValueError(f"rotary dim {freqs.shape[-1]} is odd; RoPE rotates halves")
         self.freqs = freqs
         self.interleaved = interleaved
+        self.fused = fused
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,11 +64,14 @@ class RopeFactors:
         return found
 
 
-def rope_factors(freqs: torch.Tensor | None, config) -> RopeFactors | None:
-    """The layer call's :class:`RopeFactors` of ``freqs`` (None for None)."""
+def rope_factors(
+    freqs: torch.Tensor | None, config, fused: bool | None = None
+) -> RopeFactors | None:
+    """The layer call's :class:`RopeFactors` of ``freqs`` (None for None); ``fused`` as
+    :class:`RopeFactors` takes it."""
     if freqs is None:
         return None
-    return RopeFactors(freqs, bool(getattr(config, "rotary_interleaved", False)))
+    return RopeFactors(freqs, bool(getattr(config, "rotary_interleaved", False)), fused)
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:
@@ -71,14 +79,15 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x2, x1), dim=-1)
 
 
-def _kernel_runs(t: torch.Tensor, cos: torch.Tensor) -> bool:
+def _kernel_runs(t: torch.Tensor, cos: torch.Tensor, fused: bool | None) -> bool:
     """The one-kernel RoPE (:func:`nemo_msa.triton.rope.rope_triton`) where it runs: bf16
-    [T, H, dim] on CUDA (or the host under the interpreter) with [T, 1, rot] factors; it
-    computes the same bits as the torch ops. fp16 keeps the torch ops: compiled on the H200 the
-    kernel's fp16 results differed from torch's by one unit in the last place (2026-12-04,
-    benchmarks/results/2026-12-04-h200-session3, call 3), and bit equality is its contract."""
+    [T, H, dim] with [T, 1, rot] factors, where ``fused`` allows it (None: on CUDA or the host
+    under the interpreter); it computes the same bits as the torch ops. fp16 keeps the torch
+    ops: compiled on the H200 the kernel's fp16 results differed from torch's by one unit in
+    the last place (2026-12-04, benchmarks/results/2026-12-04-h200-session3, call 3), and bit
+    equality is its contract."""
     return (
-        (t.is_cuda or INTERPRET)
+        (kernels_run_on(t) if fused is None else fused)
         and t.dtype == torch.bfloat16
         and t.dim() == 3
         and cos.dim() == 3
@@ -89,9 +98,10 @@ def _kernel_runs(t: torch.Tensor, cos: torch.Tensor) -> bool:
 
 class _Rope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, cos, sin_signed):
+    def forward(ctx, t, cos, sin_signed, fused):
         ctx.save_for_backward(cos, sin_signed)
-        if _kernel_runs(t, cos):
+        ctx.fused = fused
+        if _kernel_runs(t, cos, fused):
             return rope_triton(t, cos, sin_signed)
         rot = cos.shape[-1]
         x = t[..., :rot]
@@ -101,13 +111,13 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         cos, sin_signed = ctx.saved_tensors
-        if _kernel_runs(grad, cos):
-            return rope_triton(grad, cos, sin_signed, backward=True), None, None
+        if _kernel_runs(grad, cos, ctx.fused):
+            return rope_triton(grad, cos, sin_signed, backward=True), None, None, None
         rot = cos.shape[-1]
         g = grad[..., :rot]
         dx = g * cos + _swap_halves(g * sin_signed)
         dt = torch.cat((dx, grad[..., rot:]), dim=-1) if rot < grad.shape[-1] else dx
-        return dt, None, None
+        return dt, None, None, None
 
 
 def apply_rope(t: torch.Tensor, factors: RopeFactors, config, cp_group=None) -> torch.Tensor:
@@ -126,4 +136,4 @@ def apply_rope(t: torch.Tensor, factors: RopeFactors, config, cp_group=None) -> 
     if factors.interleaved:
         return apply_rotary_pos_emb(t, factors.freqs, config=config, cp_group=cp_group)
     cos, sin_signed = factors.tables(t.dtype)
-    return _Rope.apply(t, cos, sin_signed)
+    return _Rope.apply(t, cos, sin_signed, factors.fused)

@@ -34,7 +34,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
 from nemo_msa.megatron import check_msa_layer_config, cpu_shim
-from nemo_msa.megatron.config import normalize_layer_pattern
 from nemo_msa.training import msa_hooks
 from nemo_msa.training.data import MicrobatchSource, build_train_dataset, eod_token_id
 from nemo_msa.training.recipe import Recipe, RecipeError
@@ -105,11 +104,9 @@ def check_msa_layers(config) -> None:
     Raises:
         RecipeError: the gate's refusal, which names the config field and its value.
     """
-    pattern = getattr(config, "msa_layer_pattern", None)
-    sparse = pattern is None or any(normalize_layer_pattern(pattern, config.num_layers))
     try:
         check_msa_layer_config(config, ps.get_tensor_model_parallel_world_size(),
-                               ps.get_context_parallel_world_size(), sparse)
+                               ps.get_context_parallel_world_size())
     except (NotImplementedError, ValueError) as err:
         raise RecipeError(f"the model section cannot be built with MSA layers here: "
                           f"{err}") from None

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_msa.support import DEFAULT_TOPOLOGY
 from nemo_msa.training.data import positions_from_document_ids
 
 #: Dense bf16 tensor-core peaks (FLOP/s) from the vendors' spec sheets, by a name fragment of
@@ -92,8 +93,8 @@ class FlopsModel:
             head_dim=head_dim,
             padded_vocab=padded_vocab,
             msa_layers=flags,
-            block_size=getattr(config, "msa_block_size", 128),
-            top_k=getattr(config, "msa_topk", 16),
+            block_size=getattr(config, "msa_block_size", DEFAULT_TOPOLOGY.block_size),
+            top_k=getattr(config, "msa_topk", DEFAULT_TOPOLOGY.top_k),
             index_heads=getattr(config, "msa_num_index_heads", 0) or 0,
             index_dim=getattr(config, "msa_index_head_dim", 0) or 0,
             indexer_loss=float(getattr(config, "msa_indexer_loss_coeff", 0.0) or 0.0) > 0,

@@ -31,6 +31,13 @@ from nemo_msa.tensor_memo import TensorMemo
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def kernels_run_on(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels run on ``x``'s device: CUDA, or the host under the
+    interpreter. The fused helpers' decision where no layer plan passes one
+    (:attr:`nemo_msa.plan.MSAPlan.fused_helpers`): a direct caller's."""
+    return x.is_cuda or INTERPRET
+
+
 def _host_int(msa, name: str) -> int:
     value = getattr(msa, name, None)
     if not isinstance(value, int):

@@ -76,6 +76,19 @@ def test_the_plan_decides_the_indexer_loss_path(kernel_backends_on_the_cpu):
     assert not dense.loss_from_byproducts and dense.fused_dense_loss
 
 
+@pytest.mark.parametrize(("backend", "fused"),
+                         [("reference", False), ("triton", True), ("flashinfer", True)])
+def test_the_plan_decides_whether_the_helpers_run_fused(kernel_backends_on_the_cpu, backend,
+                                                       fused):
+    """The backend's record decides once for the layer's norms, RoPE, loss passes, recall and
+    dense path: the reference backend runs their torch references wherever it runs."""
+    plan = MSAPlan.build(config(), "cpu", torch.bfloat16, backend=backend)
+    assert plan.fused_helpers is fused is plan.backend.capabilities.fused_helpers
+    assert plan.sparse_loss  # msa_indexer_loss_type="sparse", held by the plan for the forward
+    assert not MSAPlan.build(config(msa_indexer_loss_type="dense"), "cpu", torch.bfloat16,
+                             backend=backend).sparse_loss
+
+
 def test_the_plan_carries_the_larger_of_the_config_and_group_cp_sizes():
     """The one check of context parallelism is the backend record's (see
     test_support_and_backends.py); on the CPU the reference takes every query subset."""

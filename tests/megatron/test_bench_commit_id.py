@@ -17,6 +17,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from layer_bench.report import commit_id  # noqa: E402
 
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
+
 
 def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True,

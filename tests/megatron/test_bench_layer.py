@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
+
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ("dense", "msa_loss_off", "msa_sparse_loss", "msa_dense_loss", "msa_warmup")
 

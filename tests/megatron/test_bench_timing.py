@@ -8,10 +8,14 @@ import time
 from argparse import Namespace
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from layer_bench.timing import run_timed  # noqa: E402
+
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
 
 SLOW_S = 0.3
 LIMIT_S = 0.15  # half the slow step; a fast step takes microseconds

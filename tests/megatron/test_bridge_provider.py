@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
 SKIP_CODE = 77
 
 # Skips (exit SKIP_CODE) where megatron.bridge is installed but does not import; else one step

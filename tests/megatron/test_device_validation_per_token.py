@@ -12,6 +12,8 @@ import pytest
 import torch
 from _device_validation import run_stages
 
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
+
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_per_token_stage_runs_the_script_and_records_its_status(tmp_path):

@@ -11,6 +11,8 @@ import tarfile
 import pytest
 from _device_validation import run_stages
 
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
+
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_profile_stage_attributes_each_msa_trace_against_its_dense_row(tmp_path):

@@ -11,6 +11,8 @@ import shutil
 import pytest
 from _device_validation import run_stages
 
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
+
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_sweep_stage_runs_every_variant_each_round(tmp_path):

@@ -40,6 +40,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
+
 ROOT = Path(__file__).resolve().parents[2]
 BOUNDS = {"dense": 325, "msa_sparse_loss": 371}
 MSA_EXTRA_BOUND = 46

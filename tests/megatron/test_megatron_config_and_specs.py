@@ -86,10 +86,10 @@ def test_the_layer_refuses_tensor_parallelism_that_splits_a_kv_head():
     from nemo_msa.megatron.msa_attention import check_msa_layer_config
 
     config = tiny_config()
-    assert check_msa_layer_config(config, tp_size=2, cp_size=1, sparse=True).backend
+    assert check_msa_layer_config(config, tp_size=2, cp_size=1).backend
     for tp in (4, 3):
         with pytest.raises(ValueError, match=f"tensor parallel size {tp} with num_query_groups=2"):
-            check_msa_layer_config(config, tp_size=tp, cp_size=1, sparse=True)
+            check_msa_layer_config(config, tp_size=tp, cp_size=1)
 
 
 def test_layer_pattern_forms():

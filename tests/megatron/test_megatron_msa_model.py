@@ -340,11 +340,11 @@ def test_sparse_loss_from_byproducts_matches_the_recomputing_reference(monkeypat
     """The layer's production loss (selection scores/keys + forward block mass) trains the
     indexer exactly as the reference that gathers the keys again: same logged KL, same
     gradients (fp32 on the CPU), with and without selective recompute of the core."""
-    from nemo_msa.megatron import msa_attention
+    from nemo_msa.megatron import indexer_step
 
     calls = []
-    fused = msa_attention.sparse_indexer_loss_from_byproducts
-    monkeypatch.setattr(msa_attention, "sparse_indexer_loss_from_byproducts",
+    fused = indexer_step.sparse_indexer_loss_from_byproducts
+    monkeypatch.setattr(indexer_step, "sparse_indexer_loss_from_byproducts",
                         lambda *a, **k: calls.append(1) or fused(*a, **k))
     MSAIndexerMetrics.reset()
     loss, grads = _loss_and_grads(msa_indexer_loss_type="sparse", **recompute)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -19,6 +21,8 @@ from layer_bench.trace_attribution import (  # noqa: E402
     summarize,
     waits,
 )
+
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
 
 
 def _trace(kernels: list[tuple[str, str, float, float]]) -> dict:

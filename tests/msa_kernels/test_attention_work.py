@@ -16,6 +16,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from attention_work import document_pairs, row_work  # noqa: E402
 from layer_bench.rows import parse_rows  # noqa: E402
 
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
+
 
 def _brute(length: int, block: int, top_k: int) -> tuple[int, int]:
     """Per query, the visible keys of each visible block; MSA keeps its own block and at most

@@ -13,7 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Compiled where CUDA exists (the device image's numpy does not run Triton 3.6's interpreter).

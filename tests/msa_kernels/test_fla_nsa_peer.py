@@ -33,8 +33,8 @@ from nemo_msa.testing.oracle import attention_f64, attention_grads_f64, rel_err 
 
 BS = 16
 # fla-core says so once when its kernels are first used on CPU tensors (the interpreter runs them).
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Triton is not supported on current platform:UserWarning")
+pytestmark = [pytest.mark.bench, pytest.mark.filterwarnings(
+    "ignore:Triton is not supported on current platform:UserWarning")]
 
 
 def _cli():
@@ -186,7 +186,7 @@ def _fla_or_skip():
     try:
         return peer.import_peer([d for d in os.environ.get("FLA_SITE", "").split(":") if d])
     except peer.PeerImportError as exc:
-        pytest.skip(f"fla-core is not importable here (pip install -e '.[test]' "
+        pytest.skip(f"fla-core is not importable here (pip install -e '.[test,bench]' "
                     f"-c constraints.txt installs it): {exc}")
 
 

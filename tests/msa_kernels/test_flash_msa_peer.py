@@ -26,6 +26,8 @@ from msa_bench.cases import make_case  # noqa: E402
 
 from nemo_msa.testing.oracle import rel_err, select_rows_f64  # noqa: E402
 
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
+
 
 def _cli():
     spec = importlib.util.spec_from_file_location(

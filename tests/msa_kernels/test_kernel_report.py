@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_report.py"
 
 

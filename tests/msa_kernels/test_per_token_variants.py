@@ -22,6 +22,8 @@ from msa_bench.cases import make_case  # noqa: E402
 
 from nemo_msa.testing.oracle import attention_rows_f64, rel_err  # noqa: E402
 
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
+
 T, G, D, BS, TOPK = 384, 16, 128, 128, 16
 #: fp32 operands and their tolerance under the interpreter; bf16 ones compiled on a GPU.
 FP32_DOT = KERNEL_DEVICE == "cpu"

@@ -17,7 +17,7 @@ import nemo_msa.attention.triton_union as tu
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
 from nemo_msa.testing.oracle import attention_grads_f64, rel_err, tile_unions_reference
-from nemo_msa.triton.kernel_layout import kernel_layout
+from nemo_msa.triton.kernel_layout import INTERPRET, kernel_layout
 from nemo_msa.triton.launch import ForwardLaunch
 
 TOL = 1e-2  # bf16 operands: MSA_SPEC.md's bound on ||x - ref|| / ||ref||
@@ -158,7 +158,8 @@ def test_union_pointer_loads_match_reference(set_launch):
     _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=5, drop_own=True)
 
 
-@pytest.mark.parametrize("maxnreg", [None, 128])
+@pytest.mark.parametrize("maxnreg", [None, pytest.param(128, marks=pytest.mark.skipif(
+    INTERPRET, reason="the interpreter ignores the register cap: the [None] case is this one"))])
 def test_union_forward_register_cap_matches_reference(set_launch, maxnreg):
     """The union forward without and with its register cap (ignored by the interpreter; on a
     GPU the cap spills, which must not change the result), against float64."""

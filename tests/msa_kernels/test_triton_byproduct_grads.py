@@ -62,11 +62,15 @@ def _finite_parts_close(got, want, tol):
     assert rel_err(got[fin], want[fin]) < tol
 
 
-@pytest.mark.parametrize("chunk", [8192, 5, None])
-@pytest.mark.parametrize(
-    ("rows", "seq_len", "bs", "heads", "top_k", "dim"),
-    [([[70, 5], [33, 64]], 128, 16, 2, 3, 16), ([[150, 3], [97]], 160, 32, 3, 4, 32)],
-)
+_SMALL = ([[70, 5], [33, 64]], 128, 16, 2, 3, 16)
+_LARGE = ([[150, 3], [97]], 160, 32, 3, 4, 32)
+
+
+# Chunks of 5 slots (blocks of one chunk and split ones) on the small shape only: on the large
+# one they repeat its path at several times the interpreter's cost (ADR 0038).
+@pytest.mark.parametrize(("rows", "seq_len", "bs", "heads", "top_k", "dim", "chunk"), [
+    (*_SMALL, 8192), (*_SMALL, 5), (*_SMALL, None), (*_LARGE, 8192), (*_LARGE, None),
+], ids=["small-8192", "small-5", "small-default", "large-8192", "large-default"])
 def test_keys_and_gradients_equal_the_torch_version(rows, seq_len, bs, heads, top_k, dim, chunk):
     msa, q2k, iq, ik, dscore = _inputs(rows, seq_len, bs, heads, top_k, dim,
                                        seq_len + (chunk or 1))
@@ -142,7 +146,7 @@ def test_query_subset_rows_are_the_full_launch_rows():
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_loss_gradients_bf16_fused_and_torch(monkeypatch, deterministic):
+def test_loss_gradients_bf16_fused_and_torch(deterministic):
     msa, q2k, iq, ik, _ = _inputs([[40, 1], [16, 57], [80]], 100, 16, 2, 4, 32, 1)
     gen = torch.Generator().manual_seed(2)
     heads, tokens, top_k = q2k.shape
@@ -152,18 +156,17 @@ def test_loss_gradients_bf16_fused_and_torch(monkeypatch, deterministic):
     dev = layout_on_kernel_device(msa)
     grads = []
     for fused in (True, False):
-        if not fused:
-            monkeypatch.setattr(byproducts_module, "_fused", lambda *_: False)
         previous = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(deterministic, warn_only=True)
         try:
             if fused:
-                assert byproducts_module._fused(mass.to(KERNEL_DEVICE), iq.to(KERNEL_DEVICE))
+                assert byproducts_module._fused(mass.to(KERNEL_DEVICE), iq.to(KERNEL_DEVICE),
+                                                fused)
             q = iq.to(KERNEL_DEVICE).clone().requires_grad_()
             k = ik.to(KERNEL_DEVICE).clone().requires_grad_()
             loss, _ = sparse_indexer_loss_from_byproducts(
                 q, k, *(x.to(KERNEL_DEVICE) for x in (q2k, mass)), dev,
-                num_index_heads_total=heads, loss_coeff=1.0)
+                num_index_heads_total=heads, loss_coeff=1.0, fused=fused)
             loss.backward()
             grads.append((q.grad.float().cpu(), k.grad.float().cpu()))
         finally:

@@ -59,7 +59,9 @@ def local_queries(msa, cp_size: int, cp_rank: int) -> torch.Tensor:
 
 
 def _ranks():
-    return [(cp, r) for cp in (2, 4) for r in range(cp)]
+    """Both ranks of CP2 (every token once) and a middle rank of CP4 (a finer subset: runs of
+    its queries in each document); the other CP4 ranks repeat the same launches (ADR 0038)."""
+    return [(2, 0), (2, 1), (4, 1)]
 
 
 def _same(x, ref, exact: bool, tol: float = 5e-3) -> bool:
@@ -103,7 +105,13 @@ def test_subset_selection_equals_full_rows(set_launch, bm):
         assert torch.equal(sub.cpu(), ref), (cp, r)
 
 
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+# Under the interpreter the mixed schedule runs the union programs the union-only one would;
+# compiled on a GPU every schedule runs (ADR 0038).
+@pytest.mark.parametrize("schedule", [
+    pytest.param(name, marks=pytest.mark.skipif(
+        INTERPRET and name == "union",
+        reason="the [mixed] case runs the union programs under the interpreter"))
+    for name in sorted(SCHEDULES)])
 def test_subset_attention_equals_full_rows(set_launch, schedule):
     set_launch(SCHEDULES[schedule])
     # Compiled, only the per-token programs are certain to repeat the full run's operations

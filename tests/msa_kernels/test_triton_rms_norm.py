@@ -17,16 +17,15 @@ from nemo_msa.testing.op_count import OpCounter
 from nemo_msa.testing.oracle import rel_err
 
 
-def _norm(weight, centered, dim):
+def _norm(weight, centered, dim, fused):
     return SimpleNamespace(weight=weight, _sum_grad=False, hidden_size=dim, eps=1e-6,
-                           zero_centered_gamma=centered)
+                           zero_centered_gamma=centered, fused=fused)
 
 
-def _run(x, weight, dout, centered, kernel, monkeypatch):
-    monkeypatch.setattr(norms, "_kernel_runs", lambda _: kernel)
+def _run(x, weight, dout, centered, kernel):
     xs, ws = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
     with OpCounter() as ops:
-        out = norms.RMSNorm.forward(_norm(ws, centered, x.shape[-1]), xs)
+        out = norms.RMSNorm.forward(_norm(ws, centered, x.shape[-1], kernel), xs)
         out.backward(dout)
     return [out.detach(), xs.grad, ws.grad], ops
 
@@ -46,14 +45,14 @@ def _f64(x, weight, dout, centered):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("shape", "centered"), [((37, 4, 64), True), ((70, 128), False),
                                                  ((5, 3, 32), True)])
-def test_kernel_norm_equals_float64_and_the_torch_path(dtype, shape, centered, monkeypatch):
+def test_kernel_norm_equals_float64_and_the_torch_path(dtype, shape, centered):
     gen = torch.Generator().manual_seed(shape[0])
     x = (torch.randn(*shape, generator=gen) * 3).to(KERNEL_DEVICE, dtype)
     weight = (torch.randn(shape[-1], generator=gen) * 0.2 + (0 if centered else 1)).to(
         KERNEL_DEVICE, torch.bfloat16)
     dout = torch.randn(*shape, generator=gen).to(KERNEL_DEVICE, dtype)
-    kernel, kernel_ops = _run(x, weight, dout, centered, True, monkeypatch)
-    torch_path, torch_ops = _run(x, weight, dout, centered, False, monkeypatch)
+    kernel, kernel_ops = _run(x, weight, dout, centered, True)
+    torch_path, torch_ops = _run(x, weight, dout, centered, False)
     kernel, torch_path = _host(kernel), _host(torch_path)
     want = _f64(x, weight, dout, centered)
     # One rounding of fp32 values to bf16 / fp16 (relative 2^-9 / 2^-12 at most); d w is in the
@@ -71,7 +70,7 @@ def test_kernel_norm_equals_float64_and_the_torch_path(dtype, shape, centered, m
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled kernel)")
-def test_kernel_norm_at_minimax_m3_index_shape_gpu(monkeypatch):
+def test_kernel_norm_at_minimax_m3_index_shape_gpu():
     """Compiled, at MiniMax-M3's index_q ([8192, 4, 128] bf16, zero-centred weight); no host
     synchronization."""
     gen = torch.Generator().manual_seed(0)
@@ -81,10 +80,10 @@ def test_kernel_norm_at_minimax_m3_index_shape_gpu(monkeypatch):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # the kernels never wait on the host
     try:
-        kernel, _ = _run(x, weight, dout, True, True, monkeypatch)
+        kernel, _ = _run(x, weight, dout, True, True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    torch_path, _ = _run(x, weight, dout, True, False, monkeypatch)
+    torch_path, _ = _run(x, weight, dout, True, False)
     kernel, torch_path = _host(kernel), _host(torch_path)
     want = _f64(x, weight, dout, True)
     for got, ref, exp in zip(kernel, torch_path, want, strict=True):

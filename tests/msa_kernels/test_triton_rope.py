@@ -46,7 +46,7 @@ def test_kernel_rope_is_megatrons_bit_for_bit(dtype, tokens, heads, dim, rot, st
     factors = rope_factors(freqs, _CONFIG)
     # fp16 keeps the torch ops (the compiled kernel's fp16 rounding was one ulp off on the H200)
     kernel = dtype == torch.bfloat16
-    assert _kernel_runs(b, factors.tables(dtype)[0]) is kernel
+    assert _kernel_runs(b, factors.tables(dtype)[0], factors.fused) is kernel
     want = apply_rotary_pos_emb(a, freqs, config=_CONFIG, cp_group=_CP)
     with OpCounter() as ops:
         got = apply_rope(b, factors, _CONFIG)

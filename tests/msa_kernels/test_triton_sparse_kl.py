@@ -91,7 +91,7 @@ def test_fused_loss_and_gradients_equal_the_float64_torch_path(rows, seq_len, bl
     selected = select_blocks(iq, ik, msa, top_k=top_k, backend=BACKEND)
     _, mass = document_attention(q, k, v, msa, softmax_scale=d**-0.5, q2k=selected,
                                  backend=BACKEND, return_block_mass=True)
-    assert _fused(mass, iq)
+    assert _fused(mass, iq, None)  # the device decides where no plan passes fused=
 
     def loss_and_grads(index_q, index_k):
         index_q, index_k = index_q.clone().requires_grad_(), index_k.clone().requires_grad_()

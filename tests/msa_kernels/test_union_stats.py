@@ -15,6 +15,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from msa_bench.unions import hybrid_work, tile_union_sizes  # noqa: E402
 
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
+
 
 def _brute(q2k, documents, positions, qt):
     """Tiles as python lists: (union per head, tokens, exact per head) in first-token order."""

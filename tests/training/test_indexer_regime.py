@@ -10,6 +10,8 @@ from _runs import SMALL, train
 
 REPO = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
+
 
 def _script(name: str):
     spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")

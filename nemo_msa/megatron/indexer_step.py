@@ -1,0 +1,168 @@
+"""What the indexer does in one forward of an MSA layer, and the loss that forward attaches.
+
+:class:`IndexerStep` is the per-forward part of the decision (training or not, gradient or the
+first pass of a full recompute, the dense warm-up); everything decided once is the layer's
+:class:`nemo_msa.plan.MSAPlan`: the loss's route (the sparse loss from the attention's
+by-products, ADR 0016 / 0033; the fused dense loss, ADR 0018; else the chunked reference),
+the topology and whether the helpers run fused. :func:`indexer_loss` computes the loss by that
+route. Neither reads a config field the plan holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nemo_msa.indexer_loss import (
+    compute_indexer_loss,
+    dense_indexer_loss_triton,
+    sampled_selection_recall,
+    sparse_indexer_loss_from_byproducts,
+)
+from nemo_msa.megatron.phase import dense_warmup_active
+from nemo_msa.plan import MSAPlan
+
+__all__ = ["IndexerStep", "indexer_loss"]
+
+
+@dataclass(frozen=True)
+class IndexerStep:
+    """The indexer's part in one layer forward.
+
+    Attributes:
+        sparse: attention runs over the selected blocks (an MSA layer past the dense warm-up).
+        trains: the indexer trains in this step: the forward runs the kernels (and keeps the
+            by-products) of a training forward. Also true in the no-grad first pass of a full
+            recompute, whose recompute attaches the loss.
+        need_loss: the loss is computed and attached in this forward (``trains`` with grad).
+        log_recall: the selection recall is measured with the loss (``msa_log_selection_recall``);
+            during the dense warm-up the selection then runs for the metric alone.
+        byproducts: the sparse forward returns its block mass, the loss's target (the plan's
+            ``loss_from_byproducts``, in a sparse training step).
+    """
+
+    sparse: bool
+    trains: bool
+    need_loss: bool
+    log_recall: bool
+    byproducts: bool
+
+    @classmethod
+    def of(
+        cls, plan: MSAPlan, config: Any, *, is_msa_layer: bool, training: bool, recording: bool
+    ) -> IndexerStep:
+        """The step of one forward.
+
+        Args:
+            plan: the layer's plan.
+            config: the layer's config (the loss coefficient, the recall switch, the warm-up).
+            is_msa_layer: the layer has an indexer (False: a dense layer of a mixed pattern).
+            training: the module's training flag.
+            recording: the no-grad first forward of a full recompute (selection replay).
+
+        Returns:
+            The step.
+        """
+        trains = (
+            is_msa_layer
+            and training
+            and (torch.is_grad_enabled() or recording)
+            and config.msa_indexer_loss_coeff > 0
+        )
+        need_loss = trains and torch.is_grad_enabled()
+        sparse = is_msa_layer and not dense_warmup_active(config)
+        return cls(
+            sparse=sparse,
+            trains=trains,
+            need_loss=need_loss,
+            log_recall=need_loss and bool(config.msa_log_selection_recall),
+            byproducts=trains and sparse and plan.loss_from_byproducts,
+        )
+
+    @property
+    def indexes(self) -> bool:
+        """The indexer runs (index_q / index_k are needed)."""
+        return self.sparse or self.need_loss
+
+    @property
+    def selects(self) -> bool:
+        """The selection runs (for the attention, or for the recall metric alone)."""
+        return self.sparse or self.log_recall
+
+
+def indexer_loss(
+    plan: MSAPlan,
+    step: IndexerStep,
+    config: Any,
+    *,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    selected: torch.Tensor | None,
+    block_mass: torch.Tensor | None,
+    msa,
+    queries: torch.Tensor | None,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The indexer loss of one forward, by the plan's route.
+
+    - ``step.byproducts``: the sparse loss from the attention's block mass
+      (:func:`~nemo_msa.indexer_loss.sparse_indexer_loss_from_byproducts`), the recall on a
+      sample of rows (:func:`~nemo_msa.indexer_loss.sampled_selection_recall`);
+    - a dense loss (the warm-up, or ``msa_indexer_loss_type="dense"``) where the plan fuses it:
+      :func:`~nemo_msa.indexer_loss.dense_indexer_loss_triton`;
+    - otherwise the chunked reference, :func:`~nemo_msa.indexer_loss.compute_indexer_loss`
+      (sparse or dense).
+
+    Args:
+        plan: the layer's plan.
+        step: this forward's :class:`IndexerStep` (``need_loss`` true).
+        config: the layer's config (``msa_indexer_loss_coeff``, ``msa_recall_sample_rows``,
+            ``msa_indexer_loss_query_chunk``).
+        index_q: [Tq, H_local, d_idx] index queries (with gradient).
+        index_k: [T, d_idx] the shared index key (with gradient).
+        query: [Tq, Hq_local, d] main-attention queries after RoPE.
+        key: [T, Hkv_local, d] main-attention keys after RoPE (every token's).
+        selected: int32 [H_local, Tq, top_k] the selection, or None (none ran).
+        block_mass: the sparse forward's mass per selected slot (``step.byproducts``), or None.
+        msa: the microbatch layout.
+        queries: int64 [Tq] global compact rows of the local queries (context parallelism), or
+            None.
+        softmax_scale: the main attention's scale.
+
+    Returns:
+        ``(loss, stats)``: the scaled loss and the metrics to record.
+    """
+    topology = plan.topology
+    common = dict(
+        num_index_heads_total=topology.num_index_heads,
+        loss_coeff=config.msa_indexer_loss_coeff,
+        queries=queries,
+    )
+    if step.byproducts:
+        loss, stats = sparse_indexer_loss_from_byproducts(
+            index_q, index_k, selected, block_mass, msa, fused=plan.fused_helpers, **common
+        )
+        if step.log_recall:
+            stats.update(sampled_selection_recall(
+                query, key, selected, msa, softmax_scale=softmax_scale,
+                num_rows=config.msa_recall_sample_rows, queries=queries,
+                fused=plan.fused_helpers,
+            ))
+        return loss, stats
+    # The dense warm-up has no selection for the attention, so its loss is always the dense one.
+    sparse_loss = plan.sparse_loss and step.sparse
+    recall_q2k = selected if step.log_recall else None
+    if not sparse_loss and plan.fused_dense_loss:
+        return dense_indexer_loss_triton(
+            index_q, index_k, query, key, msa, softmax_scale=softmax_scale, q2k=recall_q2k,
+            **common,
+        )
+    return compute_indexer_loss(
+        index_q, index_k, query, key, msa, softmax_scale=softmax_scale,
+        score_type=topology.score_type, q2k=selected if sparse_loss else recall_q2k,
+        query_chunk=config.msa_indexer_loss_query_chunk, sparse=sparse_loss, **common,
+    )
