@@ -1,4 +1,4 @@
-"""Fixtures of the Megatron integration tests (CPU, gloo)."""
+"""Fixtures of the Megatron integration tests (CPU with gloo; one GPU with NCCL)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,34 @@ def single_rank():
             MSAIndexerLossAutoScaler.reset()
             MSAIndexerMetrics.reset()
             set_training_iteration(None)
+
+
+@pytest.fixture(scope="module")
+def cuda_single_rank():
+    """This process as a one-rank NCCL world with Megatron's parallel state (no CPU shim), for
+    the GPU tests; module-scoped and undone afterwards like :func:`single_rank`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from nemo_msa.megatron import (
+        MSAIndexerLossAutoScaler,
+        MSAIndexerMetrics,
+        set_training_iteration,
+    )
+
+    owns_group = not torch.distributed.is_initialized()
+    if owns_group:
+        torch.cuda.set_device(0)
+        torch.distributed.init_process_group(
+            "nccl", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(1234)
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        if owns_group:
+            torch.distributed.destroy_process_group()
+        MSAIndexerLossAutoScaler.reset()
+        MSAIndexerMetrics.reset()
+        set_training_iteration(None)

@@ -31,31 +31,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cuda_single_rank():
-    """This process as a one-rank NCCL world with Megatron's parallel state (no CPU shim)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from nemo_msa.megatron import MSAIndexerLossAutoScaler, MSAIndexerMetrics
-
-    owns_group = not torch.distributed.is_initialized()
-    if owns_group:
-        torch.cuda.set_device(0)
-        torch.distributed.init_process_group(
-            "nccl", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    try:
-        ps.initialize_model_parallel(1, 1)
-        model_parallel_cuda_manual_seed(1234)
-        yield
-    finally:
-        ps.destroy_model_parallel()
-        if owns_group:
-            torch.distributed.destroy_process_group()
-        MSAIndexerLossAutoScaler.reset()
-        MSAIndexerMetrics.reset()
-
-
 def _model(**overrides):
     from megatron.core.transformer.module import Float16Module
 

@@ -35,31 +35,6 @@ LOGITS_TOL = 1e-2
 GRAD_TOL = 2e-2
 
 
-@pytest.fixture(scope="module")
-def cuda_rank():
-    """This process as a one-rank NCCL world with Megatron's parallel state (no CPU shim)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    torch.cuda.set_device(0)
-    owns_group = not torch.distributed.is_initialized()
-    if owns_group:
-        torch.distributed.init_process_group(
-            "nccl", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1234)
-    try:
-        yield
-    finally:
-        from nemo_msa.megatron import MSAIndexerLossAutoScaler, set_training_iteration
-
-        ps.destroy_model_parallel()
-        if owns_group:
-            torch.distributed.destroy_process_group()
-        MSAIndexerLossAutoScaler.reset()
-        set_training_iteration(None)
-
-
 def _config(impl: str, case: str, grouped: bool = False):
     from megatron.core.activations import quick_gelu
 
@@ -174,7 +149,7 @@ CASES = [("msa_dense_mlp", False), ("m3_block", False), ("m3_block", True)]
 
 @pytest.mark.parametrize(("case", "grouped"), CASES,
                          ids=["msa_dense_mlp", "m3_block", "m3_block_grouped_gemm"])
-def test_te_spec_matches_the_local_spec(cuda_rank, tmp_path, case, grouped):
+def test_te_spec_matches_the_local_spec(cuda_single_rank, tmp_path, case, grouped):
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
 
     local = _model(_config("local", case))
@@ -214,7 +189,7 @@ def test_te_spec_matches_the_local_spec(cuda_rank, tmp_path, case, grouped):
 
 
 @pytest.mark.parametrize("case", ["msa_dense_mlp", "m3_block"])
-def test_te_checkpoint_loads_into_the_local_spec(cuda_rank, tmp_path, case):
+def test_te_checkpoint_loads_into_the_local_spec(cuda_single_rank, tmp_path, case):
     te = _model(_config("transformer_engine", case, grouped=case == "m3_block"))
     with torch.no_grad():
         for p in te.parameters():
