@@ -177,7 +177,30 @@ class MSAIndexer(MegatronModule):
 
         # bf16 weights and GEMMs inside an FP8 layer: nemo_msa.megatron.precision says why.
         with high_precision_init(config):
-            self._build_projections(submodules, proj_config)
+            self.index_q_proj = build_module(
+                submodules.index_q_proj,
+                config.hidden_size,
+                self.num_index_heads * self.index_head_dim,
+                config=proj_config,
+                init_method=config.init_method,
+                gather_output=False,
+                bias=False,
+                skip_bias_add=False,
+                is_expert=False,
+                tp_comm_buffer_name="index_q",
+                tp_group=self.tp_group,
+            )
+            self.index_k_proj = build_module(
+                submodules.index_k_proj,
+                config.hidden_size,
+                self.index_head_dim,
+                config=proj_config,
+                init_method=config.init_method,
+                bias=False,
+                skip_bias_add=False,
+                skip_weight_param_allocation=False,
+                parallel_mode="duplicated",
+            )
         self.index_q_norm = build_module(
             submodules.index_q_norm,
             config=config,
@@ -195,33 +218,6 @@ class MSAIndexer(MegatronModule):
             eps=config.layernorm_epsilon,
             tp_group=self.tp_group,
             sum_grad_across_tp=False,
-        )
-
-    def _build_projections(self, submodules: MSAIndexerSubmodules, proj_config) -> None:
-        """index_q_proj (column-parallel) and index_k_proj (replicated), no bias."""
-        self.index_q_proj = build_module(
-            submodules.index_q_proj,
-            self.config.hidden_size,
-            self.num_index_heads * self.index_head_dim,
-            config=proj_config,
-            init_method=self.config.init_method,
-            gather_output=False,
-            bias=False,
-            skip_bias_add=False,
-            is_expert=False,
-            tp_comm_buffer_name="index_q",
-            tp_group=self.tp_group,
-        )
-        self.index_k_proj = build_module(
-            submodules.index_k_proj,
-            self.config.hidden_size,
-            self.index_head_dim,
-            config=proj_config,
-            init_method=self.config.init_method,
-            bias=False,
-            skip_bias_add=False,
-            skip_weight_param_allocation=False,
-            parallel_mode="duplicated",
         )
 
     def forward(
