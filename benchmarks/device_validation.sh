@@ -86,6 +86,18 @@
 # the two packed ones) in one process per precision (TE_ROWS_S each, default 270 s), writing
 # $OUT/te_rows_bf16.json / te_rows_fp8.json and their logs; TE_ROWS_ARGS adds arguments (e.g.
 # "--m3-block --experts 16").
+# "quality_runs" continues issue #49's quality arms across the calls of one warm machine: the
+# corpus (QR_CORPUS_ARGS, default ADR 0040's "--copy-fraction 0.05 --passkey-fraction 0.05
+# --mqar-fraction 0.05") is built once into /tmp/corpus_qr; each arm of QR_ARMS (default "dense
+# control msa") then trains in its own process, all at once on the one GPU (each its own dataset
+# cache, so their index builds do not race), scripts/quality_bench.py with QR_ARGS (default
+# "--probes passkey,mqar --steps 2000 --seq-lengths 8192 train.eval_interval=250") into QR_DIR
+# (default /tmp/quality_runs, kept while the machine is warm), each bounded by QR_S seconds
+# (default 420); an arm resumes from its newest checkpoint. Once every arm has its steps, one more
+# process adds QR_FINAL (default "--extrapolate-to 32768 --final-probe-rows 32") and summarizes;
+# QR_REGIME="S:L" then runs benchmarks/indexer_regime.py on the MSA arm trained at S, at L tokens.
+# The reports, each run's metrics.jsonl and the logs come back in $OUT/quality_runs (not the
+# checkpoints). Throughput columns of arms that ran at once are not a single arm's.
 set -uo pipefail
 # table_or_tail LOG HEADER FALLBACK: LOG from the line matching HEADER (a basic regex) on, or,
 # where the run printed no table, LOG's lines matching FALLBACK (extended) and its last 15.
@@ -365,6 +377,64 @@ timeout $(( ${QUALITY_S:-490} + 60 )) python3 scripts/quality_bench.py \
 echo "rc $?" >> "$OUT/quality.log"
 sed -n '/^# MSA vs dense/,$p' "$OUT/quality.log"
 tail -n 5 "$OUT/quality.log"
+fi
+
+if [[ " $STAGES " == *" quality_runs "* ]]; then
+qr_dir="${QR_DIR:-/tmp/quality_runs}"
+qr_corpus_args="${QR_CORPUS_ARGS:---copy-fraction 0.05 --passkey-fraction 0.05 --mqar-fraction 0.05}"
+qr_args="${QR_ARGS:---probes passkey,mqar --steps 2000 --seq-lengths 8192 train.eval_interval=250}"
+mkdir -p "$OUT/quality_runs" "$qr_dir"
+if [[ "$(cat /tmp/corpus_qr/args 2>/dev/null)" != "$qr_corpus_args" ]]; then
+  rm -rf /tmp/corpus_qr
+  # shellcheck disable=SC2086  # the corpus options are a list
+  python3 scripts/prepare_corpus.py --out /tmp/corpus_qr $qr_corpus_args 2>&1 | tail -2 \
+    | tee "$OUT/quality_runs/corpus.log" && echo "$qr_corpus_args" > /tmp/corpus_qr/args
+fi
+qr=(--corpus /tmp/corpus_qr/pycode_text_document --copy-marker 0 --out "$qr_dir")
+pids=()
+for arm in ${QR_ARMS:-dense control msa}; do
+  # shellcheck disable=SC2086  # QR_ARGS is a list
+  timeout $(( ${QR_S:-420} + 60 )) python3 scripts/quality_bench.py "${qr[@]}" --arms "$arm" \
+    --time-budget-s "${QR_S:-420}" $qr_args "dataset.path_to_cache=/tmp/qr_cache_$arm" \
+    >> "$OUT/quality_runs/arm_$arm.log" 2>&1 &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; echo "arm process $pid: rc $?"; done
+grep -hE "^== " "$OUT"/quality_runs/arm_*.log
+# Every arm at its step count: the summary (and QR_FINAL's evaluations) in one process.
+arms_csv=$(echo ${QR_ARMS:-dense control msa} | tr ' ' ',')
+if python3 - "$qr_dir" "$qr_args" ${QR_ARMS:-dense control msa} <<'PY'
+import re, sys, pathlib
+out, args, arms = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+steps = int(re.search(r"--steps (\d+)", args).group(1))
+lengths = re.search(r"--seq-lengths (\S+)", args).group(1).split(",")
+done = [int((out / f"seq{s}" / a / "latest_checkpointed_iteration.txt").read_text())
+        if (out / f"seq{s}" / a / "latest_checkpointed_iteration.txt").is_file() else 0
+        for s in lengths for a in arms]
+print("steps done:", done, "of", steps)
+sys.exit(0 if min(done) >= steps else 1)
+PY
+then
+  # shellcheck disable=SC2086  # QR_ARGS and QR_FINAL are lists
+  timeout 400 python3 scripts/quality_bench.py "${qr[@]}" --arms "$arms_csv" --time-budget-s 60 \
+    $qr_args ${QR_FINAL---extrapolate-to 32768 --final-probe-rows 32} \
+    > "$OUT/quality_runs/summary.log" 2>&1
+  echo "summary rc $?"
+  sed -n '/^# MSA vs dense/,$p' "$OUT/quality_runs/summary.log"
+  if [[ -n "${QR_REGIME:-}" ]]; then
+    timeout 200 python3 benchmarks/indexer_regime.py --recipe recipes/quality_bench.yaml \
+      --rows 2 --out "$OUT/quality_runs/regime_${QR_REGIME/:/_at_}.json" \
+      "dataset.data_path=[/tmp/corpus_qr/pycode_text_document]" \
+      "model.seq_length=${QR_REGIME#*:}" train.global_batch_size=1 train.micro_batch_size=1 \
+      "checkpoint.load=$qr_dir/seq${QR_REGIME%%:*}/msa" > "$OUT/quality_runs/regime.log" 2>&1
+    echo "regime rc $?"
+    tail -n 30 "$OUT/quality_runs/regime.log"
+  fi
+fi
+# The reports and every run's metrics (no checkpoints: they stay on the machine).
+(cd "$qr_dir" && cp quality.md quality.json quality.png "$OUT/quality_runs/" 2>/dev/null; \
+  for m in seq*/*/metrics.jsonl; do [[ -e $m ]] || continue; \
+  d="$OUT/quality_runs/${m%/metrics.jsonl}"; mkdir -p "$d"; cp "$m" "$d/"; done)
 fi
 
 if [[ " $STAGES " == *" peer "* ]]; then

@@ -68,7 +68,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(1, str(REPO / "scripts"))
 
-from layer_bench.report import commit_id  # noqa: E402  (the layer bench's: NEMO_MSA_COMMIT first)
+from nemo_msa.training.provenance import commit_id  # noqa: E402
 
 ARMS = ("msa", "dense", "control")
 #: Tokens per training step at every length (global batch = this / sequence length).

@@ -163,6 +163,9 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
     last_root = (ck.load or ck.save) if resumed_from is not None else None
     phase = "n/a"
     if train.skip_train:  # Megatron's --skip-train: one evaluation of the model as loaded
+        # The phase of the loaded model's last step, as an evaluation during training sees it
+        # (a fresh process knows no iteration, and an MSA layer refuses to guess its phase).
+        phase = hooks.set_training_phase(max(state.iteration - 1, 0))
         if evaluator.enabled:
             last_eval = evaluator.run(state.iteration)
             if is_rank0:

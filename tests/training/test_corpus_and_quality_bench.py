@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -296,3 +297,13 @@ def test_quality_bench_runs_equal_steps_resumes_arms_and_evaluates_longer_rows(
     assert third["lengths"]["256"]["runs"]["msa"]["steps"] == 4
     assert third["lengths"]["256_at_512"]["runs"]["dense"]["final_val_loss"] == \
         second["lengths"]["256_at_512"]["runs"]["dense"]["final_val_loss"]
+    # A call that only evaluates, in a process that has trained nothing (no iteration known yet,
+    # as on the device, where each call is a new process): the MSA arm evaluates as before.
+    from nemo_msa.megatron import set_training_iteration
+
+    monkeypatch.undo()
+    shutil.rmtree(tmp_path / "seq256_at512" / "msa")
+    set_training_iteration(None)
+    fourth = bench.main([*args, "--arms", "msa"])
+    assert fourth["lengths"]["256_at_512"]["runs"]["msa"]["final_val_loss"] == \
+        second["lengths"]["256_at_512"]["runs"]["msa"]["final_val_loss"]

@@ -1,4 +1,4 @@
-"""benchmarks/layer_bench/report.py's commit_id, which every benchmark JSON records: the caller's
+"""``nemo_msa.training.provenance.commit_id``, which every benchmark JSON and quality report records: the caller's
 NEMO_MSA_COMMIT first, else the checkout's HEAD, marked ``-dirty`` where tracked files differ
 from it (a device copy whose git metadata is older than its files once recorded a commit it was
 not running)."""
@@ -12,12 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from layer_bench.report import commit_id  # noqa: E402
-
-pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
+from nemo_msa.training.provenance import commit_id
 
 
 def _git(repo: Path, *args: str) -> str:
