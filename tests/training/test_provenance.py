@@ -1,13 +1,12 @@
-"""``nemo_msa.training.provenance.commit_id``, which every benchmark JSON and quality report records: the caller's
-NEMO_MSA_COMMIT first, else the checkout's HEAD, marked ``-dirty`` where tracked files differ
-from it (a device copy whose git metadata is older than its files once recorded a commit it was
-not running)."""
+"""``nemo_msa.training.provenance.commit_id``, which every benchmark JSON and quality report
+records: the caller's NEMO_MSA_COMMIT first, else the checkout's HEAD, marked ``-dirty`` where
+tracked files differ from it (a device copy whose git metadata is older than its files once
+recorded a commit it was not running)."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
