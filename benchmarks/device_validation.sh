@@ -64,10 +64,6 @@
 # bench_layer.py cases instead (e.g. "dense": a change to the dense layers, timed against
 # ";tree=.base"); SWEEP_ARGS="--profile --profile-top 60" adds each row's kernel times to the
 # JSON, which resolves a kernel's change that whole steps do not.
-# "per_token" runs benchmarks/per_token_variants.py (the per-token kernels against the gather
-# bandwidth of their access pattern, and the key-split variants; ADR 0035) with PER_TOKEN_ARGS
-# (default "--tokens 32768,131072") within PER_TOKEN_S seconds (default 240), writing
-# $OUT/per_token.log and $OUT/per_token.json.
 # "profile" runs PROFILE_ROWS (default issue #28's five rows) dense and MSA in one
 # benchmarks/bench_layer.py process (PROFILE_S, default 420 s) with --profile and each step's Chrome
 # trace (in PROFILE_TRACE_DIR, default /tmp/msa_profile_traces), writing $OUT/profile.log and
@@ -86,18 +82,21 @@
 # the two packed ones) in one process per precision (TE_ROWS_S each, default 270 s), writing
 # $OUT/te_rows_bf16.json / te_rows_fp8.json and their logs; TE_ROWS_ARGS adds arguments (e.g.
 # "--m3-block --experts 16").
-# "quality_runs" continues issue #49's quality arms across the calls of one warm machine: the
+# "quality_runs" continues issue #49's quality arms across the calls of one warm machine. The
 # corpus (QR_CORPUS_ARGS, default ADR 0040's "--copy-fraction 0.05 --passkey-fraction 0.05
-# --mqar-fraction 0.05") is built once into /tmp/corpus_qr; each arm of QR_ARMS (default "dense
-# control msa") then trains in its own process, all at once on the one GPU (each its own dataset
-# cache, so their index builds do not race), scripts/quality_bench.py with QR_ARGS (default
-# "--probes passkey,mqar --steps 2000 --seq-lengths 8192 train.eval_interval=250") into QR_DIR
-# (default /tmp/quality_runs, kept while the machine is warm), each bounded by QR_S seconds
-# (default 420); an arm resumes from its newest checkpoint. Once every arm has its steps, one more
-# process adds QR_FINAL (default "--extrapolate-to 32768 --final-probe-rows 32") and summarizes;
-# QR_REGIME="S:L" then runs benchmarks/indexer_regime.py on the MSA arm trained at S, at L tokens.
-# The reports, each run's metrics.jsonl and the logs come back in $OUT/quality_runs (not the
-# checkpoints). Throughput columns of arms that ran at once are not a single arm's.
+# --mqar-fraction 0.05") is built once into QR_CORPUS_DIR (default /tmp/corpus_qr). Each arm of
+# QR_ARMS (default "dense control msa") then trains in its own process, all at once on the one
+# GPU (each with its own dataset cache, so their index builds do not race):
+# scripts/quality_bench.py with QR_ARGS (default "--probes passkey,mqar --steps 2000
+# --seq-lengths 8192 train.eval_interval=250") into QR_DIR (default /tmp/quality_runs, kept while
+# the machine is warm), each bounded by QR_S seconds (default 420); an arm resumes from its newest
+# checkpoint. Once every arm has its steps, benchmarks/indexer_regime.py runs, for each "S:L" of
+# QR_REGIME, on the MSA arm trained at S, at L tokens, with QR_PROBE_ROWS (default 8) passkey
+# rows per depth for its needle diagnosis (into QR_DIR); then one process adds QR_FINAL (default
+# "--extrapolate-to 32768 --final-probe-rows 32") and summarizes (quality.md holds the regimes).
+# The reports come back in $OUT/quality_runs, and in its runs.tgz the logs, the regime JSONs and
+# each run's metrics.jsonl (not the checkpoints). Throughput columns of arms that ran at once are
+# not a single arm's.
 set -uo pipefail
 # table_or_tail LOG HEADER FALLBACK: LOG from the line matching HEADER (a basic regex) on, or,
 # where the run printed no table, LOG's lines matching FALLBACK (extended) and its last 15.
@@ -352,16 +351,6 @@ for index in fresh coherent; do
 done
 fi
 
-if [[ " $STAGES " == *" per_token "* ]]; then
-echo "== per_token: benchmarks/per_token_variants.py ${PER_TOKEN_ARGS:---tokens 32768,131072}" \
-  | tee "$OUT/per_token.log"
-# shellcheck disable=SC2086  # the argument list is split on purpose
-timeout "${PER_TOKEN_S:-240}" python3 benchmarks/per_token_variants.py \
-  ${PER_TOKEN_ARGS:---tokens 32768,131072} --json "$OUT/per_token.json" \
-  >> "$OUT/per_token.log" 2>&1
-echo "rc $?" >> "$OUT/per_token.log"
-tail -n 4 "$OUT/per_token.log"
-fi
 
 if [[ " $STAGES " == *" quality "* ]]; then
 # shellcheck disable=SC2086  # QUALITY_CORPUS_ARGS is a list
@@ -381,16 +370,17 @@ fi
 
 if [[ " $STAGES " == *" quality_runs "* ]]; then
 qr_dir="${QR_DIR:-/tmp/quality_runs}"
+corpus="${QR_CORPUS_DIR:-/tmp/corpus_qr}"
 qr_corpus_args="${QR_CORPUS_ARGS:---copy-fraction 0.05 --passkey-fraction 0.05 --mqar-fraction 0.05}"
 qr_args="${QR_ARGS:---probes passkey,mqar --steps 2000 --seq-lengths 8192 train.eval_interval=250}"
 mkdir -p "$OUT/quality_runs" "$qr_dir"
-if [[ "$(cat /tmp/corpus_qr/args 2>/dev/null)" != "$qr_corpus_args" ]]; then
-  rm -rf /tmp/corpus_qr
+if [[ "$(cat "$corpus/args" 2>/dev/null)" != "$qr_corpus_args" ]]; then
+  rm -rf "$corpus"
   # shellcheck disable=SC2086  # the corpus options are a list
-  python3 scripts/prepare_corpus.py --out /tmp/corpus_qr $qr_corpus_args 2>&1 | tail -2 \
-    | tee "$OUT/quality_runs/corpus.log" && echo "$qr_corpus_args" > /tmp/corpus_qr/args
+  python3 scripts/prepare_corpus.py --out "$corpus" $qr_corpus_args 2>&1 | tail -2 \
+    | tee "$OUT/quality_runs/corpus.log" && echo "$qr_corpus_args" > "$corpus/args"
 fi
-qr=(--corpus /tmp/corpus_qr/pycode_text_document --copy-marker 0 --out "$qr_dir")
+qr=(--corpus "$corpus/pycode_text_document" --copy-marker 0 --out "$qr_dir")
 pids=()
 for arm in ${QR_ARMS:-dense control msa}; do
   # shellcheck disable=SC2086  # QR_ARGS is a list
@@ -415,26 +405,29 @@ print("steps done:", done, "of", steps)
 sys.exit(0 if min(done) >= steps else 1)
 PY
 then
+  # The trained MSA arms' selections first, so the summary's report holds them.
+  for regime in ${QR_REGIME:-}; do
+    timeout 200 python3 benchmarks/indexer_regime.py --recipe recipes/quality_bench.yaml \
+      --rows 2 --probe-rows "${QR_PROBE_ROWS:-8}" \
+      --out "$qr_dir/regime_${regime%%:*}_at_${regime#*:}.json" \
+      "dataset.data_path=[$corpus/pycode_text_document]" \
+      "model.seq_length=${regime#*:}" train.global_batch_size=1 train.micro_batch_size=1 \
+      "checkpoint.load=$qr_dir/seq${regime%%:*}/msa" >> "$OUT/quality_runs/regime.log" 2>&1
+    echo "regime $regime rc $?"
+  done
   # shellcheck disable=SC2086  # QR_ARGS and QR_FINAL are lists
   timeout 400 python3 scripts/quality_bench.py "${qr[@]}" --arms "$arms_csv" --time-budget-s 60 \
     $qr_args ${QR_FINAL---extrapolate-to 32768 --final-probe-rows 32} \
     > "$OUT/quality_runs/summary.log" 2>&1
   echo "summary rc $?"
   sed -n '/^# MSA vs dense/,$p' "$OUT/quality_runs/summary.log"
-  if [[ -n "${QR_REGIME:-}" ]]; then
-    timeout 200 python3 benchmarks/indexer_regime.py --recipe recipes/quality_bench.yaml \
-      --rows 2 --out "$OUT/quality_runs/regime_${QR_REGIME/:/_at_}.json" \
-      "dataset.data_path=[/tmp/corpus_qr/pycode_text_document]" \
-      "model.seq_length=${QR_REGIME#*:}" train.global_batch_size=1 train.micro_batch_size=1 \
-      "checkpoint.load=$qr_dir/seq${QR_REGIME%%:*}/msa" > "$OUT/quality_runs/regime.log" 2>&1
-    echo "regime rc $?"
-    tail -n 30 "$OUT/quality_runs/regime.log"
-  fi
 fi
 # The reports and every run's metrics (no checkpoints: they stay on the machine).
+# One archive: the device returns only a few files.
 (cd "$qr_dir" && cp quality.md quality.json quality.png "$OUT/quality_runs/" 2>/dev/null; \
-  for m in seq*/*/metrics.jsonl; do [[ -e $m ]] || continue; \
-  d="$OUT/quality_runs/${m%/metrics.jsonl}"; mkdir -p "$d"; cp "$m" "$d/"; done)
+  tar -czf "$OUT/quality_runs/runs.tgz" -C "$OUT/quality_runs" --exclude runs.tgz \
+  --exclude quality.md --exclude quality.json --exclude quality.png . \
+  -C "$qr_dir" $(ls -d regime_*.json seq*/*/metrics.jsonl 2>/dev/null))
 fi
 
 if [[ " $STAGES " == *" peer "* ]]; then

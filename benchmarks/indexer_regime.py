@@ -11,6 +11,21 @@ the exact (token, block) work the union kernel would take at the cap ``--cap``, 
 inflation (``benchmarks/msa_bench/unions.py``: the statistics ``benchmarks/union_stats.py`` and the
 layer bench report). ``qt = 1`` is the exact selection (inflation 1).
 
+Beside the trained model's numbers, ``synthetic`` gives the same statistics for two made-up
+selections on the same rows: ``random`` (each token's own block plus ``top_k - 1`` blocks drawn
+uniformly from its document's earlier ones: an untrained indexer, the layer bench's fresh rows)
+and ``block_shared`` (one such draw per block, shared by its tokens: the most coherent a
+selection can be). Where a trained model's numbers fall between them says which benchmark rows
+it resembles.
+
+``--probe-rows N`` adds the passkey diagnosis (issue #49): N passkey rows per depth bucket
+(``nemo_msa.training.probes``, the recipe's probe keys) run through the model, and for every
+scored question token it reports how often the MSA layers select the block holding the needle
+token that token must copy (``passkey_needle``: per depth bucket, the share over layers, KV heads
+and tokens, the share of tokens for which at least one layer and head selects it, and the share a
+uniform draw would give). A model that cannot answer although its layers select the needle
+reads it and fails to use it; one whose layers do not select it never sees it.
+
 One process, no tensor/pipeline/context parallelism (the statistics need each layer's whole
 selection). Example::
 
@@ -24,6 +39,7 @@ selection). Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -63,8 +79,9 @@ def union_statistics(model, rows: list, forward_kwargs, qts=QTS, cap: int = CAP)
 
     Returns:
         ``{"layers": {layer_number: {qt: {"union_mean", "union_tiles", "union_exact_share",
-        "union_inflation"}}}, "mean": {qt: the same averaged over layers}}``; empty ``layers``
-        when no layer selected (dense layers, the dense warm-up).
+        "union_inflation"}}}, "mean": {qt: the same averaged over layers}, "synthetic":
+        {"random" | "block_shared": {qt: the same}}}`` (:func:`synthetic_statistics` on the
+        first MSA layer's layouts); empty when no layer selected (dense layers, the warm-up).
     """
     found: dict[int, list] = {}
     handles = []
@@ -103,7 +120,149 @@ def union_statistics(model, rows: list, forward_kwargs, qts=QTS, cap: int = CAP)
     mean = {qt: {k: statistics.fmean(layers[n][qt][k] for n in layers)
                  for k in ("union_mean", "union_tiles", "union_exact_share", "union_inflation")}
             for qt in qts} if layers else {}
-    return {"layers": layers, "mean": mean}
+    synthetic = synthetic_statistics(found[min(found)], qts, cap) if found else {}
+    return {"layers": layers, "mean": mean, "synthetic": synthetic}
+
+
+def synthetic_selection(documents: torch.Tensor, positions: torch.Tensor, block: int,
+                        top_k: int, heads: int, shared: bool,
+                        generator: torch.Generator) -> torch.Tensor:
+    """A made-up selection on a layout: each token's own block plus ``top_k - 1`` distinct blocks
+    drawn uniformly from its document's earlier ones (fewer where fewer exist).
+
+    Args:
+        documents: int [T] document index of each compact token.
+        positions: int [T] position of each token in its document.
+        block: tokens per block.
+        top_k: blocks per token.
+        heads: KV heads (an independent draw each).
+        shared: one draw per (document, block), shared by its tokens, instead of one per token.
+        generator: the CPU generator of the draws.
+
+    Returns:
+        int64 [heads, T, top_k] document-local block ids, -1 for empty slots.
+    """
+    own = positions.long() // block
+    width = int(own.max()) + 1 if own.numel() else 1
+    q2k = torch.full((heads, own.numel(), top_k), -1, dtype=torch.long)
+    q2k[:, :, 0] = own
+    if top_k == 1:
+        return q2k
+    # Draw keys: per token, or per (document, block) so that a block's tokens agree.
+    key = documents.long() * width + own if shared else torch.arange(own.numel())
+    _, draw_of = torch.unique(key, return_inverse=True)
+    draws = int(draw_of.max()) + 1
+    earlier = torch.arange(width)[None, :] < own[:, None]
+    for h in range(heads):
+        scores = torch.rand(draws, width, generator=generator)[draw_of]
+        top = scores.masked_fill(~earlier, -1.0).topk(min(top_k - 1, width), dim=1)
+        q2k[h, :, 1:1 + top.indices.shape[1]] = torch.where(top.values >= 0, top.indices, -1)
+    return q2k
+
+
+def synthetic_statistics(captured: list, qts, cap: int, seed: int = 0) -> dict:
+    """:func:`union_statistics`' numbers for :func:`synthetic_selection`'s random and
+    block-shared selections on the captured layouts (``[(q2k, msa), ...]`` of one layer)."""
+    generator = torch.Generator().manual_seed(seed)
+    out: dict = {}
+    for name, shared in (("random", False), ("block_shared", True)):
+        out[name] = {}
+        parts = {qt: [] for qt in qts}
+        for q2k, msa in captured:
+            documents, positions = msa.token_documents.cpu(), msa.document_positions.cpu()
+            fake = synthetic_selection(documents, positions, msa.block_size, q2k.shape[-1],
+                                       q2k.shape[0], shared, generator)
+            for qt in qts:
+                parts[qt].append(tile_union_sizes(fake, documents, positions, qt))
+        for qt in qts:
+            union = torch.cat([p[0] for p in parts[qt]], dim=1)
+            tokens = torch.cat([p[1] for p in parts[qt]])
+            exact = torch.cat([p[2] for p in parts[qt]], dim=1)
+            out[name][qt] = {"union_mean": union.float().mean().item(),
+                             **hybrid_work(union, tokens, exact, cap)}
+    return out
+
+
+def passkey_needle_selection(model, probes, block: int, forward_kwargs,
+                             device: torch.device) -> dict:
+    """How often the MSA layers select the needle's block for the passkey question's tokens.
+
+    Args:
+        model: a GPTModel (or a wrapper with ``.module``) with MSA layers, in its sparse phase.
+        probes: a passkey :class:`nemo_msa.training.probes.ProbeSet` (one document per row).
+        block: the MSA block size.
+        forward_kwargs: as in :func:`union_statistics`.
+        device: where the model runs.
+
+    Returns:
+        ``{"buckets": {bucket: {"selected", "selected_any", "chance", "rows"}}, "layers":
+        {layer_number: {bucket: selected}}}``: ``selected`` the share over (layer, KV head,
+        scored token) of selections holding the block of the needle token the question token
+        copies; ``selected_any`` the share of scored tokens that some layer and head selects
+        it for; ``chance`` what a uniform draw of the free slots gives (its mean over tokens).
+    """
+    attentions = msa_attentions(model)
+    names = probes.names
+    hits: dict[int, dict[str, list]] = {a.layer_number: {n: [] for n in names}
+                                        for a in attentions}
+    any_hits = {n: [] for n in names}
+    chance = {n: [] for n in names}
+    found: dict[int, torch.Tensor] = {}
+
+    def hook_for(number):
+        def capture(_module, args, kwargs):
+            if kwargs.get("q2k") is not None:
+                found[number] = kwargs["q2k"].detach().cpu()
+        return capture
+
+    handles = [a.core_attention.register_forward_pre_hook(hook_for(a.layer_number),
+                                                          with_kwargs=True) for a in attentions]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for row in range(probes.rows):
+                kind, planted = probes.planted[row]
+                if kind != "passkey":
+                    continue
+                needle = planted[0][0]
+                tokens = probes.tokens[row:row + 1].to(device)
+                seq = tokens.shape[1]
+                found.clear()
+                model(tokens, torch.arange(seq, device=device)[None], labels=None,
+                      **forward_kwargs(torch.ones_like(tokens)))
+                group = probes.group[row]
+                scored = torch.nonzero(group >= 0).flatten()
+                question = int(scored[0])
+                # Token question + j predicts key j; it must read key j at needle + 1 + j.
+                wanted = (needle + 1 + (scored - question)) // block
+                top_k = next(iter(found.values())).shape[-1]
+                own = scored // block
+                free = torch.clamp(own, min=1).double()
+                draw = torch.where(own > 0, torch.clamp((top_k - 1) / free, max=1.0), 0.0)
+                bucket = names[int(group[scored[0]])]
+                anyone = torch.zeros(scored.numel(), dtype=torch.bool)
+                for number, q2k in found.items():
+                    # q2k [Hkv, T, top_k]: one document per row, so compact token = position.
+                    sel = (q2k[:, scored, :] == wanted[None, :, None]).any(-1)
+                    hits[number][bucket].append(sel.double().mean().item())
+                    anyone |= sel.any(0)
+                any_hits[bucket].append(anyone.double().mean().item())
+                chance[bucket].append(draw.mean().item())
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    used = [n for n in names if any_hits[n]]
+    return {
+        "buckets": {n: {"selected": statistics.fmean(statistics.fmean(hits[k][n])
+                                                     for k in hits if hits[k][n]),
+                        "selected_any": statistics.fmean(any_hits[n]),
+                        "chance": statistics.fmean(chance[n]),
+                        "rows": len(any_hits[n])} for n in used},
+        "layers": {k: {n: statistics.fmean(hits[k][n]) for n in used if hits[k][n]}
+                   for k in hits},
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -113,12 +272,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, default=2, help="validation rows (default 2)")
     parser.add_argument("--qts", default=",".join(map(str, QTS)), help="union tile sizes")
     parser.add_argument("--cap", type=int, default=CAP, help=f"union cap (default {CAP})")
+    parser.add_argument("--probe-rows", type=int, default=0,
+                        help="passkey rows per depth bucket for the needle diagnosis (0: none)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("overrides", nargs="*", help="recipe overrides (checkpoint.load=...)")
     args = parser.parse_args(argv)
     from nemo_msa.training.build import build_training
     from nemo_msa.training.checkpoint import load_checkpoint
     from nemo_msa.training.data import MicrobatchSource, build_gpt_datasets, eod_token_id
+    from nemo_msa.training.probes import ProbeSettings, build_probes
     from nemo_msa.training.recipe import load_recipe
     from nemo_msa.training.setup import (
         init_distributed,
@@ -134,8 +296,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not recipe.checkpoint.load:
         raise SystemExit("error: recipe key 'checkpoint.load' = None: expected the checkpoint "
                          "directory of a trained MSA model")
-    if args.rows <= 0 or args.cap <= 0:
-        raise SystemExit(f"error: --rows = {args.rows}, --cap = {args.cap}: expected > 0")
+    if args.rows <= 0 or args.cap <= 0 or args.probe_rows < 0:
+        raise SystemExit(f"error: --rows = {args.rows}, --cap = {args.cap}, --probe-rows = "
+                         f"{args.probe_rows}: expected > 0, > 0 and >= 0")
     qts = [int(x) for x in args.qts.split(",") if x.strip()]
     ctx = init_distributed(recipe)
     try:
@@ -159,6 +322,15 @@ def main(argv: list[str] | None = None) -> dict:
                                   reset_position_ids=recipe.dataset.reset_position_ids)
         stats = union_statistics(objs.chunks[0], source.step_microbatches(),
                                  objs.hooks.model_forward_kwargs, qts, args.cap)
+        if args.probe_rows:
+            settings = dataclasses.replace(
+                ProbeSettings.from_train(recipe.train, recipe.gpt.seq_length),
+                kinds=("passkey",), rows=args.probe_rows)
+            probes = build_probes(valid, settings, recipe.gpt.seq_length,
+                                  eod_token_id(recipe.dataset, recipe.gpt))
+            stats["passkey_needle"] = passkey_needle_selection(
+                objs.chunks[0], probes, objs.config.msa_block_size,
+                objs.hooks.model_forward_kwargs, ctx.device)
     finally:
         teardown()
     report = {"checkpoint": str(recipe.checkpoint.load), "iteration": state.iteration,

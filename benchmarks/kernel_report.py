@@ -17,7 +17,7 @@ Usage::
 
     python benchmarks/kernel_report.py \
         [--kernel sel|fwd_union|dq_union|fwd_token|dq_token|union_build|loss_scores|loss_dk|
-                  fwd_split|dq_split|all] \
+                  all] \
         [--set KERNEL.KEY=VALUE ...] [--emit] [--guarded]
 """
 
@@ -190,31 +190,6 @@ def _dq_token(cfg, emit, guarded):
                       emit)
 
 
-def _key_split(fn_name, warps, stages, pointers, floats, extra):
-    """The key-split per-token kernels of benchmarks/per_token_variants.py (ADR 0035): as many key
-    groups as warps, from the per-token kernels' ``warps`` and ``stages`` launch fields."""
-    import per_token_variants as ptv
-
-    fn = getattr(ptv, fn_name)
-    constexprs = dict(TOPK=TOPK, G=G, BS=BS, D=D, WS=warps, FP32_DOT=False, **extra)
-    return fn, _signature(fn, constexprs, pointers, floats, {}), {"num_warps": warps,
-                                                                  "num_stages": stages}
-
-
-def _forward_split(cfg, emit, guarded):
-    pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
-    pointers.update(lse_ptr="*fp32", mass_ptr="*fp32")
-    return _key_split("_fwd_split_kernel", cfg.num_warps, cfg.num_stages, pointers,
-                      {"scale_log2"}, {"KP": TOPK})
-
-
-def _dq_split(cfg, emit, guarded):
-    pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr")}
-    pointers.update(lse_ptr="*fp32", delta_ptr="*fp32")
-    return _key_split("_dq_split_kernel", cfg.dq_warps, cfg.dq_stages, pointers,
-                      {"scale", "scale_log2"}, {})
-
-
 def _union_build(cfg, emit, guarded):
     import nemo_msa.attention.triton_union as tu
     from nemo_msa.triton.tiles import next_pow2
@@ -251,8 +226,7 @@ def _loss_dk(cfg, emit, guarded):
 KERNELS = {"sel": ("sel", _selection), "fwd_union": ("fwd", _forward_union),
            "dq_union": ("bwd", _dq_union), "fwd_token": ("fwd", _forward_token),
            "dq_token": ("bwd", _dq_token), "union_build": ("fwd", _union_build),
-           "loss_scores": ("bwd", _loss_scores), "loss_dk": ("bwd", _loss_dk),
-           "fwd_split": ("fwd", _forward_split), "dq_split": ("bwd", _dq_split)}
+           "loss_scores": ("bwd", _loss_scores), "loss_dk": ("bwd", _loss_dk)}
 
 
 def _tool(name):

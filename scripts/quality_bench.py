@@ -275,7 +275,54 @@ def markdown(report: dict) -> str:
             notes.append(f"control - best of MSA/dense copy loss at equal step: "
                          f"{cmp_['control_minus_best_copy']:+.4f}")
         lines += [""] + [f"- {n}" for n in notes] + [""]
+    lines += regime_tables(report.get("regimes", {}))
     return "\n".join(lines)
+
+
+def read_regimes(out: Path) -> dict:
+    """The ``regime_<S>_at_<L>.json`` files of ``benchmarks/indexer_regime.py`` in ``out``
+    (the trained MSA arms' selections), by file stem."""
+    regimes = {}
+    for path in sorted(out.glob("regime_*.json")):
+        try:
+            regimes[path.stem] = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            print(f"warning: {path} skipped: {err}", flush=True)
+    return regimes
+
+
+def regime_tables(regimes: dict) -> list[str]:
+    """Markdown lines of the trained indexers' selection statistics, beside the random and
+    block-shared selections on the same rows; empty without any."""
+    lines = []
+    for name, r in regimes.items():
+        mean = r.get("mean") or {}
+        if not mean:
+            continue
+        qts = sorted(mean, key=int)
+        lines += [f"## The trained indexer's selections: {name} (iteration {r.get('iteration')}, "
+                  f"{r.get('seq_length')} tokens, {r.get('rows')} rows, cap {r.get('cap')})", "",
+                  "| selections | " + " | ".join(f"union qt={q}" for q in qts)
+                  + f" | union-kernel work share qt={qts[-1]} | inflation qt={qts[-1]} |",
+                  "|" + "---|" * (len(qts) + 3)]
+        rows = {"trained (mean over layers)": mean, **(r.get("synthetic") or {})}
+        for label, stats in rows.items():
+            last = stats[qts[-1]]
+            lines.append(f"| {label} | " + " | ".join(_fmt(stats[q]["union_mean"], 1)
+                                                        for q in qts)
+                         + f" | {_fmt(last['union_exact_share'], 3)} | "
+                         f"{_fmt(last['union_inflation'], 2)} |")
+        needle = (r.get("passkey_needle") or {}).get("buckets")
+        if needle:
+            lines += ["", "Passkey needle block selected by the question's tokens (shares):", "",
+                      "| depth | selected (layer, head, token) | by some layer and head | "
+                      "uniform draw | rows |", "|---|---|---|---|---|"]
+            for bucket, e in needle.items():
+                lines.append(f"| {bucket.removeprefix('passkey/')} | {_fmt(e['selected'], 3)} "
+                             f"| {_fmt(e['selected_any'], 3)} | {_fmt(e['chance'], 3)} "
+                             f"| {e['rows']} |")
+        lines.append("")
+    return lines
 
 
 def probe_table(block: dict) -> list[str]:
@@ -509,6 +556,7 @@ def main(argv: list[str] | None = None) -> dict:
             block["runs"][arm]["error"] = error
         block["comparison"] = compare(block["runs"])
         report["wall_seconds"] = time.perf_counter() - t0
+        report["regimes"] = read_regimes(out)
         # Written after every run: a call killed from outside still leaves what it finished.
         text = write_report(report, out)
     print(text, flush=True)

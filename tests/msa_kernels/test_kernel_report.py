@@ -84,24 +84,6 @@ def test_kernel_report_shows_the_per_token_kernels_hmma_loops():
         assert other.stdout.splitlines()[0] != res.stdout.splitlines()[0], other.stdout
 
 
-def test_kernel_report_compiles_the_key_split_variants_with_fewer_barriers():
-    """The key-split per-token kernels of benchmarks/per_token_variants.py (ADR 0035) compile with
-    one key group per warp: their slot loops hold the MMAs of that group and fewer barriers
-    than the production per-token kernels' (no exchange of P or dS between warps per block)."""
-    pattern = r"loop at 0x[0-9a-f]+: \d+ instructions, (\d+) BAR.SYNC, (\d+) HMMA"
-    for split, token, setting, mmas in (("fwd_split", "fwd_token", "fwd.num_warps=8", 32),
-                                        ("dq_split", "dq_token", "bwd.dq_warps=8", 48)):
-        res = _run("--kernel", split, "--set", setting)
-        assert res.returncode == 0, res.stderr[-2000:]
-        assert "'num_warps': 8" in res.stdout.splitlines()[0], res.stdout
-        loops = [(int(b), int(m)) for b, m in re.findall(pattern, res.stdout)]
-        assert [m for _, m in loops] == [mmas], res.stdout
-        base = _run("--kernel", token)
-        assert base.returncode == 0, base.stderr[-2000:]
-        base_bars = [int(b) for b, _ in re.findall(pattern, base.stdout)]
-        assert base_bars and loops[0][0] < min(base_bars), (res.stdout, base.stdout)
-
-
 _SOURCE_OF_SEL = """
 import json, sys
 sys.path.insert(0, sys.argv[1])

@@ -27,6 +27,7 @@ def test_union_statistics_of_a_trained_model_at_a_longer_length(tmp_path):
     out = tmp_path / "regime.json"
     # Trained at 256 tokens, selections at 512 (as 8192 -> 32768 on the GPU).
     report = regime.main(["--rows", "1", "--qts", "1,4,16", "--cap", "3", "--out", str(out),
+                          "--probe-rows", "1",
                           *SMALL, "model.seq_length=512", f"checkpoint.load={ckpt}",
                           "model.msa_dense_warmup_steps=1",
                           "train.global_batch_size=1"])
@@ -45,5 +46,46 @@ def test_union_statistics_of_a_trained_model_at_a_longer_length(tmp_path):
         assert four["union_inflation"] >= 1.0
         assert 0.0 <= sixteen["union_exact_share"] <= 1.0
     assert set(report["mean"]) == {1, 4, 16}
+    # The made-up selections on the same rows: a one-token tile is exact for both; shared
+    # per block, the tiles inside a block add nothing to a token's own selection.
+    synthetic = report["synthetic"]
+    for name in ("random", "block_shared"):
+        assert synthetic[name][1]["union_inflation"] == pytest.approx(1.0)
+    assert synthetic["block_shared"][4]["union_mean"] == pytest.approx(
+        synthetic["block_shared"][1]["union_mean"])
+    assert synthetic["random"][16]["union_mean"] >= synthetic["block_shared"][16]["union_mean"]
+    # The passkey diagnosis: one row per depth bucket, shares in [0, 1], every MSA layer.
+    needle = report["passkey_needle"]
+    assert set(needle["buckets"]) == {"passkey/depth_0-10", "passkey/depth_25",
+                                      "passkey/depth_50", "passkey/depth_75",
+                                      "passkey/depth_90-100"}
+    for entry in needle["buckets"].values():
+        assert entry["rows"] == 1
+        assert 0.0 <= entry["selected"] <= entry["selected_any"] <= 1.0
+        assert 0.0 < entry["chance"] <= 1.0
+    assert sorted(needle["layers"]) == [1, 2, 3, 4]
     with pytest.raises(SystemExit, match="checkpoint.load"):
         regime.main([*SMALL])
+
+
+def test_synthetic_selections_hold_the_own_block_and_distinct_earlier_ones():
+    import torch
+
+    regime = _script("indexer_regime")
+    # Two documents of 40 and 24 tokens, blocks of 8, top-3.
+    documents = torch.tensor([0] * 40 + [1] * 24)
+    positions = torch.cat([torch.arange(40), torch.arange(24)])
+    for shared in (False, True):
+        q2k = regime.synthetic_selection(documents, positions, 8, 3, 2, shared,
+                                         torch.Generator().manual_seed(0))
+        assert q2k.shape == (2, 64, 3)
+        own = positions // 8
+        assert torch.equal(q2k[:, :, 0], own.expand(2, -1))
+        for h in range(2):
+            for t in range(64):
+                free = [b for b in q2k[h, t, 1:].tolist() if b >= 0]
+                assert len(free) == min(2, int(own[t])) and len(set(free)) == len(free)
+                assert all(b < own[t] for b in free)
+        same_block = (documents[:, None] == documents[None]) & (own[:, None] == own[None])
+        agree = (q2k[:, :, None, :] == q2k[:, None, :, :]).all(-1)
+        assert bool(agree[:, same_block].all()) == shared
