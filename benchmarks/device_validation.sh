@@ -425,9 +425,10 @@ fi
 # The reports and every run's metrics (no checkpoints: they stay on the machine).
 # One archive: the device returns only a few files.
 (cd "$qr_dir" && cp quality.md quality.json quality.png "$OUT/quality_runs/" 2>/dev/null; \
-  tar -czf "$OUT/quality_runs/runs.tgz" -C "$OUT/quality_runs" --exclude runs.tgz \
-  --exclude quality.md --exclude quality.json --exclude quality.png . \
-  -C "$qr_dir" $(ls -d regime_*.json seq*/*/metrics.jsonl 2>/dev/null))
+  tar -czf "$OUT/runs.tgz" -C "$OUT/quality_runs" --exclude quality.md \
+  --exclude quality.json --exclude quality.png . \
+  -C "$qr_dir" $(ls -d regime_*.json seq*/*/metrics.jsonl 2>/dev/null) \
+  && mv "$OUT/runs.tgz" "$OUT/quality_runs/runs.tgz")
 fi
 
 if [[ " $STAGES " == *" peer "* ]]; then

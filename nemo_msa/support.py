@@ -17,6 +17,7 @@ parallelism (a query subset) is its capability record's answer, asked by nemo_ms
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,32 +125,56 @@ DEFAULT_TOPOLOGY = MSATopology()
 FP8_ATTENTION_FIELDS = ("fp8_dot_product_attention", "fp8_multi_head_attention")
 
 
-def _require_supported_precision(config: Any) -> None:
-    """FP8 GEMMs around bf16 MSA attention (ADR 0036).
+@dataclass(frozen=True)
+class PrecisionRefusal:
+    """A precision setting MSA layers cannot run: the field, its value and what is expected.
 
-    ``config.fp8`` runs the layer's Transformer Engine linears (QKV, output projection, MLP and
+    Attributes:
+        field: the config field (``fp8``, ``fp8_dot_product_attention``, ...).
+        value: its value.
+        expected: what it must be instead, and why.
+        error: the exception the construction gate raises for it.
+    """
+
+    field: str
+    value: Any
+    expected: str
+    error: type[Exception]
+
+
+def precision_refusal(field: Callable[[str], Any]) -> PrecisionRefusal | None:
+    """The one statement of the precision rules (ADR 0036), for the construction gate and the
+    recipe check alike: FP8 GEMMs around bf16 MSA attention.
+
+    ``fp8`` runs the layer's Transformer Engine linears (QKV, output projection, MLP and
     experts) in FP8; their outputs, the attention's inputs, stay bf16. What would reach the MSA
     kernels in FP8 is refused, and so is FP8 without TE's layers, where Megatron's local linears
     would ignore it and train in bf16 silently.
+
+    Args:
+        field: the value of a config field by name (``transformer_impl`` unset means Megatron's
+            default, ``"transformer_engine"``).
+
+    Returns:
+        The first refusal, or None where the precision settings can run.
     """
-    if getattr(config, "fp8", None):
-        impl = getattr(config, "transformer_impl", "transformer_engine")
+    fp8, fp4 = field("fp8"), field("fp4")
+    if fp8:
+        impl = field("transformer_impl") or "transformer_engine"
         if impl != "transformer_engine":
-            raise ValueError(
-                f"config.fp8={config.fp8!r} with transformer_impl={impl!r}: FP8 GEMMs are "
-                "Transformer Engine's; set transformer_impl='transformer_engine' (or fp8=None)"
-            )
+            return PrecisionRefusal(
+                "fp8", fp8, f"null/None with transformer_impl={impl!r} (FP8 GEMMs are Transformer "
+                "Engine's; set transformer_impl='transformer_engine')", ValueError)
         for flag in FP8_ATTENTION_FIELDS:
-            if getattr(config, flag, False):
-                raise NotImplementedError(
-                    f"MSA attention does not support {flag}=True: its kernels read bf16 q/k/v "
-                    "(the FP8 GEMMs around it are supported); set it to False"
-                )
-    if getattr(config, "fp4", None):
-        raise NotImplementedError(
-            f"MSA layers do not support FP4 (config.fp4={config.fp4!r}): untested here (FP4 GEMMs "
-            "need SM100), and the MSA kernels read bf16 q/k/v"
-        )
+            if field(flag):
+                return PrecisionRefusal(
+                    flag, field(flag), "false: the MSA kernels read bf16 q/k/v (the FP8 GEMMs "
+                    "around them are supported)", NotImplementedError)
+    if fp4:
+        return PrecisionRefusal(
+            "fp4", fp4, "null/None: MSA layers are not built for FP4 (FP4 GEMMs need SM100, "
+            "untested here; the MSA kernels read bf16 q/k/v)", NotImplementedError)
+    return None
 
 
 def require_msa_support(config: Any, backend: str | None = None) -> MSATopology:
@@ -171,7 +196,10 @@ def require_msa_support(config: Any, backend: str | None = None) -> MSATopology:
         ValueError: FP8 GEMMs without Transformer Engine's layers (``transformer_impl``), or a
             topology, score type or backend name MSA cannot run; names field and value.
     """
-    _require_supported_precision(config)
+    refusal = precision_refusal(lambda name: getattr(config, name, None))
+    if refusal is not None:
+        raise refusal.error(f"config.{refusal.field}={refusal.value!r}: expected "
+                            f"{refusal.expected}")
     for flag in ("apply_rope_fusion", "fused_single_qkv_rope"):
         if getattr(config, flag, False):
             raise NotImplementedError(

@@ -23,7 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from nemo_msa.megatron.layer_specs import te_unavailable_reason
-from nemo_msa.support import FP8_ATTENTION_FIELDS
+from nemo_msa.support import precision_refusal
 from nemo_msa.training.probes import check_probe_settings
 from nemo_msa.training.recipe_fields import RecipeError, require
 from nemo_msa.training.recipe_schema import (
@@ -350,15 +350,14 @@ def _check_values(r: Recipe) -> None:
 
 
 def _check_precision(r: Recipe, impl: str) -> None:
-    """FP8 GEMMs need Transformer Engine's layers; the MSA kernels read bf16 (ADR 0036)."""
+    """The gate's precision rules (``nemo_msa.support.precision_refusal``) on the recipe's keys,
+    then what only a recipe decides: bf16 with FP8, and Transformer Engine on this machine."""
+    refusal = precision_refusal(lambda name: impl if name == "transformer_impl"
+                                else r.model.get(name))
+    if refusal is not None:
+        require(False, f"model.{refusal.field}", refusal.value, refusal.expected)
     fp8 = r.model.get("fp8")
     if fp8:
-        require(impl == "transformer_engine", "model.fp8", fp8,
-                "null with model.transformer_impl='local' (FP8 GEMMs are Transformer Engine's; "
-                "set model.transformer_impl=transformer_engine)")
-        for field in FP8_ATTENTION_FIELDS:
-            require(not r.model.get(field), f"model.{field}", r.model.get(field),
-                    "false: the MSA kernels read bf16 q/k/v (FP8 GEMMs around them are fine)")
         require(bool(r.model.get("bf16")), "model.bf16", r.model.get("bf16"),
                 "true with model.fp8 (the attention and the indexer run in bf16)")
         reason = te_unavailable_reason()
@@ -367,8 +366,6 @@ def _check_precision(r: Recipe, impl: str) -> None:
     for key in ("fp8_param", "fp8_dot_product_attention", "fp8_multi_head_attention"):
         if r.model.get(key) and not fp8:
             require(False, f"model.{key}", r.model.get(key), "false without model.fp8")
-    require(not r.model.get("fp4"), "model.fp4", r.model.get("fp4"),
-            "null: MSA layers are not built for FP4 (SM100 GEMMs, untested)")
 
 
 def _check_context_parallel(r: Recipe) -> None:

@@ -60,7 +60,8 @@ def test_fp8_gemms_pass_the_gate_with_transformer_engine_layers_only():
     for impl in ("transformer_engine", None):  # None: Megatron's default, TE
         fields = {"fp8": "hybrid"} if impl is None else {"fp8": "hybrid", "transformer_impl": impl}
         assert require_msa_support(production_config(**fields)).head_dim == 128
-    with pytest.raises(ValueError, match=r"config.fp8='hybrid' with transformer_impl='local'"):
+    with pytest.raises(ValueError, match=r"config.fp8='hybrid': expected null/None with "
+                                         r"transformer_impl='local'"):
         require_msa_support(production_config(fp8="hybrid", transformer_impl="local"))
     # Without fp8 the FP8-attention flags are inert, as in Megatron.
     require_msa_support(production_config(fp8_dot_product_attention=True))
