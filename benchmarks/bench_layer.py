@@ -54,13 +54,20 @@ CUDA time of one more step. MSA rows also say how one more step's selections (fi
 split between the Triton kernels (``benchmarks/msa_bench/unions.py``): ``union_mean`` (blocks in
 the union of a ``union_qt``-token tile), ``union_kernel_share`` (the share of the exact
 (token, block) work on the union kernel at the launch's ``union_max``) and
-``union_inflation`` (the union kernel's work over that exact work). ``--index coherent`` makes
-the MSA layers' index queries coherent within each 128-token block, as a trained indexer's
-selections are (``layer_bench/selection.py``); the default, ``fresh``, keeps the untrained
-indexer's random ones. A row that runs out of memory or one of whose warm-up steps after the first
-(which compiles the kernels; the only one with ``--warmup 1``) exceeds ``--max-step-s`` is
-reported as ``oom`` / ``too_slow`` and the run continues (larger sizes of that case are then
-skipped and reported as such).
+``union_inflation`` (the union kernel's work over that exact work). MSA rows also time that
+layer's sparse attention alone (``layer_bench/pairs.py``): its captured core-attention call,
+forward + backward as training makes it, and cuDNN SDPA per document on the same q/k/v
+(``--warmup`` calls, median of ``--steps``): ``pairs_dense`` / ``pairs_msa`` (causal (query,
+key) pairs per query head: every one in the documents, and exactly those of the selected
+blocks), ``msa_attention_ms`` / ``cudnn_attention_ms``, ``pair_rate_vs_cudnn`` (MSA pairs per
+ms over cuDNN's; the table's ``pair rate``) and ``msa_attention_tflops`` /
+``cudnn_attention_tflops`` (14 * heads * head_dim FLOPs per pair); ``--no-pair-rate`` skips
+them. ``--index coherent`` makes the MSA layers' index queries coherent within each 128-token
+block, as a trained indexer's selections are (``layer_bench/selection.py``); the default,
+``fresh``, keeps the untrained indexer's random ones. A row that runs out of memory or one of
+whose warm-up steps after the first (which compiles the kernels; the only one with
+``--warmup 1``) exceeds ``--max-step-s`` is reported as ``oom`` / ``too_slow`` and the run
+continues (larger sizes of that case are then skipped and reported as such).
 
 Usage::
 
@@ -119,9 +126,14 @@ from layer_bench.model import (  # noqa: E402
     case_config,
     init_single_rank,
 )
+from layer_bench.pairs import pair_rate  # noqa: E402
 from layer_bench.report import commit_id, fmt_table, log, log_kernels, write_json  # noqa: E402
 from layer_bench.rows import parse_rows  # noqa: E402
-from layer_bench.selection import coherent_index_hooks, selection_stats  # noqa: E402
+from layer_bench.selection import (  # noqa: E402
+    capture_core_attention,
+    coherent_index_hooks,
+    selection_stats,
+)
 from layer_bench.steps import attention_step, layer_step, packed_attention_step  # noqa: E402
 from layer_bench.timing import free_memory, peak_gib, run_row  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
@@ -161,6 +173,17 @@ def parse_list(text: str, allowed: tuple[str, ...] | None, name: str) -> list:
     return values
 
 
+def row_pair_rate(call, args: argparse.Namespace, on_gpu: bool) -> dict:
+    """The pair-rate fields of an MSA row (:func:`layer_bench.pairs.pair_rate`, the row's
+    warm-up and steps), or ``pair_rate_note`` where timing them failed (out of memory, say):
+    the row's step was measured, so the run goes on."""
+    try:
+        return pair_rate(call, on_gpu, args.warmup, args.steps)
+    except Exception as error:  # the step time stands without it
+        free_memory(on_gpu)
+        return {"pair_rate_note": f"{type(error).__name__}: {str(error)[:300]}"}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parses the arguments, times every row and prints the table (see the module docstring).
 
@@ -194,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default 8192; tiny 256)")
     ap.add_argument("--no-attention-rows", action="store_true",
                     help="skip the dense_attention / cudnn_attention rows")
+    ap.add_argument("--no-pair-rate", action="store_true",
+                    help="skip the MSA rows' pair rate (their sparse attention and cuDNN's "
+                    "dense attention timed alone on the row's q/k/v: a few seconds per row)")
     ap.add_argument("--packed-docs", default=None, metavar="MIN:MAX",
                     help="also time dense attention on one row packed with documents of random "
                     "lengths MIN..MAX, drawn once per size (rows dense_attention_packed and "
@@ -380,8 +406,15 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
             if stats.get("documents"):
                 row["docs"] = statistics.mean(stats["documents"])
             if case != "dense" and row["status"] == "ok":
-                # One more, untimed step: how the selections split between the kernels.
-                row.update(selection_stats(model, step))
+                # One more, untimed step; its first MSA core-attention call tells how the
+                # selections split between the kernels and, timed alone against cuDNN, the
+                # attention's rate per attended pair.
+                call = capture_core_attention(model, step)
+                row.update(selection_stats(call))
+                if call is not None and not args.no_pair_rate:
+                    row.update(row_pair_rate(call, args, on_gpu))
+                del call
+                free_memory(on_gpu)
             if row["status"] in ("oom", "too_slow"):
                 blocked = (tokens, row["status"])
             if row["status"] == "ok":
@@ -421,8 +454,10 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
     log_kernels(rows)
     log("\n" + fmt_table(rows))
     log("step_ms: median of one training step's forward+backward (optimizer excluded); "
-         "x dense: dense step / this step; fwdbwd_ms: attention alone; x cudnn: this / cuDNN; "
-         "peak_gib: max allocated during the row (model, grads and inputs included).")
+         "x dense: dense step / this step; pair rate: the MSA layer's sparse attention's "
+         "(query, key) pairs per ms over cuDNN's dense attention's on the same q/k/v and "
+         "documents; fwdbwd_ms: attention alone; x cudnn: this / cuDNN; peak_gib: max "
+         "allocated during the row (model, grads and inputs included).")
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     return 0 if all(r["status"] in ("ok", "oom", "too_slow", "skipped") for r in rows) else 1

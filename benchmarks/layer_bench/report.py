@@ -17,7 +17,9 @@ def log(*parts) -> None:
 
 
 def fmt_table(rows: list[dict]) -> str:
-    """The printed table: one line per row, with its speed-up over dense and over cuDNN.
+    """The printed table: one line per row, with its speed-up over dense and over cuDNN, and an
+    MSA row's pair rate (its sparse attention's pairs per ms over cuDNN's,
+    ``pair_rate_vs_cudnn``).
 
     Args:
         rows: the rows as reported (``tokens``, ``case``, ``status`` and the timings).
@@ -36,8 +38,8 @@ def fmt_table(rows: list[dict]) -> str:
     cudnn_ms = {(r["tokens"], "_packed" in r["case"]): r["fwdbwd_ms"] for r in rows
                 if r["case"].startswith("cudnn_attention") and r.get("status") == "ok"}
     head = (f"| {'tokens':>7} | {'docs':>6} | {'case':<28} | {'status':<8} | {'step_ms':>9} "
-            f"| {'tok/s':>10} | {'x dense':>7} | {'fwdbwd_ms':>9} | {'x cudnn':>7} "
-            f"| {'peak_gib':>8} |")
+            f"| {'tok/s':>10} | {'x dense':>7} | {'pair rate':>9} | {'fwdbwd_ms':>9} "
+            f"| {'x cudnn':>7} | {'peak_gib':>8} |")
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
 
     def num(value, width, digits=1):
@@ -53,7 +55,8 @@ def fmt_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['tokens']:>7} | {num(docs, 6)} | {case:<28} | {r['status']:<8} "
             f"| {num(step, 9)} | {num(r.get('tokens_per_s'), 10, 0)} | {num(x_dense, 7, 2)} "
-            f"| {num(fb, 9)} | {num(x_cudnn, 7, 2)} | {num(r.get('peak_gib'), 8, 2)} |"
+            f"| {num(r.get('pair_rate_vs_cudnn'), 9, 2)} | {num(fb, 9)} | {num(x_cudnn, 7, 2)} "
+            f"| {num(r.get('peak_gib'), 8, 2)} |"
         )
     return "\n".join(lines)
 

@@ -6,11 +6,14 @@ to a uniform draw, the Triton kernels' worst case; a trained indexer's neighbour
 mostly the same blocks. :func:`coherent_index_hooks` gives the benchmark's MSA layers the second
 regime without training: each index query becomes its 128-token compact block's first index
 query plus 5% of its own (gradients reach both, so the indexer loss still trains the indexer),
-as ``benchmarks/bench_msa.py --coherent`` draws its inputs. :func:`selection_stats` runs one untimed
-step and reports the selections' tile unions.
+as ``benchmarks/bench_msa.py --coherent`` draws its inputs. :func:`capture_core_attention` runs one
+untimed step and keeps its first MSA layer's core-attention call; :func:`selection_stats` reports
+that call's tile unions (and ``pairs.py`` times it against cuDNN).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from msa_bench.unions import hybrid_work, tile_union_sizes
@@ -47,44 +50,75 @@ def coherent_index_hooks(model, block: int) -> list:
     return [attention.indexer.register_forward_hook(hook) for attention in _msa_layers(model)]
 
 
-def selection_stats(model, bench) -> dict:
-    """The first MSA layer's selection in one more (untimed) step: its 8-token tile unions at
-    the forward's launch (``fwd.union_qt``, ``fwd.union_max``).
+@dataclass
+class CoreAttentionCall:
+    """One call of an MSA layer's core attention as training made it.
+
+    Attributes:
+        module: the layer's ``MSACoreAttention`` (its ``softmax_scale`` included).
+        args: ``(query [T, Hq, d], key [T, Hkv, d], value, msa)``, q/k/v detached.
+        kwargs: ``q2k`` (int32 [Hkv, T, top_k], the selection's own tensor, so it keeps its
+            canonical mark), ``backend``, ``return_block_mass``, ``queries``, ``fused``.
+    """
+
+    module: torch.nn.Module
+    args: tuple
+    kwargs: dict
+
+
+def capture_core_attention(model, bench) -> CoreAttentionCall | None:
+    """The first MSA layer's first sparse core-attention call in one more (untimed) step.
 
     Args:
         model: the benchmark's model; bench: the row's ``(prepare, run)``.
 
     Returns:
-        ``{"union_qt", "union_mean", "union_kernel_share", "union_inflation"}`` (the mean union
-        in blocks; the share of the exact (token, block) work the union kernel takes; its union
-        work over that exact work), or ``{}`` where the model's layers select nothing (dense
-        layers, the dense warm-up).
+        The call, or None where the model's layers select nothing (dense layers, the dense
+        warm-up).
     """
-    found: dict = {}
+    found: list[CoreAttentionCall] = []
 
-    def capture(_module, args, kwargs):
-        # core_attention(query [T, Hq, d], key [T, Hkv, d], value, msa, q2k=..., ...)
-        if "q2k" not in found and kwargs.get("q2k") is not None:
-            found.update(q2k=kwargs["q2k"].detach(), msa=args[3],
-                         group=args[0].shape[1] // args[1].shape[1])
+    def capture(module, args, kwargs):
+        # core_attention(query, key, value, msa, q2k=..., ...); a recompute's second call in
+        # the backward repeats the first.
+        if not found and kwargs.get("q2k") is not None:
+            found.append(CoreAttentionCall(
+                module, tuple(a.detach() if torch.is_tensor(a) else a for a in args),
+                dict(kwargs)))
 
     attentions = _msa_layers(model)
     if not attentions:
-        return {}
+        return None
     handle = attentions[0].core_attention.register_forward_pre_hook(capture, with_kwargs=True)
     try:
         prepare, run = bench
         run(prepare())
     finally:
         handle.remove()
-    if "q2k" not in found:
+    return found[0] if found else None
+
+
+def selection_stats(call: CoreAttentionCall | None) -> dict:
+    """A captured call's selection: its 8-token tile unions at the forward's launch
+    (``fwd.union_qt``, ``fwd.union_max``).
+
+    Args:
+        call: the first MSA layer's core-attention call (:func:`capture_core_attention`), or
+            None.
+
+    Returns:
+        ``{"union_qt", "union_mean", "union_kernel_share", "union_inflation"}`` (the mean union
+        in blocks; the share of the exact (token, block) work the union kernel takes; its union
+        work over that exact work), or ``{}`` where ``call`` is None.
+    """
+    if call is None:
         return {}
     launch = current_launch("fwd")
-    msa = found["msa"]
+    query, key, _, msa = call.args[:4]
+    group = query.shape[1] // key.shape[1]
     # The tile the launch uses: union_qt, capped by the block and the rows one program holds.
-    qt = union_tile_tokens(max(launch.union_qt, 1), msa.block_size,
-                           max(16, next_pow2(found["group"])))
-    union, tokens, exact = tile_union_sizes(found["q2k"].cpu(), msa.token_documents.cpu(),
+    qt = union_tile_tokens(max(launch.union_qt, 1), msa.block_size, max(16, next_pow2(group)))
+    union, tokens, exact = tile_union_sizes(call.kwargs["q2k"].cpu(), msa.token_documents.cpu(),
                                             msa.document_positions.cpu(), qt)
     work = hybrid_work(union, tokens, exact, launch.union_max)
     return {"union_qt": qt, "union_mean": union.float().mean().item(),

@@ -1,6 +1,8 @@
 """The timed work of each row, as ``(prepare, run)`` pairs: ``prepare()`` makes fresh random
 inputs (untimed), ``run(inputs)`` is the work the row times. One training step of the model,
-the attention alone on one document, and the attention alone on one packed row."""
+the attention alone on one document, and the attention alone on one packed row; and cuDNN's
+attention per document (:func:`cudnn_document_attention`), the packed rows' and the pair rate's
+baseline."""
 
 from __future__ import annotations
 
@@ -43,6 +45,36 @@ def packed_lengths(tokens: int, mean: int, minimum: int, generator: torch.Genera
             sizes.append(n)
         left -= n
     return sizes
+
+
+def sdpa_backends(device: torch.device) -> list[SDPBackend]:
+    """The SDPA kernels the cuDNN rows may use: cuDNN alone on the GPU (so that a fallback to
+    another kernel fails instead of timing something else), the math kernel on the CPU."""
+    return [SDPBackend.CUDNN_ATTENTION] if device.type == "cuda" else [SDPBackend.MATH]
+
+
+def cudnn_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             lengths: list[int] | tuple[int, ...], scale: float) -> torch.Tensor:
+    """Dense causal GQA attention within documents by cuDNN SDPA, one call per document at its
+    exact length (the baseline of the packed rows and of the MSA rows' pair rate).
+
+    Args:
+        q: [T, Hq, d] compact queries; k, v: [T, Hkv, d].
+        lengths: the documents' lengths in compact order (they add up to T).
+        scale: the softmax scale.
+
+    Returns:
+        [T, Hq, d], the documents' outputs in compact order.
+    """
+    parts, start = [], 0
+    with sdpa_kernel(sdpa_backends(q.device)):
+        for n in lengths:
+            # [n, H, d] -> [1, H, n, d] views of the compact rows; no copy of the inputs.
+            qd, kd, vd = (x[start:start + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            parts.append(F.scaled_dot_product_attention(
+                qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1))
+            start += n
+    return torch.cat(parts)
 
 
 def layer_step(model, shape: Shape, tokens: int, device: torch.device, doc_mean: int = 0,
@@ -117,8 +149,7 @@ def attention_step(name: str, shape: Shape, tokens: int, device: torch.device, d
         if name == "dense_attention":
             out = dense_document_attention(x["q"], x["k"], x["v"], msa, scale)
         else:
-            backends = [SDPBackend.CUDNN_ATTENTION] if device.type == "cuda" else [SDPBackend.MATH]
-            with sdpa_kernel(backends):
+            with sdpa_kernel(sdpa_backends(device)):
                 out = F.scaled_dot_product_attention(
                     x["q"], x["k"], x["v"], is_causal=True, scale=scale, enable_gqa=True
                 )
@@ -147,6 +178,7 @@ def packed_attention_step(shape: Shape, tokens: int, lengths: tuple[int, int],
     scale = shape.head_dim**-0.5
     generator = torch.Generator().manual_seed(tokens)
     heads = (shape.heads, shape.groups, shape.groups)
+
     def draw() -> list[int]:
         sizes, left = [], tokens
         while left > 0:
@@ -156,13 +188,11 @@ def packed_attention_step(shape: Shape, tokens: int, lengths: tuple[int, int],
         return sizes
 
     sizes = draw()
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
 
     def prepare() -> dict:
-        nonlocal sizes, starts
+        nonlocal sizes
         if fresh:
             sizes = draw()
-            starts = [sum(sizes[:i]) for i in range(len(sizes))]
         ids = torch.repeat_interleave(torch.arange(1, len(sizes) + 1), torch.tensor(sizes))
         msa = MSAMicrobatch.build(packed_seq_ids=ids.view(1, tokens).to(device),
                                   block_size=shape.block)
@@ -177,15 +207,7 @@ def packed_attention_step(shape: Shape, tokens: int, lengths: tuple[int, int],
         if kernel == "nemo":
             out = dense_document_attention(x["q"], x["k"], x["v"], x["msa"], scale)
         else:
-            backends = [SDPBackend.CUDNN_ATTENTION] if device.type == "cuda" else [SDPBackend.MATH]
-            parts = []
-            with sdpa_kernel(backends):
-                for start, n in zip(starts, sizes, strict=True):
-                    q, k, v = (x[name][start:start + n].transpose(0, 1).unsqueeze(0)
-                               for name in ("q", "k", "v"))
-                    parts.append(F.scaled_dot_product_attention(
-                        q, k, v, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1))
-            out = torch.cat(parts)
+            out = cudnn_document_attention(x["q"], x["k"], x["v"], sizes, scale)
         out.backward(x["dout"])
 
     return prepare, run

@@ -17,6 +17,22 @@ pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ("dense", "msa_loss_off", "msa_sparse_loss", "msa_dense_loss", "msa_warmup")
+# The cases whose layers select blocks (msa_warmup attends densely in its warm-up).
+SELECTING = ("msa_loss_off", "msa_sparse_loss", "msa_dense_loss")
+PAIR_FIELDS = ("pairs_dense", "pairs_msa", "msa_attention_ms", "cudnn_attention_ms",
+               "pair_rate_vs_cudnn", "msa_attention_tflops", "cudnn_attention_tflops")
+
+
+def _assert_pair_rate(row: dict, tokens: int) -> None:
+    """An MSA row's pair rate: positive finite fields, consistent with each other."""
+    for field in PAIR_FIELDS:
+        assert isinstance(row[field], (int, float)) and math.isfinite(row[field]), (field, row)
+        assert row[field] > 0, (field, row)
+    assert "pair_rate_note" not in row, row
+    # Dense within documents attends at most one document's causal pairs; the selection fewer.
+    assert row["pairs_msa"] <= row["pairs_dense"] <= tokens * (tokens + 1) // 2, row
+    assert math.isclose(row["pair_rate_vs_cudnn"],
+                        row["msa_attention_tflops"] / row["cudnn_attention_tflops"]), row
 
 
 def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -46,12 +62,23 @@ def test_tiny_run_reports_every_case_and_attention_row(tmp_path):
         assert row["kernels"] and all(k["ms"] > 0 for k in row["kernels"]), row
         if key == "step_ms":
             assert math.isclose(row["tokens_per_s"], tokens / (value / 1e3)), row
+        if case in SELECTING:
+            _assert_pair_rate(row, tokens)
+        else:
+            assert not set(PAIR_FIELDS) & set(row), row
         if "_packed" in case:  # 2..13 documents of 10..40 tokens per row
             assert tokens / 40 <= row["documents_mean"] <= tokens / 10 + 1, row
             assert 0 < row["causal_pairs_vs_one_document"] < 1, row
     # The printed table ends the output, one line per row.
     table = proc.stdout[proc.stdout.index("|  tokens |"):]
     assert sum(line.startswith("|     ") for line in table.splitlines()) == len(expected)
+    assert "| x dense | pair rate |" in table
+    for line in table.splitlines()[2:len(expected) + 2]:
+        cells = [cell.strip() for cell in line.split("|")]
+        # The pair rate column (after x dense) is filled on the selecting MSA rows only.
+        assert bool(cells[8]) == (cells[3] in SELECTING), line
+        if cells[3] in SELECTING:
+            assert math.isfinite(float(cells[8])) and float(cells[8]) > 0, line
 
 
 def test_bad_arguments_fail_before_anything_is_built(tmp_path):
@@ -91,8 +118,10 @@ def test_packed_rows_and_two_layers(tmp_path):
     rows = {(r["tokens"], r["doc_mean"], r["case"]): r for r in result["rows"]}
     assert set(rows) == {(t, m, c) for t, m in ((128, 0), (256, 64))
                          for c in ("dense", "msa_sparse_loss")}
-    for (_, mean, _), row in rows.items():
+    for (tokens, mean, case), row in rows.items():
         assert row["status"] == "ok" and row["layers"] == 2, row
+        if case == "msa_sparse_loss":
+            _assert_pair_rate(row, tokens)
         assert row["step_ms"] > 0 and math.isfinite(row["step_ms"]), row
         if mean == 0:
             assert row["docs"] == 1, row
@@ -116,6 +145,17 @@ def test_packed_lengths_fill_the_row_with_the_stated_distribution():
     assert packed_lengths(8192, 0, 256, generator) == [8192]
     again = torch.Generator().manual_seed(0)
     assert packed_lengths(32768, 4096, 256, again) == drawn[0]
+
+
+def test_rows_parse_n_and_n_mean():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from layer_bench.rows import parse_rows
+
+    assert parse_rows("8192, 131072:16384", [0], "--tokens") == [(8192, 0), (131072, 16384)]
+    with pytest.raises(SystemExit, match="'x:1' is not N or N:MEAN"):
+        parse_rows("x:1", [0], "--tokens")
+    with pytest.raises(SystemExit, match="expected N > 0"):
+        parse_rows("0", [0], "--tokens")
 
 
 def test_bad_row_arguments(tmp_path):
@@ -151,7 +191,11 @@ def test_profile_traces_of_packed_and_one_document_rows_are_kept_apart(tmp_path)
     # Rows of the same length, one document and packed: each profiled step gets its own trace.
     traces = tmp_path / "traces"
     proc = _run(tmp_path, "--tokens", "128,128:64", "--cases", "msa_sparse_loss",
-                "--no-attention-rows", "--profile", "--profile-top", "2", "--trace", str(traces))
+                "--no-attention-rows", "--profile", "--profile-top", "2", "--trace", str(traces),
+                "--no-pair-rate")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "layer.json").read_text())["rows"]
+    # --no-pair-rate: the MSA rows keep their selection statistics, without the pair rate.
+    assert all("union_mean" in row and not set(PAIR_FIELDS) & set(row) for row in rows), rows
     assert sorted(p.name for p in traces.iterdir()) == [
         "msa_sparse_loss_128.json", "msa_sparse_loss_128_mean64.json"]

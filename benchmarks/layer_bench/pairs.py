@@ -1,0 +1,140 @@
+"""Attention work in (query, key) pairs, and each MSA row's pair rate against cuDNN (issue #50).
+
+A query at document position ``p`` sees ``p + 1`` keys, so dense attention within a document of
+``n`` tokens computes ``n (n + 1) / 2`` pairs. MSA attends the visible keys of the blocks its
+selection keeps: a selected block ``b`` contributes ``min(block, p - b * block + 1)`` keys (its
+own block ``p % block + 1``, an earlier one all ``block``). :func:`selected_pairs` counts them
+exactly from a q2k; :func:`document_pairs` bounds them analytically (ADR 0031's floor).
+
+Each pair costs ``14 * heads * head_dim`` FLOPs forward + backward: two matmuls forward (S and
+P V), five backward (S again, dP, dV, dQ, dK), two FLOPs per multiply-add.
+
+:func:`pair_rate` times the first MSA layer's captured core-attention call (forward + backward,
+as training calls it) and cuDNN's dense attention on the same q/k/v and documents, and divides
+each side's pairs by its time: the sparse kernels' rate of useful work against cuDNN's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from layer_bench.selection import CoreAttentionCall
+from layer_bench.steps import cudnn_document_attention
+from layer_bench.timing import run_timed
+from nemo_msa.q2k import canonical_q2k
+
+#: Matmul FLOPs per attended (query, key) pair and per (head, channel), forward + backward.
+FLOPS_PER_PAIR_CHANNEL = 14
+
+
+def document_pairs(length: int, block: int, top_k: int) -> tuple[int, int]:
+    """``(dense, sparse)`` causal (query, key) pairs of one document of ``length`` tokens:
+    every visible key, and at most ``top_k`` blocks of ``block`` keys (the own block partial),
+    i.e. ``min(p + 1, (top_k - 1) * block + p % block + 1)`` per query (an upper bound on any
+    selection's pairs)."""
+    p = torch.arange(length, dtype=torch.int64)
+    dense = length * (length + 1) // 2
+    sparse = int(torch.minimum(p + 1, (top_k - 1) * block + p % block + 1).sum())
+    return dense, sparse
+
+
+def dense_pairs(lengths) -> int:
+    """Causal (query, key) pairs per head of dense attention within documents of ``lengths``."""
+    return sum(n * (n + 1) // 2 for n in lengths)
+
+
+def selected_pairs(q2k: torch.Tensor, msa) -> float:
+    """(query, key) pairs per query head that a selection attends, exactly.
+
+    The q2k means its set (MSA_SPEC.md): :func:`canonical_q2k` drops -1, ids past the token's
+    own block and duplicates first, as the kernels do. Each query head attends its KV head's
+    selection, so the pairs summed over the query heads, divided by Hq, are the mean over the
+    KV heads.
+
+    Args:
+        q2k: int [Hkv, T, top_k] document-local block ids (every token a query).
+        msa: the layout (``document_positions``, ``block_size``).
+
+    Returns:
+        The pairs per query head (the mean over KV heads; a float).
+    """
+    ids = canonical_q2k(q2k, msa).long()  # [Hkv, T, K], -1 for an empty slot
+    positions = msa.document_positions.long()[None, :, None]
+    # A block's visible keys: up to the query in its own block, all of an earlier one.
+    keys = (positions - ids * msa.block_size + 1).clamp(max=msa.block_size)
+    return torch.where(ids >= 0, keys, 0).sum().item() / q2k.shape[0]
+
+
+def tflops(pairs: float, heads: int, head_dim: int, ms: float) -> float:
+    """TFLOP/s of ``pairs`` per head over ``heads`` heads of ``head_dim``, forward + backward
+    in ``ms``."""
+    return FLOPS_PER_PAIR_CHANNEL * heads * head_dim * pairs / (ms * 1e-3) / 1e12
+
+
+def pair_rate(call: CoreAttentionCall, on_gpu: bool, warmup: int, reps: int) -> dict:
+    """The MSA layer's sparse attention against cuDNN's dense attention, per attended pair.
+
+    Both sides run forward + backward on detached clones (with gradients) of the captured
+    q/k/v and a fresh random gradient of the output per call, timed by the rows' helper
+    (:func:`run_timed`: ``warmup`` calls, then the median of ``reps``). The sparse side is the
+    captured call itself (the module, the layout, the q2k object, ``return_block_mass`` and the
+    backend as training passed them); the dense side is cuDNN SDPA per document of the same
+    layout (the math kernel on the CPU).
+
+    Args:
+        call: the first MSA layer's core-attention call (:func:`capture_core_attention`).
+        on_gpu: time with CUDA events (perf_counter on the CPU).
+        warmup: untimed calls per side first (>= 1; cuDNN plans each document length there).
+        reps: timed calls per side.
+
+    Returns:
+        ``pairs_dense``, ``pairs_msa`` (per query head), ``msa_attention_ms``,
+        ``cudnn_attention_ms``, ``pair_rate_vs_cudnn`` (MSA pairs per ms over cuDNN's) and
+        ``msa_attention_tflops``, ``cudnn_attention_tflops``.
+
+    Raises:
+        ValueError: a call with a query subset (context parallelism), whose pairs these counts
+            do not cover.
+    """
+    query, key, value, msa = call.args[:4]
+    kwargs = call.kwargs
+    if kwargs.get("queries") is not None:
+        raise ValueError("pair_rate counts every token as a query; the call has a query subset")
+    heads, head_dim = query.shape[1], query.shape[2]
+    lengths = msa.document_lengths
+    pairs = {"msa": selected_pairs(kwargs["q2k"], msa), "cudnn": dense_pairs(lengths)}
+
+    def prepare() -> dict:
+        q, k, v = (x.detach().clone().requires_grad_() for x in (query, key, value))
+        return {"q": q, "k": k, "v": v, "dout": torch.randn_like(q)}
+
+    def msa_run(x: dict) -> None:
+        out = call.module(x["q"], x["k"], x["v"], *call.args[3:], **kwargs)
+        if kwargs.get("return_block_mass"):
+            out = out[0]  # the mass has no gradient
+        out.backward(x["dout"])
+
+    def cudnn_run(x: dict) -> None:
+        out = cudnn_document_attention(x["q"], x["k"], x["v"], lengths,
+                                       call.module.softmax_scale)
+        out.backward(x["dout"])
+
+    # The rows' loop, without its too-slow cut (the step around this attention already passed).
+    timing = argparse.Namespace(warmup=warmup, steps=reps, max_step_s=math.inf, profile=False)
+    ms = {}
+    for side, run in (("msa", msa_run), ("cudnn", cudnn_run)):
+        scratch: dict = {}
+        run_timed((prepare, run), timing, on_gpu, scratch, "ms")
+        ms[side] = scratch["ms"]
+    return {
+        "pairs_dense": pairs["cudnn"],
+        "pairs_msa": pairs["msa"],
+        "msa_attention_ms": ms["msa"],
+        "cudnn_attention_ms": ms["cudnn"],
+        "pair_rate_vs_cudnn": (pairs["msa"] / ms["msa"]) / (pairs["cudnn"] / ms["cudnn"]),
+        "msa_attention_tflops": tflops(pairs["msa"], heads, head_dim, ms["msa"]),
+        "cudnn_attention_tflops": tflops(pairs["cudnn"], heads, head_dim, ms["cudnn"]),
+    }
