@@ -24,16 +24,6 @@
 # "layer" adds benchmarks/bench_layer.py (one-layer MiniMax-M3 GPTModel training step, dense vs MSA,
 # plus the dense_attention / cudnn_attention rows) with the arguments in LAYER_ARGS, writing
 # $OUT/layer.json and $OUT/layer.log and printing its table; LAYER_S bounds it (default 540 s).
-# "quality" builds the byte-level corpus from this machine's Python sources (scripts/
-# prepare_corpus.py, in /tmp) and runs scripts/quality_bench.py (dense, control and MSA at
-# QUALITY_LENGTHS, default 8192: the recipe's 1200 steps of three arms fill one call, so 32768
-# is a second call) within QUALITY_S seconds (default 490), writing $OUT/quality/ (quality.md,
-# quality.json, quality.png, each run's metrics.jsonl); QUALITY_ARGS replaces the extra arguments
-# or recipe overrides (default "--arms dense,control,msa": the MSA arm, whose kernels compile in
-# the control's run, starts last and gets the time the others left); QUALITY_CORPUS_ARGS
-# replaces the corpus options (default:
-# half the documents are long-range copy documents, "--copy-fraction 0.5 --copy-kb 2",
-# whose second copies the bench scores with --copy-marker 0).
 # "peer" runs benchmarks/bench_flash_msa_peer.py (poolside's flash-msa beside our MSA op and cuDNN,
 # same inputs; docs/adr/0029) within PEER_S seconds (default 520), writing $OUT/peer.log and
 # $OUT/peer.json; flash-msa and its wheels must already be installed with pip --target in
@@ -351,22 +341,6 @@ for index in fresh coherent; do
 done
 fi
 
-
-if [[ " $STAGES " == *" quality "* ]]; then
-# shellcheck disable=SC2086  # QUALITY_CORPUS_ARGS is a list
-python3 scripts/prepare_corpus.py --out /tmp/corpus \
-  ${QUALITY_CORPUS_ARGS:---copy-fraction 0.5 --copy-kb 2} 2>&1 | tail -3 \
-  | tee "$OUT/quality_corpus.log"
-# shellcheck disable=SC2086  # the argument list is split on purpose
-timeout $(( ${QUALITY_S:-490} + 60 )) python3 scripts/quality_bench.py \
-  --corpus /tmp/corpus/pycode_text_document --seq-lengths "${QUALITY_LENGTHS:-8192}" \
-  --time-budget-s "${QUALITY_S:-490}" --out "$OUT/quality" --copy-marker 0 \
-  ${QUALITY_ARGS---arms dense,control,msa} \
-  > "$OUT/quality.log" 2>&1
-echo "rc $?" >> "$OUT/quality.log"
-sed -n '/^# MSA vs dense/,$p' "$OUT/quality.log"
-tail -n 5 "$OUT/quality.log"
-fi
 
 if [[ " $STAGES " == *" quality_runs "* ]]; then
 qr_dir="${QR_DIR:-/tmp/quality_runs}"
