@@ -44,6 +44,10 @@ class MSABackend:
         forward_residuals: when True, ``attention_forward`` returns ``(out, lse, residuals)``
             and ``attention_backward`` takes them as the keyword ``residuals``: state of the
             forward the backward reuses (the Triton backend's union lists).
+        preferred_forward: the record of a forward kernel ``attention_forward`` prefers where
+            it differs from ``capabilities`` (flashinfer's prefill); a call it cannot take (a
+            shape outside it, the block mass, a query subset) runs the forward that
+            ``capabilities`` describes. None: ``capabilities`` describes the forward.
     """
 
     name: str
@@ -54,6 +58,7 @@ class MSABackend:
     unavailable_reason: Callable[[torch.device], str | None]
     description: str
     forward_residuals: bool = False
+    preferred_forward: MSACapabilities | None = None
 
     def why_not(self, **shape) -> str | None:
         """:meth:`MSACapabilities.why_not` of this backend (None when it runs ``shape``)."""

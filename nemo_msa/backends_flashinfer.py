@@ -24,6 +24,7 @@ from nemo_msa import backends_triton as triton_backend
 from nemo_msa.attention import flashinfer_adapter
 from nemo_msa.attention.triton_fwd import triton_attention_forward
 from nemo_msa.backend_spec import MSABackend
+from nemo_msa.capabilities import FLASHINFER_PREFILL
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ BACKEND = MSABackend(
     # Selection and backward (and the forward's fallback) are the Triton kernels.
     capabilities=triton_backend.BACKEND.capabilities,
     forward_residuals=True,
-    description="SM100/SM103: flashinfer's MSA prefill forward, Triton selection and "
+    preferred_forward=FLASHINFER_PREFILL,
+    description="SM100/SM103: flashinfer's MSA prefill forward (the Triton forward where the "
+    "sparse indexer loss's block mass or a CP query subset is asked for), Triton selection and "
     "deterministic Triton backward",
 )

@@ -18,7 +18,12 @@ import torch
 
 from nemo_msa.backend_spec import MSABackend
 from nemo_msa.backends import resolve_backend
-from nemo_msa.support import MSATopology, require_msa_support
+from nemo_msa.support import (
+    DEFAULT_INDEXER_LOSS_COEFF,
+    DEFAULT_INDEXER_LOSS_TYPE,
+    MSATopology,
+    require_msa_support,
+)
 
 __all__ = ["MSAPlan", "params_dtype"]
 
@@ -54,6 +59,12 @@ class MSAPlan:
             forward's block mass (``msa_indexer_loss_type="sparse"``, score ``"max"``; ADR 0016,
             0033); otherwise :func:`nemo_msa.indexer_loss.compute_indexer_loss` recomputes its
             target.
+        training_forward: the record name of the forward kernel a training step past the dense
+            warm-up runs: the backend's preferred forward (flashinfer's prefill) where it takes
+            the layer's shape, context parallelism and the loss's needs, else the forward of
+            the backend's ``capabilities`` (the Triton forward under the sparse indexer loss,
+            which asks for the block mass every step). Evaluation without the loss may run the
+            preferred one.
         fused_dense_loss: the dense indexer loss (dense warm-up, or
             ``msa_indexer_loss_type="dense"``) runs fused in Triton
             (:func:`nemo_msa.indexer_loss.dense_indexer_loss_triton`) rather than on the
@@ -69,6 +80,7 @@ class MSAPlan:
     fused_helpers: bool = False
     sparse_loss: bool = False
     loss_from_byproducts: bool = False
+    training_forward: str = ""
     fused_dense_loss: bool = False
     dense_loss_reason: str | None = None
 
@@ -115,16 +127,27 @@ class MSAPlan:
             top_k=topology.top_k, dtype=dtype, cp_size=cp_size,
         )
         caps = chosen.capabilities
-        sparse_loss = getattr(config, "msa_indexer_loss_type", "sparse") == "sparse"
+        sparse_loss = getattr(config, "msa_indexer_loss_type",
+                              DEFAULT_INDEXER_LOSS_TYPE) == "sparse"
         byproducts = sparse_loss and topology.score_type == "max" and caps.block_mass
         reason = caps.why_not_fused_dense_loss(
             dtype=dtype, head_dim=topology.head_dim, index_head_dim=topology.index_head_dim,
             block_size=topology.block_size, group=topology.num_heads // topology.num_kv_heads,
             score_type=topology.score_type, cp_size=cp_size,
         )
+        preferred = chosen.preferred_forward
+        # A training step asks for the block mass where the sparse loss trains (coefficient > 0).
+        asks_mass = byproducts and getattr(config, "msa_indexer_loss_coeff",
+                                           DEFAULT_INDEXER_LOSS_COEFF) > 0
+        takes_all = preferred is not None and (preferred.block_mass or not asks_mass) \
+            and preferred.why_not(dtype=dtype, head_dim=topology.head_dim,
+                                  block_size=topology.block_size, top_k=topology.top_k,
+                                  group=topology.num_heads // topology.num_kv_heads,
+                                  cp_size=cp_size) is None
         return cls(
             topology=topology, backend=chosen, device=device, dtype=dtype, cp_size=cp_size,
             fused_helpers=caps.fused_helpers, sparse_loss=sparse_loss,
-            loss_from_byproducts=byproducts, fused_dense_loss=reason is None,
-            dense_loss_reason=reason,
+            loss_from_byproducts=byproducts,
+            training_forward=preferred.name if takes_all else caps.name,
+            fused_dense_loss=reason is None, dense_loss_reason=reason,
         )

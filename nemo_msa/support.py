@@ -119,6 +119,10 @@ class MSATopology:
 #: one statement of these defaults: MSATransformerConfig's ``msa_*`` fields and the FLOPs model
 #: read them here.
 DEFAULT_TOPOLOGY = MSATopology()
+#: The indexer loss's defaults (``msa_indexer_loss_coeff``, ``msa_indexer_loss_type``): stated
+#: here for the config fields and for the plan, which reads duck-typed configs without them.
+DEFAULT_INDEXER_LOSS_COEFF = 1.0
+DEFAULT_INDEXER_LOSS_TYPE = "dense"
 
 
 #: FP8 fields that would hand the attention FP8 tensors: MSA's kernels read bf16 q/k/v.

@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler
-from nemo_msa.support import DEFAULT_TOPOLOGY, MSATopology
+from nemo_msa.support import (
+    DEFAULT_INDEXER_LOSS_COEFF,
+    DEFAULT_INDEXER_LOSS_TYPE,
+    DEFAULT_TOPOLOGY,
+    MSATopology,
+)
 
 __all__ = ["MSATransformerConfig", "normalize_layer_pattern", "normalize_moe_layer_freq"]
 
@@ -140,12 +145,12 @@ class MSATransformerConfig(TransformerConfig):
     """MSA kernel backend (see nemo_msa.backends); None or "auto" picks by device; the
     NEMO_MSA_BACKEND environment variable overrides it."""
 
-    msa_indexer_loss_coeff: float = 1.0
+    msa_indexer_loss_coeff: float = DEFAULT_INDEXER_LOSS_COEFF
     """Coefficient of the indexer KL-distillation loss; 0 disables it (the indexer then never
     learns). With 0 the loss is not computed at all, so the indexer KL and the selection
     recall metrics are not logged either: both need the dense target the loss computes."""
 
-    msa_indexer_loss_type: str = "dense"
+    msa_indexer_loss_type: str = DEFAULT_INDEXER_LOSS_TYPE
     """"dense": KL over all candidate blocks of the query's document (O(T^2) target, Megatron
     DSA's default); "sparse": KL over the selected blocks only (O(T x top_k x block)); the dense
     warm-up always uses "dense"."""

@@ -76,6 +76,23 @@ def test_the_plan_decides_the_indexer_loss_path(kernel_backends_on_the_cpu):
     assert not dense.loss_from_byproducts and dense.fused_dense_loss
 
 
+def test_the_plan_says_which_forward_kernel_a_training_step_runs(kernel_backends_on_the_cpu):
+    """flashinfer's prefill serves training only where it takes every call of a step: the
+    sparse indexer loss asks for the block mass every step, and context parallelism for a query
+    subset, which only the Triton forward gives; other shapes run the Triton forward too."""
+    def forward(backend, dtype=torch.bfloat16, cp_size=1, **changes):
+        return MSAPlan.build(config(**changes), "cpu", dtype, backend=backend,
+                             cp_size=cp_size).training_forward
+
+    assert forward("flashinfer") == TRITON.name  # the production recipe: the sparse loss
+    assert forward("flashinfer", msa_indexer_loss_type="dense") == FLASHINFER_PREFILL.name
+    assert forward("flashinfer", msa_indexer_loss_coeff=0.0) == FLASHINFER_PREFILL.name
+    assert forward("flashinfer", msa_indexer_loss_type="dense", cp_size=2) == TRITON.name
+    assert forward("flashinfer", msa_indexer_loss_type="dense", msa_topk=24) == TRITON.name
+    assert forward("triton") == TRITON.name
+    assert forward("reference", dtype=torch.float32) == REFERENCE.name
+
+
 @pytest.mark.parametrize(("backend", "fused"),
                          [("reference", False), ("triton", True), ("flashinfer", True)])
 def test_the_plan_decides_whether_the_helpers_run_fused(kernel_backends_on_the_cpu, backend,

@@ -146,7 +146,8 @@ def _build_attention(config, sparse=True):
     ("field", "value", "error", "match"),
     [
         # tiny_config builds the local spec, whose linears would ignore fp8 (ADR 0036).
-        ("fp8", "e4m3", ValueError, "config.fp8='e4m3' with transformer_impl='local'"),
+        ("fp8", "e4m3", ValueError,
+         "config.fp8='e4m3': expected null/None with transformer_impl='local'"),
         ("fp4", "nvfp4", NotImplementedError, "FP4"),
         ("apply_rope_fusion", True, NotImplementedError, "apply_rope_fusion=True"),
         ("fused_single_qkv_rope", True, NotImplementedError, "fused_single_qkv_rope=True"),
