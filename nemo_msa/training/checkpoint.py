@@ -45,8 +45,7 @@ from nemo_msa.training.checkpoint_integrity import (
 from nemo_msa.training.recipe_fields import RecipeError
 from nemo_msa.training.save_failures import (
     WriterLog,
-    agree_on_failure,
-    attempt_save_step,
+    agreed_save_step,
     previous_checkpoint,
 )
 
@@ -196,6 +195,9 @@ def save_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
             every rank: names the path, the cause ("No space left on device (errno 28 ENOSPC)")
             and that the previous checkpoint and pointer are unchanged; the ``.partial``
             directory is removed to give the space back.
+        Exception: any other failure of a step, re-raised on its rank after the same cleanup;
+            the other ranks raise CheckpointError naming that rank and the error (instead of
+            waiting for it until the process group's timeout).
     """
     _ensure_memory_probe()
     root = Path(root)
@@ -243,15 +245,15 @@ def save_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
              (lambda: write_manifest(partial, state.iteration), partial, False),
              (publish, root, True)]
     for action, where, rank0_only in steps:
-        failure = None
-        if rank == 0 or not rank0_only:
-            failure = attempt_save_step(action, where, writer.messages)
-        failure = agree_on_failure(failure)
+        failure, error = agreed_save_step(action, where, writer.messages,
+                                          rank == 0 or not rank0_only)
         if failure is not None:
             if rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)
                 (root / (POINTER + ".tmp")).unlink(missing_ok=True)
                 failure += f"; {previous_checkpoint(root)}"
+            if error is not None:
+                raise error  # not a file-system failure: its own traceback, after the cleanup
             raise CheckpointError(
                 f"saving checkpoint iteration {state.iteration} to {root} failed: {failure}")
     if rank == 0 and keep_last:

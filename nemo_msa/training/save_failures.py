@@ -170,5 +170,36 @@ def agree_on_failure(failure: str | None) -> str | None:
     return next((f for f in every if f is not None), None)
 
 
-__all__ = ["WriterLog", "agree_on_failure", "attempt_save_step", "os_error_in",
-           "previous_checkpoint", "short_write_in", "write_limits"]
+def agreed_save_step(action, where: Path, log: list[str], runs_here: bool
+                     ) -> tuple[str | None, Exception | None]:
+    """One step of a save on the ranks it runs on, then the first failure on every rank
+    (collective).
+
+    A failure that is not a file-system one (:func:`attempt_save_step` re-raises it) is agreed
+    on too, as ``rank R: Type: message``, so that the other ranks stop instead of waiting for
+    this one at the agreement until the process group's timeout.
+
+    Args:
+        action: the step.
+        where: the path the step writes (for the failure's description).
+        log: dist-checkpointing's writer lines, quoted by the description.
+        runs_here: this rank runs the step (rank 0 alone runs the steps on shared paths).
+
+    Returns:
+        ``(failure, error)``: the agreed failure's description (None where every rank
+        succeeded), and this rank's own unrecognized exception, which the caller re-raises after
+        it has cleaned up (None where there was none).
+    """
+    failure = error = None
+    if runs_here:
+        try:
+            failure = attempt_save_step(action, where, log)
+        except Exception as exc:  # noqa: BLE001 - agreed on below, then raised by the caller
+            error = exc
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            failure = f"rank {rank}: {type(exc).__name__}: {exc}"
+    return agree_on_failure(failure), error
+
+
+__all__ = ["WriterLog", "agree_on_failure", "agreed_save_step", "attempt_save_step",
+           "os_error_in", "previous_checkpoint", "short_write_in", "write_limits"]

@@ -192,3 +192,75 @@ def test_cli_file_size_limit_is_one_error_line_and_exit_1(tmp_path):
                     ), errors[0]
     assert "Traceback" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr[-3000:]
     _assert_previous_intact(root)
+
+
+def test_a_failure_that_is_not_the_file_systems_cleans_up_and_keeps_its_own_error(tmp_path,
+                                                                                 monkeypatch):
+    """An unrecognized error inside the writer is raised as itself (its traceback kept), after
+    the same cleanup as a file-system failure: the partial directory is gone, the previous
+    checkpoint and the pointer are unchanged."""
+    root = tmp_path / "ckpt"
+    save = dist_checkpointing.save
+
+    def broken_save(sharded_state_dict, path, *args, **kwargs):
+        if path.endswith("iter_0000002.partial"):
+            raise RuntimeError("a bug in a sharded tensor's factory")
+        return save(sharded_state_dict, path, *args, **kwargs)
+
+    monkeypatch.setattr(dist_checkpointing, "save", broken_save)
+    with pytest.raises(RuntimeError, match="a bug in a sharded tensor's factory"):
+        train([*RUN, f"checkpoint.save={root}"])
+    _assert_previous_intact(root)
+
+
+def _agree_in_two_ranks(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    from nemo_msa.training.save_failures import agreed_save_step
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        def rank0_bug():
+            raise RuntimeError("not a file-system error")
+
+        # A rank-0-only step (as publishing is) that fails for another reason on rank 0.
+        failure, error = agreed_save_step(rank0_bug, Path("/nowhere"), [], rank == 0)
+
+        # Then a step on every rank whose file-system failure is on rank 1 only.
+        def rank1_full():
+            if rank == 1:
+                raise OSError(errno.ENOSPC, "No space left on device", "/ckpt/shard_1")
+
+        second, second_error = agreed_save_step(rank1_full, Path("/ckpt"), [], True)
+        results.put((rank, failure, type(error).__name__ if error else None, second,
+                     second_error))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_agrees_on_a_failure_that_is_not_the_file_systems():
+    """Two gloo ranks: rank 0's unrecognized error reaches rank 1 as a failure naming the rank
+    (before, rank 1 waited at the agreement until the group's timeout), and rank 0 keeps its own
+    exception to re-raise; a file-system failure on rank 1 alone reaches rank 0."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_agree_in_two_ranks, args=(rank, port, results))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0, f"rank process exit code {p.exitcode} (a hang reads None)"
+    got = sorted(results.get(timeout=10) for _ in procs)
+    expected_first = "rank 0: RuntimeError: not a file-system error"
+    expected_second = "No space left on device (errno 28 ENOSPC) writing /ckpt/shard_1"
+    assert got == [(0, expected_first, "RuntimeError", expected_second, None),
+                   (1, expected_first, None, expected_second, None)], got
