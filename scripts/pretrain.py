@@ -56,6 +56,24 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def _interrupted(recipe) -> str:
+    """The line for a run stopped by Ctrl-C: the newest finished checkpoint, which the same
+    command resumes from (a save cut short leaves only a .partial directory, never read)."""
+    from nemo_msa.training.checkpoint_integrity import latest_iteration
+
+    save = recipe.checkpoint.save if recipe is not None else None
+    if not save:
+        return "interrupted (Ctrl-C); nothing was saved (checkpoint.save is not set)"
+    try:
+        iteration = latest_iteration(save)
+    except (OSError, RuntimeError, ValueError) as err:  # the next run's load says it in full
+        return f"interrupted (Ctrl-C); the checkpoints in {save} could not be read: {err}"
+    if not iteration:
+        return f"interrupted (Ctrl-C) before the first checkpoint in {save}"
+    return (f"interrupted (Ctrl-C); the same command resumes from the newest checkpoint in "
+            f"{save} (iteration {iteration})")
+
+
 def _is_out_of_memory(err: BaseException) -> bool:
     """CUDA's OutOfMemoryError, Python's MemoryError, or the CPU allocator's RuntimeError."""
     text = str(err)
@@ -109,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, FloatingPointError) as err:
         report(_one_line(err))
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C is a user's stop, not a failure to trace: say what is kept and how to go on.
+        report(_interrupted(recipe))
+        return 128 + signal.SIGINT
     except (MemoryError, RuntimeError) as err:
         if not _is_out_of_memory(err):
             raise

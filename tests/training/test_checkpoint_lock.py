@@ -142,6 +142,24 @@ def test_sigterm_releases_the_lock(tmp_path):
     assert not (root / LOCK_NAME).exists(), log.read_text()[-3000:]
 
 
+def test_ctrl_c_is_one_line_naming_the_checkpoint_to_resume_from(tmp_path):
+    """scripts/pretrain.py stopped by SIGINT (Ctrl-C) between steps 2 and 3: exit code 130, one
+    `error:` line naming the newest checkpoint (iteration 2) and no traceback; the lock is
+    released."""
+    root = tmp_path / "ckpt"
+    first, _, log, _ = _start_held(tmp_path, [*SMALL, "train.train_iters=4",
+                                              "checkpoint.save_interval=2",
+                                              f"checkpoint.save={root}"])
+    first.send_signal(signal.SIGINT)
+    assert _finish(first, timeout=60) == 128 + signal.SIGINT, log.read_text()[-3000:]
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: interrupted (Ctrl-C); the same command resumes from the newest "
+                      f"checkpoint in {root} (iteration 2)"], text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert not (root / LOCK_NAME).exists() and latest_iteration(root) == 2
+
+
 @pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
 def test_ctrl_c_and_errors_release_the_lock(tmp_path, monkeypatch, error):
     """SIGINT is Python's KeyboardInterrupt; it and any error unwind through pretrain()."""
