@@ -58,7 +58,9 @@ TINY = Shape(128, 256, 4, 2, 32, 2, 32, 16, 4, 256)
 class Block:
     """The real MiniMax-M3 block (``--m3-block``): one MoE layer as recipes/minimax_m3_msa.yaml
     builds its layers 4-60 (SwiGLU-OAI, Gemma RMSNorm eps 1e-6, QK norm, sigmoid top-k routing
-    with expert bias and scaling, one shared expert), Megatron's local MoE (SequentialMLP).
+    with expert bias and scaling, one shared expert): with the TE spec TE's grouped GEMM over
+    the experts (``moe_grouped_gemm``, as the recipe), with the local spec Megatron's
+    SequentialMLP.
 
     Attributes:
         experts: routed experts built (M3: 128).
@@ -79,9 +81,11 @@ M3_BLOCK = Block(128, 4, 3072, 3072)
 TINY_BLOCK = Block(4, 2, 64, 64)
 
 
-def block_fields(block: Block, on_gpu: bool) -> dict:
-    """The MSATransformerConfig fields of the M3 block (MoE, activation, norms)."""
+def block_fields(block: Block, on_gpu: bool, transformer_impl: str = "local") -> dict:
+    """The MSATransformerConfig fields of the M3 block (MoE, activation, norms); the experts run
+    TE's grouped GEMM with the TE spec, as recipes/minimax_m3_msa.yaml trains them."""
     return dict(
+        moe_grouped_gemm=transformer_impl == "transformer_engine",
         num_moe_experts=block.experts, moe_ffn_hidden_size=block.expert_ffn,
         moe_shared_expert_intermediate_size=block.shared_ffn, moe_router_topk=block.topk,
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
@@ -154,7 +158,7 @@ def case_config(case: str, shape: Shape, on_gpu: bool, block: Block | None = Non
     if fp8 is not None:
         precision.update(fp8=fp8, fp8_recipe=fp8_recipe, fp8_amax_history_len=1024,
                          fp8_amax_compute_algo="max")
-    extra = block_fields(block, on_gpu) if block is not None else {}
+    extra = block_fields(block, on_gpu, transformer_impl) if block is not None else {}
     fields = dict(
         num_layers=layers,
         hidden_size=shape.hidden,

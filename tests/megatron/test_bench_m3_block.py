@@ -49,3 +49,13 @@ def test_experts_needs_the_block_and_enough_experts(tmp_path):
     assert proc.returncode != 0 and "--experts needs --m3-block" in proc.stderr
     proc = _run(tmp_path, "--experts", "1")
     assert proc.returncode != 0 and "--experts=1: expected >= the top-k 2" in proc.stderr
+
+
+def test_the_m3_block_runs_te_grouped_gemm_with_the_te_spec():
+    """With the TE spec the experts are TE's grouped GEMM, as recipes/minimax_m3_msa.yaml trains
+    them (a SequentialMLP would time one GEMM per expert); the local spec keeps SequentialMLP."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from layer_bench.model import M3_BLOCK, block_fields
+
+    assert block_fields(M3_BLOCK, True, "transformer_engine")["moe_grouped_gemm"] is True
+    assert block_fields(M3_BLOCK, True, "local")["moe_grouped_gemm"] is False
