@@ -61,9 +61,13 @@ forward + backward as training makes it, and cuDNN SDPA per document on the same
 key) pairs per query head: every one in the documents, and exactly those of the selected
 blocks), ``msa_attention_ms`` / ``cudnn_attention_ms``, ``pair_rate_vs_cudnn`` (MSA pairs per
 ms over cuDNN's; the table's ``pair rate``) and ``msa_attention_tflops`` /
-``cudnn_attention_tflops`` (14 * heads * head_dim FLOPs per pair); ``--no-pair-rate`` skips
-them. ``--index coherent`` makes the MSA layers' index queries coherent within each 128-token
-block, as a trained indexer's selections are (``layer_bench/selection.py``); the default,
+``cudnn_attention_tflops`` (14 * heads * head_dim FLOPs per pair); where the first tokens of
+the documents select every visible block (MSA is exactly dense there) the same split in two
+query subsets: ``prefix_tokens``, ``msa_prefix_ms`` / ``msa_rest_ms``, ``cudnn_prefix_ms`` and
+``prefix_pair_rate_vs_cudnn`` / ``rest_pair_rate_vs_cudnn`` (what cuDNN serving those rows
+could save; issue #50). ``--no-pair-rate`` skips them. ``--index coherent`` makes the MSA
+layers' index queries coherent within each 128-token block, as a trained indexer's selections
+are (``layer_bench/selection.py``); the default,
 ``fresh``, keeps the untrained indexer's random ones. A row that runs out of memory or one of
 whose warm-up steps after the first (which compiles the kernels; the only one with
 ``--warmup 1``) exceeds ``--max-step-s`` is reported as ``oom`` / ``too_slow`` and the run

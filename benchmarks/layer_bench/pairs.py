@@ -24,7 +24,7 @@ import torch
 from layer_bench.selection import CoreAttentionCall
 from layer_bench.steps import cudnn_document_attention
 from layer_bench.timing import run_timed
-from nemo_msa.q2k import canonical_q2k
+from nemo_msa.q2k import canonical_q2k, is_marked_canonical, mark_canonical
 
 #: Matmul FLOPs per attended (query, key) pair and per (head, channel), forward + backward.
 FLOPS_PER_PAIR_CHANNEL = 14
@@ -68,6 +68,33 @@ def selected_pairs(q2k: torch.Tensor, msa) -> float:
     return torch.where(ids >= 0, keys, 0).sum().item() / q2k.shape[0]
 
 
+def dense_prefix(q2k: torch.Tensor, msa) -> tuple[torch.Tensor, list[int]] | None:
+    """The tokens whose selection is every visible block of their document (on every KV head):
+    MSA computes dense attention for them, so cuDNN could serve them (issue #50, item 3).
+
+    Args:
+        q2k: int [Hkv, T, top_k] document-local block ids (every token a query).
+        msa: the layout (``document_positions``, ``document_lengths``, ``block_size``).
+
+    Returns:
+        ``(rows, lengths)``: int64 [P] compact rows of those tokens, and per document the
+        length of its dense prefix (its first tokens); None where they are not each document's
+        first tokens (a selection that skips a visible block early and keeps all later).
+    """
+    ids = canonical_q2k(q2k, msa).long()
+    own = msa.document_positions.long() // msa.block_size
+    dense = ((ids >= 0).sum(-1) == own[None, :] + 1).all(0)
+    positions = msa.document_positions.long()
+    lengths, start = [], 0
+    for n in msa.document_lengths:
+        m = int(dense[start:start + n].sum())
+        if m and int(positions[start:start + n][dense[start:start + n]].max()) != m - 1:
+            return None
+        lengths.append(m)
+        start += n
+    return torch.nonzero(dense).flatten(), lengths
+
+
 def tflops(pairs: float, heads: int, head_dim: int, ms: float) -> float:
     """TFLOP/s of ``pairs`` per head over ``heads`` heads of ``head_dim``, forward + backward
     in ``ms``."""
@@ -93,7 +120,14 @@ def pair_rate(call: CoreAttentionCall, on_gpu: bool, warmup: int, reps: int) -> 
     Returns:
         ``pairs_dense``, ``pairs_msa`` (per query head), ``msa_attention_ms``,
         ``cudnn_attention_ms``, ``pair_rate_vs_cudnn`` (MSA pairs per ms over cuDNN's) and
-        ``msa_attention_tflops``, ``cudnn_attention_tflops``.
+        ``msa_attention_tflops``, ``cudnn_attention_tflops``. Where some but not all tokens
+        select every visible block (:func:`dense_prefix`), the same split in two query subsets
+        of the captured call: ``prefix_tokens``, ``pairs_msa_prefix``, ``msa_prefix_ms``
+        (those tokens alone), ``msa_rest_ms`` (the others), ``cudnn_prefix_ms`` (cuDNN on the
+        prefixes alone), ``prefix_pair_rate_vs_cudnn`` (cuDNN's time over MSA's on the same
+        pairs) and ``rest_pair_rate_vs_cudnn`` (the others' pairs per ms over the whole row's
+        cuDNN rate): what serving the prefixes by cuDNN could save, before the block-mass pass
+        it would need.
 
     Raises:
         ValueError: a call with a query subset (context parallelism), whose pairs these counts
@@ -124,11 +158,14 @@ def pair_rate(call: CoreAttentionCall, on_gpu: bool, warmup: int, reps: int) -> 
 
     # The rows' loop, without its too-slow cut (the step around this attention already passed).
     timing = argparse.Namespace(warmup=warmup, steps=reps, max_step_s=math.inf, profile=False)
-    ms = {}
-    for side, run in (("msa", msa_run), ("cudnn", cudnn_run)):
+
+    def timed(prepare_fn, run) -> float:
         scratch: dict = {}
-        run_timed((prepare, run), timing, on_gpu, scratch, "ms")
-        ms[side] = scratch["ms"]
+        run_timed((prepare_fn, run), timing, on_gpu, scratch, "ms")
+        return scratch["ms"]
+
+    ms = {"msa": timed(prepare, msa_run), "cudnn": timed(prepare, cudnn_run)}
+    split = _prefix_split(call, timed, pairs, ms)
     return {
         "pairs_dense": pairs["cudnn"],
         "pairs_msa": pairs["msa"],
@@ -137,4 +174,63 @@ def pair_rate(call: CoreAttentionCall, on_gpu: bool, warmup: int, reps: int) -> 
         "pair_rate_vs_cudnn": (pairs["msa"] / ms["msa"]) / (pairs["cudnn"] / ms["cudnn"]),
         "msa_attention_tflops": tflops(pairs["msa"], heads, head_dim, ms["msa"]),
         "cudnn_attention_tflops": tflops(pairs["cudnn"], heads, head_dim, ms["cudnn"]),
+        **split,
+    }
+
+
+def _prefix_split(call: CoreAttentionCall, timed, pairs: dict, ms: dict) -> dict:
+    """:func:`pair_rate`'s prefix fields (empty where the row has no split: no dense prefix,
+    nothing else, or a prefix that is not each document's first tokens)."""
+    query, key, value, msa = call.args[:4]
+    kwargs = call.kwargs
+    found = dense_prefix(kwargs["q2k"], msa)
+    if found is None or not 0 < found[0].numel() < query.shape[0]:
+        return {}
+    rows, prefix_lengths = found
+    others = torch.ones(query.shape[0], dtype=torch.bool, device=rows.device)
+    others[rows] = False
+    rows, rest = rows.to(query.device), torch.nonzero(others).flatten().to(query.device)
+
+    def subset(which: torch.Tensor):
+        # A row slice of a canonical selection is canonical: marked as the selection's own
+        # q2k is, so the timed op does not sort it again as training would not.
+        q2k = kwargs["q2k"][:, which].contiguous()
+        if is_marked_canonical(kwargs["q2k"]):
+            mark_canonical(q2k, msa.block_size)
+        sub = {**kwargs, "q2k": q2k, "queries": which}
+
+        def prepare() -> dict:
+            q, k, v = (x.detach().clone().requires_grad_() for x in (query[which], key, value))
+            return {"q": q, "k": k, "v": v, "dout": torch.randn_like(q)}
+
+        def run(x: dict) -> None:
+            out = call.module(x["q"], x["k"], x["v"], msa, **sub)
+            if kwargs.get("return_block_mass"):
+                out = out[0]
+            out.backward(x["dout"])
+        return prepare, run
+
+    def prefix_prepare() -> dict:
+        q, k, v = (x[rows].detach().clone().requires_grad_() for x in (query, key, value))
+        return {"q": q, "k": k, "v": v, "dout": torch.randn_like(q)}
+
+    def prefix_cudnn(x: dict) -> None:
+        lengths = [m for m in prefix_lengths if m]
+        out = cudnn_document_attention(x["q"], x["k"], x["v"], lengths,
+                                       call.module.softmax_scale)
+        out.backward(x["dout"])
+
+    prefix_pairs = dense_pairs(prefix_lengths)
+    msa_prefix = timed(*subset(rows))
+    msa_rest = timed(*subset(rest))
+    cudnn_prefix = timed(prefix_prepare, prefix_cudnn)
+    return {
+        "prefix_tokens": int(rows.numel()),
+        "pairs_msa_prefix": prefix_pairs,
+        "msa_prefix_ms": msa_prefix,
+        "msa_rest_ms": msa_rest,
+        "cudnn_prefix_ms": cudnn_prefix,
+        "prefix_pair_rate_vs_cudnn": cudnn_prefix / msa_prefix,
+        "rest_pair_rate_vs_cudnn": ((pairs["msa"] - prefix_pairs) / msa_rest)
+        / (pairs["cudnn"] / ms["cudnn"]),
     }

@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from layer_bench.pairs import (  # noqa: E402
     FLOPS_PER_PAIR_CHANNEL,
     dense_pairs,
+    dense_prefix,
     document_pairs,
     pair_rate,
     selected_pairs,
@@ -154,3 +155,51 @@ def test_pair_rate_times_both_sides_on_the_same_call(mass):
         pair_rate(CoreAttentionCall(call.module, call.args,
                                     {**call.kwargs, "queries": torch.arange(tokens)}),
                   on_gpu=False, warmup=1, reps=1)
+
+
+def _own_and_previous(msa) -> torch.Tensor:
+    """Each token's own block and the one before it (top-2): dense for the first two blocks of
+    each document, sparse after them."""
+    own = msa.document_positions.long() // BLOCK
+    ids = torch.stack([own, torch.where(own > 0, own - 1, -1)], -1)
+    return ids.to(torch.int32).expand(2, -1, -1).contiguous()
+
+
+def test_the_dense_prefix_is_each_documents_first_blocks_when_all_are_selected():
+    lengths = [37, 20, 40]
+    msa = _layout(lengths)
+    rows, prefix = dense_prefix(_own_and_previous(msa), msa)
+    assert prefix == [32, 20, 32]  # min(length, top_k * block)
+    starts = [0, 37, 57]
+    assert rows.tolist() == [s + i for s, m in zip(starts, prefix, strict=True) for i in range(m)]
+    # A token late in a document that selects everything while an earlier one does not is not
+    # a prefix: no split.
+    q2k = _own_and_previous(msa).clone()
+    q2k[:, 3, 0] = -1  # token 3 of document 0 drops its own block
+    assert dense_prefix(q2k, msa) is None
+
+
+@pytest.mark.parametrize("mass", [False, True])
+def test_pair_rate_splits_the_dense_prefix_from_the_rest(mass):
+    lengths = [37, 20, 40]
+    msa = _layout(lengths)
+    tokens, heads, kv_heads, dim = sum(lengths), 4, 2, 16
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(tokens, h, dim, generator=generator) for h in (heads, kv_heads,
+                                                                          kv_heads))
+    call = CoreAttentionCall(_Core(), (q, k, v, msa), {
+        "q2k": _own_and_previous(msa), "backend": "reference", "return_block_mass": mass,
+        "queries": None, "fused": None})
+    row = pair_rate(call, on_gpu=False, warmup=1, reps=1)
+    assert row["prefix_tokens"] == 84
+    assert row["pairs_msa_prefix"] == dense_pairs([32, 20, 32])
+    assert row["pairs_msa_prefix"] < row["pairs_msa"] < row["pairs_dense"]
+    for key in ("msa_prefix_ms", "msa_rest_ms", "cudnn_prefix_ms", "prefix_pair_rate_vs_cudnn",
+                "rest_pair_rate_vs_cudnn"):
+        assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+    assert row["prefix_pair_rate_vs_cudnn"] == pytest.approx(
+        row["cudnn_prefix_ms"] / row["msa_prefix_ms"])
+    # A row whose every token is dense has nothing to split.
+    full = pair_rate(CoreAttentionCall(call.module, (q[:20], k[:20], v[:20], _layout([20])), {
+        **call.kwargs, "q2k": _own_and_previous(_layout([20]))}), on_gpu=False, warmup=1, reps=1)
+    assert "prefix_tokens" not in full
