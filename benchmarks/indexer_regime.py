@@ -8,8 +8,8 @@ arm of ``scripts/quality_bench.py``), runs held-out rows of the validation split
 ``model.seq_length`` (e.g. 32768 for a model trained at 8192) and reports per MSA layer and
 union tile size ``qt``: the mean union of a tile's selected blocks, the share of tiles and of
 the exact (token, block) work the union kernel would take at the cap ``--cap``, and its work
-inflation (``benchmarks/msa_bench/unions.py``: the statistics ``benchmarks/union_stats.py`` and the
-layer bench report). ``qt = 1`` is the exact selection (inflation 1).
+inflation (``benchmarks/msa_bench/unions.py``: the statistics the layer bench reports).
+``qt = 1`` is the exact selection (inflation 1).
 
 Beside the trained model's numbers, ``synthetic`` gives the same statistics for two made-up
 selections on the same rows: ``random`` (each token's own block plus ``top_k - 1`` blocks drawn
