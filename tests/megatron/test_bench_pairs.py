@@ -126,18 +126,27 @@ class _Core(torch.nn.Module):
                                   **kwargs)
 
 
+def _call(msa, q2k, mass: bool, seed: int, heads: int = 4, dim: int = 16
+          ) -> CoreAttentionCall:
+    """A captured reference-backend call on random q/k/v (``q2k``'s KV heads) over ``msa``."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens, kv_heads = msa.document_positions.numel(), q2k.shape[0]
+    q, k, v = (torch.randn(tokens, h, dim, generator=generator)
+               for h in (heads, kv_heads, kv_heads))
+    return CoreAttentionCall(_Core(), (q, k, v, msa), {
+        "q2k": q2k, "backend": "reference", "return_block_mass": mass, "queries": None,
+        "fused": None})
+
+
 @pytest.mark.parametrize("mass", [False, True])
 def test_pair_rate_times_both_sides_on_the_same_call(mass):
     lengths = [37, 20, 7]
     msa = _layout(lengths)
-    tokens, heads, kv_heads, dim = sum(lengths), 4, 2, 16
-    generator = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(tokens, h, dim, generator=generator) for h in (heads, kv_heads,
-                                                                          kv_heads))
-    q2k = torch.randint(-1, 3, (kv_heads, tokens, 2), generator=generator, dtype=torch.int32)
-    call = CoreAttentionCall(_Core(), (q, k, v, msa), {
-        "q2k": q2k, "backend": "reference", "return_block_mass": mass, "queries": None,
-        "fused": None})
+    tokens, heads, dim = sum(lengths), 4, 16
+    q2k = torch.randint(-1, 3, (2, tokens, 2), generator=torch.Generator().manual_seed(1),
+                        dtype=torch.int32)
+    call = _call(msa, q2k, mass, seed=1)
+    q = call.args[0]
     row = pair_rate(call, on_gpu=False, warmup=1, reps=2)
     assert row["pairs_dense"] == dense_pairs(lengths)
     assert row["pairs_msa"] == _brute_selected(q2k, lengths, BLOCK)
@@ -181,15 +190,9 @@ def test_the_dense_prefix_is_each_documents_first_blocks_when_all_are_selected()
 
 @pytest.mark.parametrize("mass", [False, True])
 def test_pair_rate_splits_the_dense_prefix_from_the_rest(mass):
-    lengths = [37, 20, 40]
-    msa = _layout(lengths)
-    tokens, heads, kv_heads, dim = sum(lengths), 4, 2, 16
-    generator = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(tokens, h, dim, generator=generator) for h in (heads, kv_heads,
-                                                                          kv_heads))
-    call = CoreAttentionCall(_Core(), (q, k, v, msa), {
-        "q2k": _own_and_previous(msa), "backend": "reference", "return_block_mass": mass,
-        "queries": None, "fused": None})
+    msa = _layout([37, 20, 40])
+    call = _call(msa, _own_and_previous(msa), mass, seed=2)
+    q, k, v = call.args[:3]
     row = pair_rate(call, on_gpu=False, warmup=1, reps=1)
     assert row["prefix_tokens"] == 84
     assert row["pairs_msa_prefix"] == dense_pairs([32, 20, 32])
