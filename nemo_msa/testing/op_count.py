@@ -145,6 +145,14 @@ class OpCounter(TorchDispatchMode):
         """Kernel-launching ops recorded (aten and Triton)."""
         return sum(self.ops.values())
 
+    def triton_launches(self) -> collections.Counter:
+        """Counter of the Triton kernels launched, by kernel name (every site together)."""
+        out: collections.Counter = collections.Counter()
+        for (_, op), n in self.ops.items():
+            if op.startswith("triton:"):
+                out[op.removeprefix("triton:")] += n
+        return out
+
     def by_site(self) -> collections.Counter:
         """Counter of sites (every op of a site together)."""
         out: collections.Counter = collections.Counter()

@@ -190,8 +190,7 @@ def _triton_launches_of_a_layer_step(config) -> collections.Counter:
         out, _ = layer(hidden, ids, rotary_pos_emb=rotary)
         out.float().square().sum().backward()
     assert hidden.grad is not None and torch.isfinite(hidden.grad.float()).all()
-    return collections.Counter({op.removeprefix("triton:"): n for (_, op), n in ops.ops.items()
-                                if op.startswith("triton:")})
+    return ops.triton_launches()
 
 
 _LAYER_STEP = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
