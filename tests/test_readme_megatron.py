@@ -5,21 +5,15 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
+from _ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_readme_megatron_snippet_trains_a_step():
@@ -27,7 +21,7 @@ def test_readme_megatron_snippet_trains_a_step():
     block = re.search(r"## MSA layers in a Megatron-Core GPT model.*?```python\n(.*?)```", text,
                       re.S)
     assert block is not None, "README lost its Megatron snippet"
-    code = block.group(1).replace("master_port=29533", f"master_port={_free_port()}")
+    code = block.group(1).replace("master_port=29533", f"master_port={free_port()}")
     code += (
         "\nassert loss.shape == (2, 1024)\n"
         "grads = [p.grad for p in model.parameters() if p.requires_grad]\n"

@@ -8,7 +8,6 @@ function of this module and returns a picklable result through a queue.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 import zlib
 from collections.abc import Callable, Iterator
@@ -16,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from _ports import free_port
 
 VOCAB = 96
 SEQ = 128
@@ -24,13 +24,6 @@ MICRO_BATCH = 2
 FULL_RECOMPUTE = dict(
     recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
 )
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on localhost."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tiny_config(**overrides):

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _ports import free_port
 from _runs import SMALL, copy_checkpoint, train
 
 from nemo_msa.training.evaluate import bucket_names, position_bucket_edges
@@ -110,12 +110,6 @@ def test_copy_marker_is_a_token_id_of_a_run_without_context_parallelism():
     assert load_recipe(None, ["train.eval_copy_marker=0"]).train.eval_copy_marker == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_pp2_vpp2_evaluates_like_one_process(reference, tmp_path):
     """The forward-only schedule under interleaved 1F1B gives the single-process val_loss."""
     ref_root, _ = reference
@@ -126,7 +120,7 @@ def test_pp2_vpp2_evaluates_like_one_process(reference, tmp_path):
     one = train([*evals, f"checkpoint.save={tmp_path / 'one'}"])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), str(REPO / "scripts" / "pretrain.py"), *SMALL,
+           "--master-port", str(free_port()), str(REPO / "scripts" / "pretrain.py"), *SMALL,
            *evals, "model.pipeline_model_parallel_size=2",
            "model.virtual_pipeline_model_parallel_size=2", f"checkpoint.save={tmp_path / 'pp'}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO, env=env)

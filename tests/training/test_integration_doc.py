@@ -5,19 +5,13 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 
+from _ports import free_port
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "integration.md"
-
-
-def _free_port() -> int:
-    """Returns a TCP port that is free on this host now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _example() -> str:
@@ -33,7 +27,7 @@ def test_integration_example_trains_and_the_indexer_learns():
     """Three steps (one dense warm-up step) give finite losses and indexer gradients."""
     code = _example()
     assert "master_port=29534" in code
-    code = code.replace("master_port=29534", f"master_port={_free_port()}")
+    code = code.replace("master_port=29534", f"master_port={free_port()}")
     code += (
         "\nimport math\n"
         "from nemo_msa.megatron import indexer_parameters, non_indexer_parameters\n"

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _ports import free_port
 from _runs import SMALL, copy_checkpoint, losses, train
 
 from nemo_msa.training.checkpoint_integrity import (
@@ -29,13 +29,6 @@ from nemo_msa.training.recipe import RecipeError, load_recipe
 from nemo_msa.training.setup import CPU_THREADS_PER_RANK, init_distributed, teardown
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    # Other suites on this machine launch torchrun too; a fixed port would collide.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_tiny_recipe_trains_and_loss_falls(tmp_path):
@@ -109,7 +102,7 @@ def test_torchrun_resume_with_another_schedule_is_one_error_line(reference, tmp_
     copy_checkpoint(ref_root, 3, tmp_path / "ckpt")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), str(REPO / "scripts" / "pretrain.py"), *SMALL,
+           "--master-port", str(free_port()), str(REPO / "scripts" / "pretrain.py"), *SMALL,
            "train.train_iters=8", "model.msa_dense_warmup_steps=2",
            f"checkpoint.save={tmp_path / 'ckpt'}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
@@ -161,7 +154,7 @@ def test_pp2_vpp2_on_gloo_matches_one_process(reference, tmp_path):
     out = tmp_path / "pp"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), str(REPO / "scripts" / "pretrain.py"), *SMALL,
+           "--master-port", str(free_port()), str(REPO / "scripts" / "pretrain.py"), *SMALL,
            "train.train_iters=6", "model.msa_dense_warmup_steps=2",
            "model.pipeline_model_parallel_size=2",
            "model.virtual_pipeline_model_parallel_size=2",
@@ -239,7 +232,7 @@ def test_pipeline_integration_recipe_runs_on_four_gloo_processes(tmp_path):
     dense warm-up, two sparse, a checkpoint at the last."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-port", str(_free_port()), str(REPO / "scripts" / "pretrain.py"),
+           "--master-port", str(free_port()), str(REPO / "scripts" / "pretrain.py"),
            "--recipe", str(REPO / "recipes" / "msa_pp2_vpp2_tp2.yaml"), "train.train_iters=3",
            "model.msa_dense_warmup_steps=1", "scheduler.lr_warmup_iters=1",
            f"checkpoint.save={tmp_path}", "checkpoint.save_interval=3",

@@ -243,15 +243,12 @@ def test_every_rank_agrees_on_a_failure_that_is_not_the_file_systems():
     """Two gloo ranks: rank 0's unrecognized error reaches rank 1 as a failure naming the rank
     (before, rank 1 waited at the agreement until the group's timeout), and rank 0 keeps its own
     exception to re-raise; a file-system failure on rank 1 alone reaches rank 0."""
-    import socket
-
     import torch.multiprocessing as mp
+    from _ports import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    port = free_port()
     procs = [ctx.Process(target=_agree_in_two_ranks, args=(rank, port, results))
              for rank in range(2)]
     for p in procs:
