@@ -39,6 +39,7 @@ selection). Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -65,6 +66,49 @@ def msa_attentions(model) -> list:
             if getattr(layer.self_attention, "indexer", None) is not None]
 
 
+@contextlib.contextmanager
+def captured_selections(model):
+    """Every MSA layer's selections in the forwards run inside, by layer number: a list of
+    ``(q2k int [Hkv, T, top_k] on the CPU, the layout)`` per forward; the model runs in eval
+    mode without gradients meanwhile.
+
+    Yields:
+        The dict, filled as the forwards run (a caller may clear it between them).
+    """
+    found: dict[int, list] = {}
+
+    def hook_for(number: int):
+        def capture(_module, args, kwargs):
+            # core_attention(query [T, Hq, d], key [T, Hkv, d], value, msa, q2k=..., ...)
+            if kwargs.get("q2k") is not None:
+                found.setdefault(number, []).append((kwargs["q2k"].detach().cpu(), args[3]))
+        return capture
+
+    handles = [a.core_attention.register_forward_pre_hook(hook_for(a.layer_number),
+                                                          with_kwargs=True)
+               for a in msa_attentions(model)]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield found
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+
+
+def tile_statistics(selections: list, qt: int, cap: int) -> dict:
+    """The union statistics of ``qt``-token tiles over ``selections`` (``[(q2k, msa), ...]``):
+    ``union_mean`` and :func:`hybrid_work`'s shares at the cap."""
+    parts = [tile_union_sizes(q2k, msa.token_documents.cpu(), msa.document_positions.cpu(), qt)
+             for q2k, msa in selections]
+    union = torch.cat([p[0] for p in parts], dim=1)
+    tokens = torch.cat([p[1] for p in parts])
+    exact = torch.cat([p[2] for p in parts], dim=1)
+    return {"union_mean": union.float().mean().item(), **hybrid_work(union, tokens, exact, cap)}
+
+
 def union_statistics(model, rows: list, forward_kwargs, qts=QTS, cap: int = CAP) -> dict:
     """Tile-union statistics of every MSA layer's selections on ``rows``.
 
@@ -83,40 +127,11 @@ def union_statistics(model, rows: list, forward_kwargs, qts=QTS, cap: int = CAP)
         {"random" | "block_shared": {qt: the same}}}`` (:func:`synthetic_statistics` on the
         first MSA layer's layouts); empty when no layer selected (dense layers, the warm-up).
     """
-    found: dict[int, list] = {}
-    handles = []
-    for attention in msa_attentions(model):
-        def capture(_module, args, kwargs, number=attention.layer_number):
-            # core_attention(query [T, Hq, d], key [T, Hkv, d], value, msa, q2k=..., ...)
-            if kwargs.get("q2k") is not None:
-                found.setdefault(number, []).append((kwargs["q2k"].detach().cpu(), args[3]))
-        handles.append(attention.core_attention.register_forward_pre_hook(capture,
-                                                                         with_kwargs=True))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for mb in rows:
-                model(mb.tokens, mb.position_ids, labels=None,
-                      **forward_kwargs(mb.packed_seq_ids))
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
-    layers: dict[int, dict[int, dict]] = {}
-    for number, captured in sorted(found.items()):
-        layers[number] = {}
-        for qt in qts:
-            parts = []
-            for q2k, msa in captured:
-                union, tokens, exact = tile_union_sizes(
-                    q2k, msa.token_documents.cpu(), msa.document_positions.cpu(), qt)
-                parts.append((union, tokens, exact))
-            union = torch.cat([p[0] for p in parts], dim=1)
-            tokens = torch.cat([p[1] for p in parts])
-            exact = torch.cat([p[2] for p in parts], dim=1)
-            layers[number][qt] = {"union_mean": union.float().mean().item(),
-                                  **hybrid_work(union, tokens, exact, cap)}
+    with captured_selections(model) as found:
+        for mb in rows:
+            model(mb.tokens, mb.position_ids, labels=None, **forward_kwargs(mb.packed_seq_ids))
+    layers = {number: {qt: tile_statistics(captured, qt, cap) for qt in qts}
+              for number, captured in sorted(found.items())}
     mean = {qt: {k: statistics.fmean(layers[n][qt][k] for n in layers)
                  for k in ("union_mean", "union_tiles", "union_exact_share", "union_inflation")}
             for qt in qts} if layers else {}
@@ -166,20 +181,11 @@ def synthetic_statistics(captured: list, qts, cap: int, seed: int = 0) -> dict:
     generator = torch.Generator().manual_seed(seed)
     out: dict = {}
     for name, shared in (("random", False), ("block_shared", True)):
-        out[name] = {}
-        parts = {qt: [] for qt in qts}
-        for q2k, msa in captured:
-            documents, positions = msa.token_documents.cpu(), msa.document_positions.cpu()
-            fake = synthetic_selection(documents, positions, msa.block_size, q2k.shape[-1],
-                                       q2k.shape[0], shared, generator)
-            for qt in qts:
-                parts[qt].append(tile_union_sizes(fake, documents, positions, qt))
-        for qt in qts:
-            union = torch.cat([p[0] for p in parts[qt]], dim=1)
-            tokens = torch.cat([p[1] for p in parts[qt]])
-            exact = torch.cat([p[2] for p in parts[qt]], dim=1)
-            out[name][qt] = {"union_mean": union.float().mean().item(),
-                             **hybrid_work(union, tokens, exact, cap)}
+        fakes = [(synthetic_selection(msa.token_documents.cpu(), msa.document_positions.cpu(),
+                                      msa.block_size, q2k.shape[-1], q2k.shape[0], shared,
+                                      generator), msa)
+                 for q2k, msa in captured]
+        out[name] = {qt: tile_statistics(fakes, qt, cap) for qt in qts}
     return out
 
 
@@ -201,58 +207,41 @@ def passkey_needle_selection(model, probes, block: int, forward_kwargs,
         copies; ``selected_any`` the share of scored tokens that some layer and head selects
         it for; ``chance`` what a uniform draw of the free slots gives (its mean over tokens).
     """
-    attentions = msa_attentions(model)
     names = probes.names
     hits: dict[int, dict[str, list]] = {a.layer_number: {n: [] for n in names}
-                                        for a in attentions}
+                                        for a in msa_attentions(model)}
     any_hits = {n: [] for n in names}
     chance = {n: [] for n in names}
-    found: dict[int, torch.Tensor] = {}
-
-    def hook_for(number):
-        def capture(_module, args, kwargs):
-            if kwargs.get("q2k") is not None:
-                found[number] = kwargs["q2k"].detach().cpu()
-        return capture
-
-    handles = [a.core_attention.register_forward_pre_hook(hook_for(a.layer_number),
-                                                          with_kwargs=True) for a in attentions]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for row in range(probes.rows):
-                kind, planted = probes.planted[row]
-                if kind != "passkey":
-                    continue
-                needle = planted[0][0]
-                tokens = probes.tokens[row:row + 1].to(device)
-                seq = tokens.shape[1]
-                found.clear()
-                model(tokens, torch.arange(seq, device=device)[None], labels=None,
-                      **forward_kwargs(torch.ones_like(tokens)))
-                group = probes.group[row]
-                scored = torch.nonzero(group >= 0).flatten()
-                question = int(scored[0])
-                # Token question + j predicts key j; it must read key j at needle + 1 + j.
-                wanted = (needle + 1 + (scored - question)) // block
-                top_k = next(iter(found.values())).shape[-1]
-                own = scored // block
-                free = torch.clamp(own, min=1).double()
-                draw = torch.where(own > 0, torch.clamp((top_k - 1) / free, max=1.0), 0.0)
-                bucket = names[int(group[scored[0]])]
-                anyone = torch.zeros(scored.numel(), dtype=torch.bool)
-                for number, q2k in found.items():
-                    # q2k [Hkv, T, top_k]: one document per row, so compact token = position.
-                    sel = (q2k[:, scored, :] == wanted[None, :, None]).any(-1)
-                    hits[number][bucket].append(sel.double().mean().item())
-                    anyone |= sel.any(0)
-                any_hits[bucket].append(anyone.double().mean().item())
-                chance[bucket].append(draw.mean().item())
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
+    with captured_selections(model) as found:
+        for row in range(probes.rows):
+            kind, planted = probes.planted[row]
+            if kind != "passkey":
+                continue
+            needle = planted[0][0]
+            tokens = probes.tokens[row:row + 1].to(device)
+            seq = tokens.shape[1]
+            found.clear()
+            model(tokens, torch.arange(seq, device=device)[None], labels=None,
+                  **forward_kwargs(torch.ones_like(tokens)))
+            group = probes.group[row]
+            scored = torch.nonzero(group >= 0).flatten()
+            question = int(scored[0])
+            # Token question + j predicts key j; it must read key j at needle + 1 + j.
+            wanted = (needle + 1 + (scored - question)) // block
+            top_k = next(iter(found.values()))[0][0].shape[-1]
+            own = scored // block
+            free = torch.clamp(own, min=1).double()
+            draw = torch.where(own > 0, torch.clamp((top_k - 1) / free, max=1.0), 0.0)
+            bucket = names[int(group[scored[0]])]
+            anyone = torch.zeros(scored.numel(), dtype=torch.bool)
+            for number, captured in found.items():
+                q2k = captured[-1][0]
+                # q2k [Hkv, T, top_k]: one document per row, so compact token = position.
+                sel = (q2k[:, scored, :] == wanted[None, :, None]).any(-1)
+                hits[number][bucket].append(sel.double().mean().item())
+                anyone |= sel.any(0)
+            any_hits[bucket].append(anyone.double().mean().item())
+            chance[bucket].append(draw.mean().item())
     used = [n for n in names if any_hits[n]]
     return {
         "buckets": {n: {"selected": statistics.fmean(statistics.fmean(hits[k][n])
