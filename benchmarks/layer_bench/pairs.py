@@ -101,6 +101,33 @@ def tflops(pairs: float, heads: int, head_dim: int, ms: float) -> float:
     return FLOPS_PER_PAIR_CHANNEL * heads * head_dim * pairs / (ms * 1e-3) / 1e12
 
 
+def _leaves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """A timed call's ``prepare``: detached clones of q/k/v with gradients, and a fresh random
+    gradient of the output."""
+    def prepare() -> dict:
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        return dict(zip("qkv", leaves, strict=True), dout=torch.randn_like(leaves[0]))
+    return prepare
+
+
+def _msa_backward(call: CoreAttentionCall, kwargs: dict):
+    """A timed call's ``run``: the captured core attention with ``kwargs``, forward + backward
+    of its output (the block mass, where asked for, has no gradient)."""
+    def run(x: dict) -> None:
+        out = call.module(x["q"], x["k"], x["v"], *call.args[3:], **kwargs)
+        if kwargs.get("return_block_mass"):
+            out = out[0]
+        out.backward(x["dout"])
+    return run
+
+
+def _cudnn_backward(lengths, scale: float):
+    """A timed call's ``run``: cuDNN SDPA per document of ``lengths``, forward + backward."""
+    def run(x: dict) -> None:
+        cudnn_document_attention(x["q"], x["k"], x["v"], lengths, scale).backward(x["dout"])
+    return run
+
+
 def pair_rate(call: CoreAttentionCall, on_gpu: bool, warmup: int, reps: int) -> dict:
     """The MSA layer's sparse attention against cuDNN's dense attention, per attended pair.
 
@@ -141,20 +168,9 @@ def pair_rate(call: CoreAttentionCall, on_gpu: bool, warmup: int, reps: int) -> 
     lengths = msa.document_lengths
     pairs = {"msa": selected_pairs(kwargs["q2k"], msa), "cudnn": dense_pairs(lengths)}
 
-    def prepare() -> dict:
-        q, k, v = (x.detach().clone().requires_grad_() for x in (query, key, value))
-        return {"q": q, "k": k, "v": v, "dout": torch.randn_like(q)}
-
-    def msa_run(x: dict) -> None:
-        out = call.module(x["q"], x["k"], x["v"], *call.args[3:], **kwargs)
-        if kwargs.get("return_block_mass"):
-            out = out[0]  # the mass has no gradient
-        out.backward(x["dout"])
-
-    def cudnn_run(x: dict) -> None:
-        out = cudnn_document_attention(x["q"], x["k"], x["v"], lengths,
-                                       call.module.softmax_scale)
-        out.backward(x["dout"])
+    prepare = _leaves(query, key, value)
+    msa_run = _msa_backward(call, kwargs)
+    cudnn_run = _cudnn_backward(lengths, call.module.softmax_scale)
 
     # The rows' loop, without its too-slow cut (the step around this attention already passed).
     timing = argparse.Namespace(warmup=warmup, steps=reps, max_step_s=math.inf, profile=False)
@@ -197,33 +213,15 @@ def _prefix_split(call: CoreAttentionCall, timed, pairs: dict, ms: dict) -> dict
         q2k = kwargs["q2k"][:, which].contiguous()
         if is_marked_canonical(kwargs["q2k"]):
             mark_canonical(q2k, msa.block_size)
-        sub = {**kwargs, "q2k": q2k, "queries": which}
-
-        def prepare() -> dict:
-            q, k, v = (x.detach().clone().requires_grad_() for x in (query[which], key, value))
-            return {"q": q, "k": k, "v": v, "dout": torch.randn_like(q)}
-
-        def run(x: dict) -> None:
-            out = call.module(x["q"], x["k"], x["v"], msa, **sub)
-            if kwargs.get("return_block_mass"):
-                out = out[0]
-            out.backward(x["dout"])
-        return prepare, run
-
-    def prefix_prepare() -> dict:
-        q, k, v = (x[rows].detach().clone().requires_grad_() for x in (query, key, value))
-        return {"q": q, "k": k, "v": v, "dout": torch.randn_like(q)}
-
-    def prefix_cudnn(x: dict) -> None:
-        lengths = [m for m in prefix_lengths if m]
-        out = cudnn_document_attention(x["q"], x["k"], x["v"], lengths,
-                                       call.module.softmax_scale)
-        out.backward(x["dout"])
+        return (_leaves(query[which], key, value),
+                _msa_backward(call, {**kwargs, "q2k": q2k, "queries": which}))
 
     prefix_pairs = dense_pairs(prefix_lengths)
     msa_prefix = timed(*subset(rows))
     msa_rest = timed(*subset(rest))
-    cudnn_prefix = timed(prefix_prepare, prefix_cudnn)
+    cudnn_prefix = timed(_leaves(query[rows], key[rows], value[rows]),
+                         _cudnn_backward([m for m in prefix_lengths if m],
+                                         call.module.softmax_scale))
     return {
         "prefix_tokens": int(rows.numel()),
         "pairs_msa_prefix": prefix_pairs,
