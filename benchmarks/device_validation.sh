@@ -367,18 +367,8 @@ for pid in "${pids[@]}"; do wait "$pid"; echo "arm process $pid: rc $?"; done
 grep -hE "^== " "$OUT"/quality_runs/arm_*.log
 # Every arm at its step count: the summary (and QR_FINAL's evaluations) in one process.
 arms_csv=$(echo ${QR_ARMS:-dense control msa} | tr ' ' ',')
-if python3 - "$qr_dir" "$qr_args" ${QR_ARMS:-dense control msa} <<'PY'
-import re, sys, pathlib
-out, args, arms = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
-steps = int(re.search(r"--steps (\d+)", args).group(1))
-lengths = re.search(r"--seq-lengths (\S+)", args).group(1).split(",")
-done = [int((out / f"seq{s}" / a / "latest_checkpointed_iteration.txt").read_text())
-        if (out / f"seq{s}" / a / "latest_checkpointed_iteration.txt").is_file() else 0
-        for s in lengths for a in arms]
-print("steps done:", done, "of", steps)
-sys.exit(0 if min(done) >= steps else 1)
-PY
-then
+# shellcheck disable=SC2086  # QR_ARGS is a list
+if python3 scripts/quality_bench.py "${qr[@]}" --arms "$arms_csv" $qr_args --finished; then
   # The trained MSA arms' selections first, so the summary's report holds them.
   for regime in ${QR_REGIME:-}; do
     timeout 200 python3 benchmarks/indexer_regime.py --recipe recipes/quality_bench.yaml \

@@ -448,6 +448,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "length (train.skip_train from its checkpoint)")
     parser.add_argument("--final-probe-rows", type=int, default=None,
                         help="train.eval_probe_rows of the --extrapolate-to evaluations")
+    parser.add_argument("--finished", action="store_true",
+                        help="run nothing: print the steps each arm has done and exit 0 where "
+                        "every arm has its --steps at every length, else 1")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke-test preset")
     parser.add_argument("--out", default="runs/quality")
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every arm")
@@ -488,6 +491,10 @@ def main(argv: list[str] | None = None) -> dict:
     num_layers = int(loaded.model.get("num_layers", 1))
     steps = loaded.train.train_iters
     out = Path(args.out)
+    if args.finished:
+        done = [finished_steps(_run_dir(out, s, a, None)) for s in lengths for a in arms]
+        print(f"steps done: {done} of {steps}", flush=True)
+        raise SystemExit(0 if min(done) >= steps else 1)
     report = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "device": _device_name(),
               "commit": commit_id(), "command": "python scripts/quality_bench.py "
               + " ".join(argv if argv is not None else sys.argv[1:]),

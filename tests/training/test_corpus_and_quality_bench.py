@@ -263,6 +263,9 @@ def test_quality_bench_runs_equal_steps_resumes_arms_and_evaluates_longer_rows(
         assert run["steps"] == 2 and run["stopped_early"] and run["target_steps"] == 4
         assert bench.finished_steps(tmp_path / "seq256" / arm) == 2
     assert "256_at_512" not in first["lengths"]  # not trained to the end: not extrapolated
+    with pytest.raises(SystemExit) as finished:
+        bench.main([*args, "--finished"])
+    assert finished.value.code == 1
     assert "msa stopped at step 2 of 4" in (tmp_path / "quality.md").read_text()
     before = {arm: bench.read_metrics(tmp_path / "seq256" / arm / "metrics.jsonl")
               for arm in ("msa", "dense")}
@@ -286,6 +289,9 @@ def test_quality_bench_runs_equal_steps_resumes_arms_and_evaluates_longer_rows(
         # One skip_train evaluation of the checkpoint of step 4, no training step.
         longer_rows = bench.read_metrics(tmp_path / "seq256_at512" / arm / "metrics.jsonl")
         assert longer_rows[-1]["skip_train"] and longer_rows[-1]["iteration"] == 4
+    with pytest.raises(SystemExit) as finished:
+        bench.main([*args, "--finished"])
+    assert finished.value.code == 0
     cmp_ = block["comparison"]
     assert cmp_["equal_step"] == 4 and "msa_within_5_points" in cmp_
     assert set(cmp_["arms"]["msa"]["probes_at_equal_step"]) == set(block["runs"]["msa"]["probes"])
