@@ -499,7 +499,9 @@ def main(argv: list[str] | None = None) -> dict:
               "commit": commit_id(), "command": "python scripts/quality_bench.py "
               + " ".join(argv if argv is not None else sys.argv[1:]),
               "corpus": args.corpus, "tokens_per_step": args.tokens_per_step,
-              "steps_per_arm": steps, "lengths": {}}
+              "steps_per_arm": steps, "lengths": {},
+              # benchmarks/indexer_regime.py's files, written before this call (not during it).
+              "regimes": read_regimes(out)}
     todo = [(s, a, None) for s in lengths for a in arms]
     if args.extrapolate_to is not None:
         todo += [(s, a, args.extrapolate_to) for s in lengths if s <= args.extrapolate_to
@@ -563,7 +565,6 @@ def main(argv: list[str] | None = None) -> dict:
             block["runs"][arm]["error"] = error
         block["comparison"] = compare(block["runs"])
         report["wall_seconds"] = time.perf_counter() - t0
-        report["regimes"] = read_regimes(out)
         # Written after every run: a call killed from outside still leaves what it finished.
         text = write_report(report, out)
     print(text, flush=True)
