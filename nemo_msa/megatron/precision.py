@@ -41,11 +41,7 @@ def high_precision_gemms(config: Any) -> contextlib.AbstractContextManager:
     """
     if not getattr(config, "fp8", None):
         return contextlib.nullcontext()
-    te = _te_pytorch()
-    autocast = getattr(te, "autocast", None)
-    if autocast is not None:
-        return autocast(enabled=False)
-    return te.fp8_autocast(enabled=False)
+    return _te_disabled("autocast", "fp8_autocast")
 
 
 def high_precision_init(config: Any) -> contextlib.AbstractContextManager:
@@ -60,8 +56,12 @@ def high_precision_init(config: Any) -> contextlib.AbstractContextManager:
     """
     if not getattr(config, "fp8_param", False):
         return contextlib.nullcontext()
+    return _te_disabled("quantized_model_init", "fp8_model_init")
+
+
+def _te_disabled(name: str, before_2_8: str) -> contextlib.AbstractContextManager:
+    """TE's context ``name`` (``before_2_8`` in TE releases before 2.8) with
+    ``enabled=False``."""
     te = _te_pytorch()
-    init = getattr(te, "quantized_model_init", None)
-    if init is not None:
-        return init(enabled=False)
-    return te.fp8_model_init(enabled=False)
+    return (getattr(te, name, None) or getattr(te, before_2_8))(enabled=False)
+
