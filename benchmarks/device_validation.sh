@@ -18,8 +18,8 @@
 # call finished); "bench" adds
 # benchmarks/bench_msa.py runs, one per ';'-separated argument list in BENCH_RUNS, all logged to
 # $OUT/bench.log under "== bench <n>" headers (one file: the device tool returns only a few).
-# "rows" runs issue #28's five bench_layer.py rows (ROWS_TOKENS) twice: dense and MSA with the
-# untrained indexer's selections, and MSA with coherent, trained-like ones (--index coherent),
+# "rows" runs issue #28's five bench_layer.py rows (ROWS_TOKENS) twice, dense and MSA each time:
+# with the untrained indexer's selections, and with coherent, trained-like ones (--index coherent),
 # writing $OUT/rows_fresh.json and rows_coherent.json (each process bounded by ROWS_S, 270 s).
 # "layer" adds benchmarks/bench_layer.py (one-layer MiniMax-M3 GPTModel training step, dense vs MSA,
 # plus the dense_attention / cudnn_attention rows) with the arguments in LAYER_ARGS, writing
@@ -325,11 +325,11 @@ fi
 
 if [[ " $STAGES " == *" rows "* ]]; then
 # Issue #28's rows, dense and MSA in one process with the untrained indexer's (random)
-# selections, then MSA again with coherent, trained-like ones (ADR 0031); ROWS_ARGS adds options.
+# selections, then both again with coherent, trained-like ones (ADR 0031); ROWS_ARGS adds options.
 rows="${ROWS_TOKENS:-8192,32768,32768:4096,131072:16384,131072}"
 for index in fresh coherent; do
+  # Dense in both processes: each ratio is against the dense step of its own run.
   cases=dense,msa_sparse_loss
-  [[ $index == coherent ]] && cases=msa_sparse_loss
   echo "== rows ($index): benchmarks/bench_layer.py --tokens $rows --cases $cases" \
     | tee "$OUT/rows_$index.log"
   # shellcheck disable=SC2086  # the argument list is split on purpose

@@ -16,7 +16,7 @@ dropped here. Timing still needs the GPU (benchmarks/bench_msa.py).
 Usage::
 
     python benchmarks/kernel_report.py \
-        [--kernel sel|fwd_union|dq_union|fwd_token|dq_token|union_build|loss_scores|loss_dk|
+        [--kernel sel|fwd_union|dq_union|fwd_token|dq_token|dkdv|union_build|loss_scores|loss_dk|
                   all] \
         [--set KERNEL.KEY=VALUE ...] [--emit] [--guarded]
 """
@@ -190,6 +190,21 @@ def _dq_token(cfg, emit, guarded):
                       emit)
 
 
+def _dkdv(cfg, emit, guarded):
+    import nemo_msa.attention.triton_bwd as tb
+    from nemo_msa.triton.tiles import next_pow2
+
+    gp = max(16, next_pow2(G))
+    constexprs = dict(G=G, GP=gp, QT=max(1, cfg.kv_rows // gp), BS=BS, BN=min(BS, cfg.kv_bn),
+                      D=D, FP32_DOT=False)
+    pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")}
+    pointers.update(lse_ptr="*fp32", delta_ptr="*fp32", offsets_ptr="*i64", list_ptr="*i32",
+                    order_ptr="*i64")
+    return tb._dkdv_kernel, _signature(tb._dkdv_kernel, constexprs, pointers,
+                                       {"scale", "scale_log2"}, {}), {
+        "num_warps": cfg.kv_warps, "num_stages": cfg.kv_stages}
+
+
 def _union_build(cfg, emit, guarded):
     import nemo_msa.attention.triton_union as tu
     from nemo_msa.triton.tiles import next_pow2
@@ -225,7 +240,7 @@ def _loss_dk(cfg, emit, guarded):
 
 KERNELS = {"sel": ("sel", _selection), "fwd_union": ("fwd", _forward_union),
            "dq_union": ("bwd", _dq_union), "fwd_token": ("fwd", _forward_token),
-           "dq_token": ("bwd", _dq_token), "union_build": ("fwd", _union_build),
+           "dq_token": ("bwd", _dq_token), "dkdv": ("bwd", _dkdv), "union_build": ("fwd", _union_build),
            "loss_scores": ("bwd", _loss_scores), "loss_dk": ("bwd", _loss_dk)}
 
 

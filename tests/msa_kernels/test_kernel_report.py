@@ -84,6 +84,16 @@ def test_kernel_report_shows_the_per_token_kernels_hmma_loops():
         assert other.stdout.splitlines()[0] != res.stdout.splitlines()[0], other.stdout
 
 
+def test_kernel_report_compiles_the_dkdv_kernel_at_its_launch():
+    """The KV-outer dk/dv kernel compiles with wgmma loops at the launch's rows per query tile,
+    and a variant of its warps is another program."""
+    _, loops = _shared_and_loops(_run("--kernel", "dkdv"), "dkdv")
+    assert loops and loops[-1] >= 8, loops
+    res = _run("--kernel", "dkdv", "--set", "bwd.kv_warps=8")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "'num_warps': 8" in res.stdout.splitlines()[0], res.stdout
+
+
 _SOURCE_OF_SEL = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
