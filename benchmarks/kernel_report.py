@@ -240,7 +240,8 @@ def _loss_dk(cfg, emit, guarded):
 
 KERNELS = {"sel": ("sel", _selection), "fwd_union": ("fwd", _forward_union),
            "dq_union": ("bwd", _dq_union), "fwd_token": ("fwd", _forward_token),
-           "dq_token": ("bwd", _dq_token), "dkdv": ("bwd", _dkdv), "union_build": ("fwd", _union_build),
+           "dq_token": ("bwd", _dq_token), "dkdv": ("bwd", _dkdv),
+           "union_build": ("fwd", _union_build),
            "loss_scores": ("bwd", _loss_scores), "loss_dk": ("bwd", _loss_dk)}
 
 
