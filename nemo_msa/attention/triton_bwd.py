@@ -258,14 +258,12 @@ def _dkdv_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, tok, heads, rmask, stride_qt, 
 
 
 @triton.jit
-def _dkdv_accumulate(q, do, v, pr_t, delta, dk, dv):
-    """Adds one step's P^T dO to dv and dS^T Q to dk, from the transposed probabilities
-    ``pr_t`` [BN, M] (dS^T = P^T (dP^T - delta)): every product's left operand is the previous
-    product's accumulator, so no register tile is transposed (through shared memory) per step."""
-    dv += tl.dot(pr_t.to(do.dtype), do)
-    dp_t = tl.dot(v, tl.trans(do))
-    ds_t = pr_t * (dp_t - delta[None, :])
-    dk += tl.dot(ds_t.to(q.dtype), q)
+def _dkdv_accumulate(q, do, v, pr, delta, dk, dv):
+    """Adds one step's P^T dO to dv and dS^T Q to dk (dS = P (dP - delta))."""
+    dp = tl.dot(do, tl.trans(v))
+    ds = pr * (dp - delta[:, None])
+    dv += tl.dot(tl.trans(pr.to(do.dtype)), do)
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
     return dk, dv
 
 
@@ -308,11 +306,10 @@ def _dkdv_kernel(
         q, do, lse2, delta = _dkdv_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, tok, heads, rmask,
                                         stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
                                         D, FP32_DOT)
-        # S^T = K Q^T [BN, M]: the keys are the rows of every product of the step.
-        vis_t = (j[:, None] <= pos[None, :]) & rmask[None, :]
-        sc_t = tl.dot(k, tl.trans(q)) * scale_log2
-        pr_t = tl.where(vis_t, tl.exp2(sc_t - lse2[None, :]), 0.0)
-        dk, dv = _dkdv_accumulate(q, do, v, pr_t, delta, dk, dv)
+        vis = (j[None, :] <= pos[:, None]) & rmask[:, None]
+        sc = tl.dot(q, tl.trans(k)) * scale_log2
+        pr = tl.where(vis, tl.exp2(sc - lse2[:, None]), 0.0)
+        dk, dv = _dkdv_accumulate(q, do, v, pr, delta, dk, dv)
     dk = dk * scale
     tl.store(dk_ptr + rows_k[:, None] * stride_dkt + g * stride_dkh + dd[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=kvalid[:, None])

@@ -133,9 +133,9 @@ class BackwardLaunch:
     dq_tile_grid_tiles: int = 8
     dq_union_build_tiles: int = 1
     dq_union_build_warps: int = 1
-    kv_bn: int = 128
-    kv_rows: int = 32
-    kv_warps: int = 8
+    kv_bn: int = 64
+    kv_rows: int = 64
+    kv_warps: int = 4
     kv_stages: int = 2
 
     def __post_init__(self) -> None:

@@ -283,9 +283,9 @@ def test_launch_overrides_restore_the_defaults_and_launchers_take_instances():
     with launch_overrides({"fwd.union_max": 48}, fwd=ForwardLaunch(union_qt=4)) as launches:
         assert launches["fwd"] == ForwardLaunch(union_qt=4, union_max=48)
         assert current_launch("fwd") == launches["fwd"]
-        with launch_overrides({"bwd.kv_warps": 4}):
-            assert current_launch("fwd").union_max == 48 and current_launch("bwd").kv_warps == 4
-        assert current_launch("bwd").kv_warps == 8
+        with launch_overrides({"bwd.kv_warps": 8}):
+            assert current_launch("fwd").union_max == 48 and current_launch("bwd").kv_warps == 8
+        assert current_launch("bwd").kv_warps == 4
     assert current_launch("fwd") == ForwardLaunch()
     msa = make_layout([[20]], 20, 16)
     gen = torch.Generator().manual_seed(2)
