@@ -192,17 +192,14 @@ def _dq_token(cfg, emit, guarded):
 
 def _dkdv(cfg, emit, guarded):
     import nemo_msa.attention.triton_bwd as tb
-    from nemo_msa.triton.tiles import next_pow2
 
-    gp = max(16, next_pow2(G))
-    constexprs = dict(G=G, GP=gp, QT=max(1, cfg.kv_rows // gp), BS=BS, BN=min(BS, cfg.kv_bn),
-                      D=D, FP32_DOT=False)
+    meta = tb.dkdv_launch(cfg, G, BS, D)
+    options = {name: meta.pop(name) for name in ("num_warps", "num_stages")}
+    constexprs = dict(G=G, BS=BS, D=D, FP32_DOT=False, **meta)
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")}
-    pointers.update(lse_ptr="*fp32", delta_ptr="*fp32", offsets_ptr="*i64", list_ptr="*i32",
-                    order_ptr="*i64")
+    pointers.update(lse_ptr="*fp32", delta_ptr="*fp32", offsets_ptr="*i64")  # the rest int32
     return tb._dkdv_kernel, _signature(tb._dkdv_kernel, constexprs, pointers,
-                                       {"scale", "scale_log2"}, {}), {
-        "num_warps": cfg.kv_warps, "num_stages": cfg.kv_stages}
+                                       {"scale", "scale_log2"}, {}), options
 
 
 def _union_build(cfg, emit, guarded):

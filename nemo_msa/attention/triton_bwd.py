@@ -317,6 +317,15 @@ def _dkdv_kernel(
              dv.to(dv_ptr.dtype.element_ty), mask=kvalid[:, None])
 
 
+def dkdv_launch(cfg: BackwardLaunch, group: int, block_size: int, head_dim: int) -> dict:
+    """The dk/dv kernel's tile constexprs (``GP``, ``QT``, ``BN``) and launch options
+    (``num_warps``, ``num_stages``) under ``cfg`` for ``group`` query heads per KV head: what the
+    launcher passes, and what ``benchmarks/kernel_report.py`` compiles."""
+    gp = max(16, next_pow2(group))
+    return dict(GP=gp, QT=max(1, cfg.kv_rows // gp), BN=min(block_size, cfg.kv_bn),
+                num_warps=cfg.kv_warps if head_dim == 128 else 4, num_stages=cfg.kv_stages)
+
+
 def _launch_dq(cfg: BackwardLaunch, view: KernelLayout, rows: dict, q2k_, scale, t, hkv, top_k,
                grp, gp, d, unions, subset=None):
     """dq and delta: the union kernel for tiles with a small union, per token for the rest
@@ -454,15 +463,14 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     # The dq launch also writes delta (rowsum(dO * O)), which the dk/dv kernel reads.
     _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions, subset)
     csr = block_query_csr(q2k_, view, subset)
-    bn_kv = min(bs, cfg.kv_bn)
+    meta = dkdv_launch(cfg, grp, bs, d)
     rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, lse_ptr=lse_, delta_ptr=delta,
                 dk_ptr=dk, dv_ptr=dv)
-    _dkdv_kernel[(hkv * view.num_blocks_bound * (bs // bn_kv),)](
+    _dkdv_kernel[(hkv * view.num_blocks_bound * (bs // meta["BN"]),)](
         **rows, **_row_strides(rows), offsets_ptr=csr.offsets, list_ptr=csr.tokens,
         order_ptr=csr.order, block_doc_ptr=view.block_doc, block_local_ptr=view.block_local,
         cu_ptr=view.cu_seqlens, tok_pos_ptr=(subset or view).token_pos,
         num_blocks_bound=view.num_blocks_bound, scale=scale, scale_log2=scale * LOG2E,
-        G=grp, GP=gp, QT=max(1, cfg.kv_rows // gp), BS=bs, BN=bn_kv, D=d, FP32_DOT=INTERPRET,
-        num_warps=cfg.kv_warps if d == 128 else 4, num_stages=cfg.kv_stages,
+        G=grp, BS=bs, D=d, FP32_DOT=INTERPRET, **meta,
     )
     return dq, dk, dv
