@@ -149,6 +149,16 @@ def test_cuda_graph_capture_is_refused():
             select_blocks(iq, ik, msa, top_k=2)
 
 
+def _float64_errors(results, q, k, v, dout, q2k, msa) -> list[float]:
+    """Relative norm errors of ``results`` (out, dq, dk, dv) against the float64 oracle on the
+    same bf16 inputs (the masked reference and its autograd gradients)."""
+    x64 = [x.double().requires_grad_(True) for x in (q, k, v)]
+    ref = masked_attention_reference(*x64, msa, 1 / math.sqrt(q.shape[-1]), q2k=q2k)
+    want = (ref, *torch.autograd.grad(ref, x64, dout.double()))
+    return [((got.double() - exp).norm() / exp.norm()).item()
+            for got, exp in zip(results, want, strict=True)]
+
+
 def test_reference_on_cuda_matches_float64_and_is_deterministic():
     g = torch.Generator().manual_seed(1)
     ids = random_document_map(g, batch=2, seq=1500, max_doc=1400).cuda()
@@ -162,11 +172,7 @@ def test_reference_on_cuda_matches_float64_and_is_deterministic():
     runs = _two_deterministic_runs(q, k, v, dout, q2k, msa, "reference")
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
-    x64 = [x.double().requires_grad_(True) for x in (q, k, v)]
-    ref = masked_attention_reference(*x64, msa, 1 / math.sqrt(128), q2k=q2k)
-    want = torch.autograd.grad(ref, x64, dout.double())
-    for got, exp in zip(runs[0], (ref, *want), strict=True):
-        err = ((got.double() - exp).norm() / exp.norm()).item()
+    for err in _float64_errors(runs[0], q, k, v, dout, q2k, msa):
         assert err < 1e-2 and not math.isnan(err), err
 
 
@@ -207,9 +213,6 @@ def test_triton_gradients_match_float64_at_the_production_shape():
     xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
     out = sparse_attention(*xs, q2k, msa, backend="triton")
     grads = torch.autograd.grad(out, xs, dout)
-    x64 = [x.double().requires_grad_(True) for x in (q, k, v)]
-    ref = masked_attention_reference(*x64, msa, 1 / math.sqrt(128), q2k=q2k)
-    want = torch.autograd.grad(ref, x64, dout.double())
-    for name, got, exp in zip(("dq", "dk", "dv"), grads, want, strict=True):
-        err = ((got.double() - exp).norm() / exp.norm()).item()
+    errors = _float64_errors((out, *grads), q, k, v, dout, q2k, msa)[1:]
+    for name, err in zip(("dq", "dk", "dv"), errors, strict=True):
         assert 1e-4 < err < 1e-2 and not math.isnan(err), (name, err)
