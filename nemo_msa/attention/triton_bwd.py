@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nemo_msa.attention.gluon_dkdv import gluon_dkdv, gluon_dkdv_supported
 from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, tensor_identity
 from nemo_msa.triton.guards import (
     dq_tile_masked,
@@ -463,6 +464,10 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     # The dq launch also writes delta (rowsum(dO * O)), which the dk/dv kernel reads.
     _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions, subset)
     csr = block_query_csr(q2k_, view, subset)
+    if cfg.kv_kernel == "gluon" and gluon_dkdv_supported(q_, k_, v_, do_, grp, bs):
+        gluon_dkdv(q_, k_, v_, do_, lse_, delta, csr, view, (subset or view).token_pos, scale,
+                   bs, dk, dv)
+        return dq, dk, dv
     meta = dkdv_launch(cfg, grp, bs, d)
     rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, lse_ptr=lse_, delta_ptr=delta,
                 dk_ptr=dk, dv_ptr=dv)

@@ -119,6 +119,8 @@ class BackwardLaunch:
         kv_bn: dk/dv: keys per program (a block is split into ``bs / kv_bn`` programs).
         kv_rows: dk/dv: rows per query tile (tokens x padded group).
         kv_warps, kv_stages: dk/dv: warps and stages.
+        kv_kernel: dk/dv kernel on SM90 with bf16, d = 128, block 128 and 16 query heads per
+            KV head: ``"gluon"`` (:mod:`~nemo_msa.attention.gluon_dkdv`) or ``"triton"``.
     """
 
     dq_bn: int = 64
@@ -137,6 +139,7 @@ class BackwardLaunch:
     kv_rows: int = 64
     kv_warps: int = 4
     kv_stages: int = 2
+    kv_kernel: typing.Literal["triton", "gluon"] = "gluon"
 
     def __post_init__(self) -> None:
         _check_fields(self, "bwd")

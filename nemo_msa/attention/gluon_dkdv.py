@@ -1,0 +1,300 @@
+"""MSA sparse attention dk/dv for Hopper (SM90) in Gluon: TMA rows, warp-specialized.
+
+The same function as the Triton dk/dv kernel of :mod:`nemo_msa.attention.triton_bwd` (which
+stays the interpreter's and every other GPU's path; on the same inputs the two agree bit for
+bit), organised the way FlashAttention-3 organises its backward on Hopper (ADR 0042):
+
+* one program per (KV head, key block); its consumer partition is two warpgroups that own 64 of
+  the block's 128 keys each and share every query tile, so a query row is read once per block
+  (the Triton kernel splits a block over two programs that each read it);
+* a producer warp sends for the query side of each step (``QT`` tokens x the ``G`` heads of
+  the group: q and dO rows, the rows' log2-domain LSE and delta, token-major, and the tokens'
+  positions) by TMA, one bulk copy per token and tensor, into a ring of three slots, and takes
+  a slot back when the consumers release it; the consumers never wait on an index load and
+  never stop at the barriers that TMA issue costs in a single partition;
+* every product is a warpgroup MMA in the transposed form ``S^T = K Q^T``,
+  ``dP^T = V dO^T``: ``P^T`` and ``dS^T`` are those products' accumulators and feed
+  ``dV += P^T dO`` and ``dK += dS^T Q`` from registers, so nothing is transposed through
+  shared memory; a step's dV / dK products run while the next step's S^T is computed.
+
+Rows past a list's end read the zeros TMA returns past the tensors (q = dO = 0 and LSE = delta
+= 0: they add nothing). Non-finite rows follow ADR 0025 exactly as the Triton kernel does: a
+row whose delta is not finite gets delta 0 and a NaN LSE (applied to the token-major copies
+here, per row, where the Triton kernel applies it per step).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from nemo_msa.triton.tiles import LOG2E
+
+__all__ = ["GLUON_DKDV_WARPS", "gluon_dkdv", "gluon_dkdv_supported"]
+
+#: Warps of the dk/dv program's consumer partition: two warpgroups, 64 keys each.
+GLUON_DKDV_WARPS = 8
+#: Registers of the producer warp; its warpgroup counts as 4 warps, so the launch caps every
+#: thread of the 12 at MAXNREG (the register file is 64 K words) before the consumers raise
+#: theirs to what is left.
+PRODUCER_REGS = gl.constexpr(24)
+MAXNREG = 168
+
+
+@gluon.jit
+def _step_tokens(list_ptr, e, hi, QT: gl.constexpr):
+    """The ``QT`` list entries from ``e`` as scalars (the last valid one repeated past ``hi``)
+    and whether each is valid; ``hi > e`` is not required."""
+    last = gl.maximum(hi - 1, 0)
+    t0 = gl.load(list_ptr + gl.minimum(e, last))
+    t1 = gl.load(list_ptr + gl.minimum(e + 1, last))
+    t2 = gl.load(list_ptr + gl.minimum(e + 2, last))
+    t3 = gl.load(list_ptr + gl.minimum(e + 3, last))
+    return t0, t1, t2, t3
+
+
+@gluon.jit
+def _issue_step(q_desc, do_desc, st_desc, pos_desc, q_buf, do_buf, st_buf, pos_buf, bar,
+                e, hi, t0, t1, t2, t3, head0, HQ, OOB, G: gl.constexpr, D: gl.constexpr,
+                SLOT: gl.constexpr):
+    """TMA of one step's rows into one ring slot: per token, its ``G`` heads of q and dO, their
+    LSE and delta, and its position; tokens past ``hi`` address row ``OOB`` (past the tensors:
+    zeros). Shared memory takes TMA writes at 128-byte aligned addresses: the LSE/delta and the
+    position of a token each fill one ``SLOT``-word slot."""
+    r0 = gl.where(e < hi, t0 * HQ + head0, OOB)
+    r1 = gl.where(e + 1 < hi, t1 * HQ + head0, OOB)
+    r2 = gl.where(e + 2 < hi, t2 * HQ + head0, OOB)
+    r3 = gl.where(e + 3 < hi, t3 * HQ + head0, OOB)
+    mbarrier.expect(bar, 4 * (2 * G * D * 2 + 2 * G * 4 + G * 4))
+    tma.async_copy_global_to_shared(q_desc, [r0, 0], bar, q_buf.slice(0, G))
+    tma.async_copy_global_to_shared(q_desc, [r1, 0], bar, q_buf.slice(G, G))
+    tma.async_copy_global_to_shared(q_desc, [r2, 0], bar, q_buf.slice(2 * G, G))
+    tma.async_copy_global_to_shared(q_desc, [r3, 0], bar, q_buf.slice(3 * G, G))
+    tma.async_copy_global_to_shared(do_desc, [r0, 0], bar, do_buf.slice(0, G))
+    tma.async_copy_global_to_shared(do_desc, [r1, 0], bar, do_buf.slice(G, G))
+    tma.async_copy_global_to_shared(do_desc, [r2, 0], bar, do_buf.slice(2 * G, G))
+    tma.async_copy_global_to_shared(do_desc, [r3, 0], bar, do_buf.slice(3 * G, G))
+    # The row stats of (token, group) are 2 G floats at 2 (token * HQ + head0).
+    tma.async_copy_global_to_shared(st_desc, [2 * r0], bar, st_buf.slice(0, 2 * G))
+    tma.async_copy_global_to_shared(st_desc, [2 * r1], bar, st_buf.slice(SLOT, 2 * G))
+    tma.async_copy_global_to_shared(st_desc, [2 * r2], bar, st_buf.slice(2 * SLOT, 2 * G))
+    tma.async_copy_global_to_shared(st_desc, [2 * r3], bar, st_buf.slice(3 * SLOT, 2 * G))
+    # A token's position is repeated G times at token * G (OOB / HQ * G is past them).
+    tma.async_copy_global_to_shared(pos_desc, [r0 // HQ * G], bar, pos_buf.slice(0, G))
+    tma.async_copy_global_to_shared(pos_desc, [r1 // HQ * G], bar, pos_buf.slice(SLOT, G))
+    tma.async_copy_global_to_shared(pos_desc, [r2 // HQ * G], bar, pos_buf.slice(2 * SLOT, G))
+    tma.async_copy_global_to_shared(pos_desc, [r3 // HQ * G], bar, pos_buf.slice(3 * SLOT, G))
+
+
+@gluon.jit
+def _dkdv_producer(q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs, st_bufs, pos_bufs,
+                   ready, empty, list_ptr, lo, hi, head0, HQ, OOB, G: gl.constexpr,
+                   D: gl.constexpr, SLOT: gl.constexpr, QT: gl.constexpr):
+    """One warp: fills the ring, a slot as soon as the consumers release it."""
+    STAGES: gl.constexpr = q_bufs.type.shape[0]
+    for s in range(gl.cdiv(hi - lo, QT)):
+        slot = s % STAGES
+        # A fresh barrier counts as having completed the phase before its first: the first
+        # STAGES waits pass.
+        mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1)
+        e = lo + s * QT
+        t0, t1, t2, t3 = _step_tokens(list_ptr, e, hi, QT)
+        _issue_step(q_desc, do_desc, st_desc, pos_desc, q_bufs.index(slot), do_bufs.index(slot),
+                    st_bufs.index(slot), pos_bufs.index(slot), ready.index(slot), e, hi,
+                    t0, t1, t2, t3, head0, HQ, OOB, G, D, SLOT)
+
+
+@gluon.jit
+def _dkdv_consumer(k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty, kv_bar,
+                   lo, hi, b, scale_log2, G: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
+                   D: gl.constexpr, SLOT: gl.constexpr):
+    """Two warpgroups (64 keys each): the products of every step; returns fp32 (dK / scale,
+    dV) [BS, D]."""
+    BM: gl.constexpr = QT * G
+    STAGES: gl.constexpr = q_bufs.type.shape[0]
+    # A step's LSE, delta and position slots read as [BM] row vectors through this padded view
+    # (row r at word (r // G) * SLOT + r % G of the slots).
+    row_view: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[G, SLOT - G]], [BM], [0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                       instr_shape=[16, BM, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                         instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    # The same words as rows of G: row 2 (stage QT + i) + 1 starts the delta half of token i's
+    # slot, from which the padded view reads the step's delta as it reads the LSE.
+    st_words = st_bufs._reinterpret(gl.float32, [STAGES * 2 * QT, G],
+                                    gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    dk = gl.zeros([BS, D], gl.float32, acc_layout)
+    dv = gl.zeros([BS, D], gl.float32, acc_layout)
+    kpos = b * BS + gl.arange(0, BS, layout=gl.SliceLayout(1, s_layout))
+    mbarrier.wait(kv_bar, 0)
+    for s in range(gl.cdiv(hi - lo, QT)):
+        stage = s % STAGES
+        q_s = q_bufs.index(stage)
+        do_s = do_bufs.index(stage)
+        mbarrier.wait(ready.index(stage), (s // STAGES) & 1)
+        st = warpgroup_mma(k_smem, q_s.permute((1, 0)), gl.zeros([BS, BM], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)),
+                            gl.zeros([BS, BM], gl.float32, s_layout), use_acc=False,
+                            is_async=True)
+        lse2 = st_bufs.index(stage)._reinterpret(gl.float32, [BM], row_view).load(row_layout)
+        # In order: the previous step's dV / dK products are done with S^T, so the previous
+        # step's slot goes back to the producer.
+        st = warpgroup_mma_wait(1, deps=(st,))
+        mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), pred=s > 0)
+        pos = pos_bufs.index(stage)._reinterpret(gl.int32, [BM], row_view).load(row_layout)
+        vis = kpos[:, None] <= pos[None, :]
+        pt = gl.where(vis, gl.exp2(st * scale_log2 - lse2[None, :]), 0.0)
+        delta = st_words.index(stage * 2 * QT + 1)._reinterpret(gl.float32, [BM], row_view).load(
+            row_layout)
+        # The slot's words are read: order those reads before the producer's next TMA into it.
+        fence_async_shared()
+        dpt = warpgroup_mma_wait(0, deps=(dpt,))
+        dsa = gl.convert_layout((pt * (dpt - delta[None, :])).to(gl.bfloat16), a_layout)
+        pa = gl.convert_layout(pt.to(gl.bfloat16), a_layout)
+        dv = warpgroup_mma(pa, do_s, dv, is_async=True)
+        dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
+        # Typed back to tensors without waiting: the next products only accumulate into them,
+        # in order.
+        dv, dk = warpgroup_mma_wait(2, deps=(dv, dk))
+    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    return dk, dv
+
+
+@gluon.jit
+def _dkdv_sm90_kernel(
+    q_desc, do_desc, k_desc, v_desc, st_desc, pos_desc, dk_ptr, dv_ptr,
+    offsets_ptr, list_ptr, order_ptr, block_doc_ptr, block_local_ptr, cu_ptr,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, num_blocks_bound, HQ, OOB,
+    scale, scale_log2,
+    G: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr,
+):
+    BM: gl.constexpr = QT * G
+    STAGES: gl.constexpr = 3
+    SLOT: gl.constexpr = 32
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                         instr_shape=[16, D, 16])
+    seg = gl.load(order_ptr + gl.program_id(0))
+    g = seg // num_blocks_bound
+    blk = seg % num_blocks_bound
+    doc = gl.load(block_doc_ptr + blk)
+    if doc >= 0:
+        start = gl.load(cu_ptr + doc)
+        length = gl.load(cu_ptr + doc + 1) - start
+        b = gl.load(block_local_ptr + blk)
+        lo = gl.load(offsets_ptr + seg).to(gl.int32)
+        hi = gl.load(offsets_ptr + seg + 1).to(gl.int32)
+
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], v_desc.layout)
+        q_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], do_desc.layout)
+        st_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, QT * SLOT], st_desc.layout)
+        pos_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, QT * SLOT], pos_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(kv_bar, count=1)
+
+        key_row = start + b * BS
+        mbarrier.expect(kv_bar, 2 * BS * D * 2)
+        tma.async_copy_global_to_shared(k_desc, [key_row, g * D], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [key_row, g * D], kv_bar, v_smem)
+
+        dk, dv = gl.warp_specialize([
+            (_dkdv_consumer, (k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty,
+                              kv_bar, lo, hi, b, scale_log2, G, QT, BS, D, SLOT)),
+            (_dkdv_producer, (q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs, st_bufs,
+                              pos_bufs, ready, empty, list_ptr, lo, hi, g * G, HQ, OOB, G, D,
+                              SLOT, QT)),
+        ], [1], [PRODUCER_REGS])
+
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+        mbarrier.invalidate(kv_bar)
+        keys = b * BS + gl.arange(0, BS, layout=gl.SliceLayout(1, acc_layout))
+        rows = (start + keys).to(gl.int64)
+        dd = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        kmask = (keys < length)[:, None]
+        gl.store(dk_ptr + rows[:, None] * stride_dkt + g * stride_dkh + dd[None, :],
+                 (dk * scale).to(dk_ptr.dtype.element_ty), mask=kmask)
+        gl.store(dv_ptr + rows[:, None] * stride_dvt + g * stride_dvh + dd[None, :],
+                 dv.to(dv_ptr.dtype.element_ty), mask=kmask)
+
+
+def _layout(shape, dtype):
+    return gl.NVMMASharedLayout.get_default_for(shape, dtype)
+
+
+def gluon_dkdv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         dout: torch.Tensor, group: int, block_size: int) -> bool:
+    """Whether :func:`gluon_dkdv` takes these inputs: an SM90 GPU, bf16, head dim 128, block
+    128, 16 query heads per KV head, q and dO dense ([T, Hq, d] contiguous), k and v with dense
+    rows of heads ([T, Hkv, d] with the head and dim strides of a contiguous tensor)."""
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        return False
+    t, _, d = q.shape
+    dense_rows = all(x.stride(2) == 1 and x.stride(1) == d and x.data_ptr() % 16 == 0
+                     and (x.stride(0) * x.element_size()) % 16 == 0 for x in (k, v))
+    return (q.dtype == torch.bfloat16 and d == 128 and block_size == 128 and group == 16
+            and t > 0 and q.is_contiguous() and dout.is_contiguous() and dense_rows
+            and q.data_ptr() % 16 == 0 and dout.data_ptr() % 16 == 0)
+
+
+def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+               lse: torch.Tensor, delta: torch.Tensor, csr, view, token_pos: torch.Tensor,
+               scale: float, block_size: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """dk and dv of the sparse attention into ``dk`` and ``dv`` (written in full).
+
+    Args:
+        q: bf16 [T, Hq, 128] contiguous. ``dout`` likewise.
+        k, v: bf16 [T, Hkv, 128] with dense rows of heads (see :func:`gluon_dkdv_supported`).
+        lse: fp32 [Hq, T] natural-log LSE of the forward.
+        delta: fp32 [Hq, T] rowsum(dO * O) (the dq kernel's).
+        csr: the :class:`~nemo_msa.triton.kernel_layout.BlockQueryCSR` of the selection.
+        view: the layout's :class:`~nemo_msa.triton.kernel_layout.KernelLayout`.
+        token_pos: int32 [T] document position of each query row of the lists.
+        scale: the softmax scale.
+        block_size: 128.
+        dk, dv: k's and v's shapes and dtypes; every row is written.
+    """
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    # Token-major row stats, [T, Hkv, (LSE, delta), G]: each (token, group) is one 128-byte box.
+    ok = torch.isfinite(delta)
+    lse2 = torch.where(ok, lse * LOG2E, float("nan"))
+    stats = torch.stack([lse2.t().reshape(t, hkv, group), torch.where(ok, delta, 0.0).t()
+                         .reshape(t, hkv, group)], dim=2).view(-1)
+    positions = token_pos.to(torch.int32)[:, None].expand(t, group).contiguous().view(-1)
+    rows = t * hq
+    word = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    q_desc, do_desc = (TensorDescriptor(x.view(rows, d), [rows, d], [d, 1], [group, d],
+                                        _layout([group, d], gl.bfloat16)) for x in (q, dout))
+    k_desc, v_desc = (TensorDescriptor(x, [t_k, hkv * d], [x.stride(0), 1], [block_size, d],
+                                       _layout([block_size, d], gl.bfloat16))
+                      for x, t_k in ((k, k.shape[0]), (v, v.shape[0])))
+    st_desc = TensorDescriptor(stats, [stats.numel()], [1], [2 * group], word)
+    pos_desc = TensorDescriptor(positions, [positions.numel()], [1], [group], word)
+    _dkdv_sm90_kernel[(hkv * view.num_blocks_bound,)](
+        q_desc, do_desc, k_desc, v_desc, st_desc, pos_desc, dk, dv,
+        csr.offsets, csr.tokens, csr.order, view.block_doc, view.block_local, view.cu_seqlens,
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        view.num_blocks_bound, hq, rows, scale, scale * LOG2E,
+        G=group, QT=4, BS=block_size, D=d, num_warps=GLUON_DKDV_WARPS, maxnreg=MAXNREG,
+    )
