@@ -45,7 +45,7 @@ D, BS, TOPK, G = 128, 128, 16, 16
 _T = 131072
 PRODUCTION_INTS = {"num_blocks_bound": _T // BS, "bound": _T // BS, "TQ": _T, "top_k": TOPK,
                    "init_blocks": 0, "local_blocks": 1, "num_tiles": _T // 8, "max_count": 31,
-                   "t0": 0}
+                   "t0": 0, "HQ": 64, "OOB": _T * 64}
 #: Every stride at the production shape is a multiple of 16 elements (d = 128, top-k 16, token
 #: counts a multiple of the block), and every tensor a 16-byte aligned allocation or view.
 _STRIDE = 16 * D
@@ -77,6 +77,9 @@ def _signature(fn, constexprs, pointers, floats, descs):
             sig[name] = "constexpr"
             continue
         if name in descs:
+            if isinstance(descs[name], str):  # a Gluon descriptor, its layout spelled out
+                sig[name] = descs[name]
+                continue
             rows, cols = descs[name]
             sig[name] = f"tensordesc<bf16[{rows}, {cols}]>"
             continue
@@ -202,6 +205,18 @@ def _dkdv(cfg, emit, guarded):
                                        {"scale", "scale_log2"}, {}), options
 
 
+def _dkdv_gluon(cfg, emit, guarded):
+    """The SM90 dk/dv kernel in Gluon (ADR 0042); it has no launch fields."""
+    import nemo_msa.attention.gluon_dkdv as gd
+
+    descs = {name: f"tensordesc<{dtype}[{', '.join(map(str, shape))}],{layout!r}>"
+             for name, (dtype, shape, layout) in gd.descriptor_blocks(G, D, BS).items()}
+    pointers = {"dk_ptr": "*bf16", "dv_ptr": "*bf16", "offsets_ptr": "*i64"}  # the rest int32
+    fn = gd._dkdv_sm90_kernel
+    return fn, _signature(fn, dict(G=G, QT=4, BS=BS, D=D), pointers, {"scale", "scale_log2"},
+                          descs), {"num_warps": gd.GLUON_DKDV_WARPS, "maxnreg": gd.MAXNREG}
+
+
 def _union_build(cfg, emit, guarded):
     import nemo_msa.attention.triton_union as tu
     from nemo_msa.triton.tiles import next_pow2
@@ -238,6 +253,7 @@ def _loss_dk(cfg, emit, guarded):
 KERNELS = {"sel": ("sel", _selection), "fwd_union": ("fwd", _forward_union),
            "dq_union": ("bwd", _dq_union), "fwd_token": ("fwd", _forward_token),
            "dq_token": ("bwd", _dq_token), "dkdv": ("bwd", _dkdv),
+           "dkdv_gluon": ("bwd", _dkdv_gluon),
            "union_build": ("fwd", _union_build),
            "loss_scores": ("bwd", _loss_scores), "loss_dk": ("bwd", _loss_dk)}
 
@@ -283,10 +299,12 @@ def report(kernel, cfg, emit=False, guarded=False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     fn, src, options = KERNELS[kernel][1](cfg, emit, guarded)
-    compiled = triton.compile(ASTSource(fn, src.signature, constexprs=src.constexprs,
-                                        attrs=src.attrs),
+    source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+    compiled = triton.compile(source(fn, src.signature, constexprs=src.constexprs,
+                                     attrs=src.attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"

@@ -39,7 +39,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from nemo_msa.triton.tiles import LOG2E
 
-__all__ = ["GLUON_DKDV_WARPS", "gluon_dkdv", "gluon_dkdv_supported"]
+__all__ = ["GLUON_DKDV_WARPS", "descriptor_blocks", "gluon_dkdv", "gluon_dkdv_supported"]
 
 #: Warps of the dk/dv program's consumer partition: two warpgroups, 64 keys each.
 GLUON_DKDV_WARPS = 8
@@ -237,8 +237,17 @@ def _dkdv_sm90_kernel(
                  dv.to(dv_ptr.dtype.element_ty), mask=kmask)
 
 
-def _layout(shape, dtype):
-    return gl.NVMMASharedLayout.get_default_for(shape, dtype)
+def descriptor_blocks(group: int, head_dim: int, block_size: int) -> dict:
+    """The kernel's six TMA descriptors as ``name -> (element dtype, block shape, shared
+    layout)``: what :func:`gluon_dkdv` builds and ``benchmarks/kernel_report.py`` compiles."""
+    rows = gl.NVMMASharedLayout.get_default_for([group, head_dim], gl.bfloat16)
+    keys = gl.NVMMASharedLayout.get_default_for([block_size, head_dim], gl.bfloat16)
+    word = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    return {"q_desc": ("bf16", [group, head_dim], rows),
+            "do_desc": ("bf16", [group, head_dim], rows),
+            "k_desc": ("bf16", [block_size, head_dim], keys),
+            "v_desc": ("bf16", [block_size, head_dim], keys),
+            "st_desc": ("fp32", [2 * group], word), "pos_desc": ("i32", [group], word)}
 
 
 def gluon_dkdv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -283,14 +292,18 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
                          .reshape(t, hkv, group)], dim=2).view(-1)
     positions = token_pos.to(torch.int32)[:, None].expand(t, group).contiguous().view(-1)
     rows = t * hq
-    word = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    q_desc, do_desc = (TensorDescriptor(x.view(rows, d), [rows, d], [d, 1], [group, d],
-                                        _layout([group, d], gl.bfloat16)) for x in (q, dout))
-    k_desc, v_desc = (TensorDescriptor(x, [t_k, hkv * d], [x.stride(0), 1], [block_size, d],
-                                       _layout([block_size, d], gl.bfloat16))
-                      for x, t_k in ((k, k.shape[0]), (v, v.shape[0])))
-    st_desc = TensorDescriptor(stats, [stats.numel()], [1], [2 * group], word)
-    pos_desc = TensorDescriptor(positions, [positions.numel()], [1], [group], word)
+    blocks = {name: (shape, layout) for name, (_, shape, layout)
+              in descriptor_blocks(group, d, block_size).items()}
+
+    def descriptor(name, x, shape, strides):
+        return TensorDescriptor(x, shape, strides, *blocks[name])
+
+    q_desc = descriptor("q_desc", q.view(rows, d), [rows, d], [d, 1])
+    do_desc = descriptor("do_desc", dout.view(rows, d), [rows, d], [d, 1])
+    k_desc = descriptor("k_desc", k, [k.shape[0], hkv * d], [k.stride(0), 1])
+    v_desc = descriptor("v_desc", v, [v.shape[0], hkv * d], [v.stride(0), 1])
+    st_desc = descriptor("st_desc", stats, [stats.numel()], [1])
+    pos_desc = descriptor("pos_desc", positions, [positions.numel()], [1])
     _dkdv_sm90_kernel[(hkv * view.num_blocks_bound,)](
         q_desc, do_desc, k_desc, v_desc, st_desc, pos_desc, dk, dv,
         csr.offsets, csr.tokens, csr.order, view.block_doc, view.block_local, view.cu_seqlens,
