@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[2]
+
 pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
 
-ROOT = Path(__file__).resolve().parents[2]
 CASES = ("dense", "msa_loss_off", "msa_sparse_loss", "msa_dense_loss", "msa_warmup")
 # The cases whose layers select blocks (msa_warmup attends densely in its warm-up).
 SELECTING = ("msa_loss_off", "msa_sparse_loss", "msa_dense_loss")
@@ -133,7 +134,6 @@ def test_packed_rows_and_two_layers(tmp_path):
 
 
 def test_packed_lengths_fill_the_row_with_the_stated_distribution():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
     from layer_bench.steps import packed_lengths
 
@@ -148,7 +148,6 @@ def test_packed_lengths_fill_the_row_with_the_stated_distribution():
 
 
 def test_rows_parse_n_and_n_mean():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from layer_bench.rows import parse_rows
 
     assert parse_rows("8192, 131072:16384", [0], "--tokens") == [(8192, 0), (131072, 16384)]

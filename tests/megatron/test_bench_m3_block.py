@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
-
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
 
 
 def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -54,7 +54,6 @@ def test_experts_needs_the_block_and_enough_experts(tmp_path):
 def test_the_m3_block_runs_te_grouped_gemm_with_the_te_spec():
     """With the TE spec the experts are TE's grouped GEMM, as recipes/minimax_m3_msa.yaml trains
     them (a SequentialMLP would time one GEMM per expert); the local spec keeps SequentialMLP."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from layer_bench.model import M3_BLOCK, block_fields
 
     assert block_fields(M3_BLOCK, True, "transformer_engine")["moe_grouped_gemm"] is True

@@ -4,16 +4,10 @@ pairs, and the MSA rows' pair rate against cuDNN) against brute force, on the CP
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from layer_bench.pairs import (  # noqa: E402
+from layer_bench.pairs import (
     FLOPS_PER_PAIR_CHANNEL,
     dense_pairs,
     dense_prefix,
@@ -21,10 +15,10 @@ from layer_bench.pairs import (  # noqa: E402
     pair_rate,
     selected_pairs,
 )
-from layer_bench.selection import CoreAttentionCall  # noqa: E402
+from layer_bench.selection import CoreAttentionCall
 
-from nemo_msa import MSAMicrobatch  # noqa: E402
-from nemo_msa.ops import document_attention  # noqa: E402
+from nemo_msa import MSAMicrobatch
+from nemo_msa.ops import document_attention
 
 pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
 

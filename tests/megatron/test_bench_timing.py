@@ -3,17 +3,11 @@ row's kernels, decides only where it is the only one; a later slow warm-up step 
 
 from __future__ import annotations
 
-import sys
 import time
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from layer_bench.timing import run_timed  # noqa: E402
+from layer_bench.timing import run_timed
 
 pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
 

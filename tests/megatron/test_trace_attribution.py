@@ -10,17 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from layer_bench.trace_attribution import (  # noqa: E402
+from layer_bench.trace_attribution import (
     attribute,
     difference,
     gpu_span,
     summarize,
     waits,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
 

@@ -11,25 +11,22 @@ import importlib.util
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from msa_bench import fla_nsa_peer as peer
+from msa_bench.cases import make_case
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from msa_bench import fla_nsa_peer as peer  # noqa: E402
-from msa_bench.cases import make_case  # noqa: E402
-
-from nemo_msa.attention.naive import (  # noqa: E402
+from nemo_msa.attention.naive import (
     sparse_attention_backward_reference,
     sparse_attention_forward_reference,
 )
-from nemo_msa.testing.oracle import attention_f64, attention_grads_f64, rel_err  # noqa: E402
+from nemo_msa.testing.oracle import attention_f64, attention_grads_f64, rel_err
+
+ROOT = Path(__file__).resolve().parents[2]
 
 BS = 16
 # fla-core says so once when its kernels are first used on CPU tensors (the interpreter runs them).

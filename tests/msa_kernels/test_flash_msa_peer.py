@@ -17,14 +17,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from msa_bench import flash_msa_peer as peer
+from msa_bench.cases import make_case
+
+from nemo_msa.testing.oracle import rel_err, select_rows_f64
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from msa_bench import flash_msa_peer as peer  # noqa: E402
-from msa_bench.cases import make_case  # noqa: E402
-
-from nemo_msa.testing.oracle import rel_err, select_rows_f64  # noqa: E402
 
 pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
 

@@ -4,16 +4,9 @@ padding and packed documents."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from msa_bench.unions import hybrid_work, tile_union_sizes  # noqa: E402
+from msa_bench.unions import hybrid_work, tile_union_sizes
 
 pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
 
