@@ -26,6 +26,7 @@ here, per row, where the Triton kernel applies it per step).
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -250,11 +251,19 @@ def descriptor_blocks(group: int, head_dim: int, block_size: int) -> dict:
             "st_desc": ("fp32", [2 * group], word), "pos_desc": ("i32", [group], word)}
 
 
+#: The Triton releases whose Gluon this kernel was written and tested against (Gluon's API
+#: changes between releases; others take the Triton kernel).
+TESTED_TRITON = ("3.6.",)
+
+
 def gluon_dkdv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          dout: torch.Tensor, group: int, block_size: int) -> bool:
-    """Whether :func:`gluon_dkdv` takes these inputs: an SM90 GPU, bf16, head dim 128, block
-    128, 16 query heads per KV head, q and dO dense ([T, Hq, d] contiguous), k and v with dense
-    rows of heads ([T, Hkv, d] with the head and dim strides of a contiguous tensor)."""
+    """Whether :func:`gluon_dkdv` takes these inputs: a tested Triton, an SM90 GPU, bf16, head
+    dim 128, block 128, 16 query heads per KV head, q and dO dense ([T, Hq, d] contiguous), k
+    and v with dense rows of heads ([T, Hkv, d] with the head and dim strides of a contiguous
+    tensor)."""
+    if not triton.__version__.startswith(TESTED_TRITON):
+        return False
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return False
     t, _, d = q.shape

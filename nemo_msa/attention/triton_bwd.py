@@ -24,7 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.attention.gluon_dkdv import gluon_dkdv, gluon_dkdv_supported
+try:  # Gluon's Hopper API as Triton 3.6 has it; other Tritons take the Triton dk/dv kernel
+    from nemo_msa.attention.gluon_dkdv import gluon_dkdv, gluon_dkdv_supported
+except ImportError:
+    gluon_dkdv = None
 from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, tensor_identity
 from nemo_msa.triton.guards import (
     dq_tile_masked,
@@ -464,7 +467,8 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     # The dq launch also writes delta (rowsum(dO * O)), which the dk/dv kernel reads.
     _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions, subset)
     csr = block_query_csr(q2k_, view, subset)
-    if cfg.kv_kernel == "gluon" and gluon_dkdv_supported(q_, k_, v_, do_, grp, bs):
+    if (cfg.kv_kernel == "gluon" and gluon_dkdv is not None
+            and gluon_dkdv_supported(q_, k_, v_, do_, grp, bs)):
         gluon_dkdv(q_, k_, v_, do_, lse_, delta, csr, view, (subset or view).token_pos, scale,
                    bs, dk, dv)
         return dq, dk, dv
