@@ -45,8 +45,11 @@ SCRIPT = str(REPO / "scripts" / "pretrain.py")
 #: scripts/pretrain.py with its data source held before the step that consumes sample 4 (after
 #: two steps): it writes ``waiting`` and continues once ``go`` exists.
 HELD = textwrap.dedent("""
-    import runpy, sys, time
+    import runpy, signal, sys, time
     from pathlib import Path
+    # Ctrl-C as a terminal delivers it: a runner started as a background job passes SIGINT on
+    # ignored, and Python then raises no KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {repo!r})
     from nemo_msa.training import data
     original = data.MicrobatchSource.step_microbatches
