@@ -40,7 +40,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from nemo_msa.triton.tiles import LOG2E
 
-__all__ = ["GLUON_DKDV_WARPS", "descriptor_blocks", "gluon_dkdv", "gluon_dkdv_supported"]
+__all__ = ["GLUON_DKDV_WARPS", "descriptor_blocks", "gluon_dkdv", "gluon_dkdv_supported",
+           "row_stats"]
 
 #: Warps of the dk/dv program's consumer partition: two warpgroups, 64 keys each.
 GLUON_DKDV_WARPS = 8
@@ -238,6 +239,32 @@ def _dkdv_sm90_kernel(
                  dv.to(dv_ptr.dtype.element_ty), mask=kmask)
 
 
+def row_stats(lse: torch.Tensor, delta: torch.Tensor, token_pos: torch.Tensor,
+              kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query side's per-row words as the kernel's TMA boxes read them.
+
+    Args:
+        lse: fp32 [Hq, T] natural-log LSE of the forward.
+        delta: fp32 [Hq, T] rowsum(dO * O).
+        token_pos: int [T] document position of each query row.
+        kv_heads: Hkv (query heads ``g G .. g G + G - 1`` share KV head ``g``, G = Hq / Hkv).
+
+    Returns:
+        ``(stats, positions)``: fp32 [T Hkv 2 G] with row (t, g G + i)'s log2-domain LSE at
+        ``2 (t Hq + g G) + i`` and its delta ``G`` words further (a row whose delta is not finite
+        gets delta 0 and a NaN LSE, ADR 0025); int32 [T G] with t's position at
+        ``t G .. t G + G - 1``.
+    """
+    hq, t = lse.shape
+    group = hq // kv_heads
+    ok = torch.isfinite(delta)
+    lse2 = torch.where(ok, lse * LOG2E, float("nan"))
+    stats = torch.stack([lse2.t().reshape(t, kv_heads, group),
+                         torch.where(ok, delta, 0.0).t().reshape(t, kv_heads, group)], dim=2)
+    positions = token_pos.to(torch.int32)[:, None].expand(t, group).contiguous()
+    return stats.view(-1), positions.view(-1)
+
+
 def descriptor_blocks(group: int, head_dim: int, block_size: int) -> dict:
     """The kernel's six TMA descriptors as ``name -> (element dtype, block shape, shared
     layout)``: what :func:`gluon_dkdv` builds and ``benchmarks/kernel_report.py`` compiles."""
@@ -294,12 +321,7 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
     t, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
-    # Token-major row stats, [T, Hkv, (LSE, delta), G]: each (token, group) is one 128-byte box.
-    ok = torch.isfinite(delta)
-    lse2 = torch.where(ok, lse * LOG2E, float("nan"))
-    stats = torch.stack([lse2.t().reshape(t, hkv, group), torch.where(ok, delta, 0.0).t()
-                         .reshape(t, hkv, group)], dim=2).view(-1)
-    positions = token_pos.to(torch.int32)[:, None].expand(t, group).contiguous().view(-1)
+    stats, positions = row_stats(lse, delta, token_pos, hkv)
     rows = t * hq
     blocks = {name: (shape, layout) for name, (_, shape, layout)
               in descriptor_blocks(group, d, block_size).items()}
