@@ -288,7 +288,7 @@ def gluon_dkdv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Whether :func:`gluon_dkdv` takes these inputs: a tested Triton, an SM90 GPU, bf16, head
     dim 128, block 128, 16 query heads per KV head, q and dO dense ([T, Hq, d] contiguous), k
     and v with dense rows of heads ([T, Hkv, d] with the head and dim strides of a contiguous
-    tensor)."""
+    tensor), and 2 T Hq < 2^31 (the kernel's TMA coordinates are int32)."""
     if not triton.__version__.startswith(TESTED_TRITON):
         return False
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
@@ -297,8 +297,8 @@ def gluon_dkdv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dense_rows = all(x.stride(2) == 1 and x.stride(1) == d and x.data_ptr() % 16 == 0
                      and (x.stride(0) * x.element_size()) % 16 == 0 for x in (k, v))
     return (q.dtype == torch.bfloat16 and d == 128 and block_size == 128 and group == 16
-            and t > 0 and q.is_contiguous() and dout.is_contiguous() and dense_rows
-            and q.data_ptr() % 16 == 0 and dout.data_ptr() % 16 == 0)
+            and 0 < 2 * t * q.shape[1] < 2**31 and q.is_contiguous() and dout.is_contiguous()
+            and dense_rows and q.data_ptr() % 16 == 0 and dout.data_ptr() % 16 == 0)
 
 
 def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
