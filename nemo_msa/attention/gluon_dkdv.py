@@ -38,81 +38,52 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from nemo_msa.triton.tiles import LOG2E
+from nemo_msa.triton.tiles import LOG2E, tma_rows
 
 __all__ = ["GLUON_DKDV_WARPS", "descriptor_blocks", "gluon_dkdv", "gluon_dkdv_supported",
            "row_stats"]
 
 #: Warps of the dk/dv program's consumer partition: two warpgroups, 64 keys each.
 GLUON_DKDV_WARPS = 8
-#: Registers of the producer warp; its warpgroup counts as 4 warps, so the launch caps every
-#: thread of the 12 at MAXNREG (the register file is 64 K words) before the consumers raise
-#: theirs to what is left.
+#: Registers of the producer warp.
 PRODUCER_REGS = gl.constexpr(24)
-MAXNREG = 168
-
-
-@gluon.jit
-def _step_tokens(list_ptr, e, hi, QT: gl.constexpr):
-    """The ``QT`` list entries from ``e`` as scalars (the last valid one repeated past ``hi``)
-    and whether each is valid; ``hi > e`` is not required."""
-    last = gl.maximum(hi - 1, 0)
-    t0 = gl.load(list_ptr + gl.minimum(e, last))
-    t1 = gl.load(list_ptr + gl.minimum(e + 1, last))
-    t2 = gl.load(list_ptr + gl.minimum(e + 2, last))
-    t3 = gl.load(list_ptr + gl.minimum(e + 3, last))
-    return t0, t1, t2, t3
-
-
-@gluon.jit
-def _issue_step(q_desc, do_desc, st_desc, pos_desc, q_buf, do_buf, st_buf, pos_buf, bar,
-                e, hi, t0, t1, t2, t3, head0, HQ, OOB, G: gl.constexpr, D: gl.constexpr,
-                SLOT: gl.constexpr):
-    """TMA of one step's rows into one ring slot: per token, its ``G`` heads of q and dO, their
-    LSE and delta, and its position; tokens past ``hi`` address row ``OOB`` (past the tensors:
-    zeros). Shared memory takes TMA writes at 128-byte aligned addresses: the LSE/delta and the
-    position of a token each fill one ``SLOT``-word slot."""
-    r0 = gl.where(e < hi, t0 * HQ + head0, OOB)
-    r1 = gl.where(e + 1 < hi, t1 * HQ + head0, OOB)
-    r2 = gl.where(e + 2 < hi, t2 * HQ + head0, OOB)
-    r3 = gl.where(e + 3 < hi, t3 * HQ + head0, OOB)
-    mbarrier.expect(bar, 4 * (2 * G * D * 2 + 2 * G * 4 + G * 4))
-    tma.async_copy_global_to_shared(q_desc, [r0, 0], bar, q_buf.slice(0, G))
-    tma.async_copy_global_to_shared(q_desc, [r1, 0], bar, q_buf.slice(G, G))
-    tma.async_copy_global_to_shared(q_desc, [r2, 0], bar, q_buf.slice(2 * G, G))
-    tma.async_copy_global_to_shared(q_desc, [r3, 0], bar, q_buf.slice(3 * G, G))
-    tma.async_copy_global_to_shared(do_desc, [r0, 0], bar, do_buf.slice(0, G))
-    tma.async_copy_global_to_shared(do_desc, [r1, 0], bar, do_buf.slice(G, G))
-    tma.async_copy_global_to_shared(do_desc, [r2, 0], bar, do_buf.slice(2 * G, G))
-    tma.async_copy_global_to_shared(do_desc, [r3, 0], bar, do_buf.slice(3 * G, G))
-    # The row stats of (token, group) are 2 G floats at 2 (token * HQ + head0).
-    tma.async_copy_global_to_shared(st_desc, [2 * r0], bar, st_buf.slice(0, 2 * G))
-    tma.async_copy_global_to_shared(st_desc, [2 * r1], bar, st_buf.slice(SLOT, 2 * G))
-    tma.async_copy_global_to_shared(st_desc, [2 * r2], bar, st_buf.slice(2 * SLOT, 2 * G))
-    tma.async_copy_global_to_shared(st_desc, [2 * r3], bar, st_buf.slice(3 * SLOT, 2 * G))
-    # A token's position is repeated G times at token * G (OOB / HQ * G is past them).
-    tma.async_copy_global_to_shared(pos_desc, [r0 // HQ * G], bar, pos_buf.slice(0, G))
-    tma.async_copy_global_to_shared(pos_desc, [r1 // HQ * G], bar, pos_buf.slice(SLOT, G))
-    tma.async_copy_global_to_shared(pos_desc, [r2 // HQ * G], bar, pos_buf.slice(2 * SLOT, G))
-    tma.async_copy_global_to_shared(pos_desc, [r3 // HQ * G], bar, pos_buf.slice(3 * SLOT, G))
+#: The launch's register cap: registers are handed out by warpgroup, so the producer's warp
+#: counts as 4 and every thread of the 12 warps gets at most this (the register file's 64 K
+#: words, in multiples of 8) before the consumers raise theirs to what is left (240).
+MAXNREG = 65536 // ((GLUON_DKDV_WARPS + 4) * 32) // 8 * 8
 
 
 @gluon.jit
 def _dkdv_producer(q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs, st_bufs, pos_bufs,
                    ready, empty, list_ptr, lo, hi, head0, HQ, OOB, G: gl.constexpr,
                    D: gl.constexpr, SLOT: gl.constexpr, QT: gl.constexpr):
-    """One warp: fills the ring, a slot as soon as the consumers release it."""
+    """One warp: fills the ring, a slot as soon as the consumers release it. Per step, each of
+    its ``QT`` list entries sends for its token's ``G`` heads of q and dO, their LSE and delta,
+    and its position; entries past ``hi`` address row ``OOB`` (past the tensors: zeros). Shared
+    memory takes TMA writes at 128-byte aligned addresses: the LSE/delta and the position of a
+    token each fill one ``SLOT``-word slot."""
     STAGES: gl.constexpr = q_bufs.type.shape[0]
+    last = gl.maximum(hi - 1, 0)
     for s in range(gl.cdiv(hi - lo, QT)):
         slot = s % STAGES
         # A fresh barrier counts as having completed the phase before its first: the first
         # STAGES waits pass.
         mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1)
-        e = lo + s * QT
-        t0, t1, t2, t3 = _step_tokens(list_ptr, e, hi, QT)
-        _issue_step(q_desc, do_desc, st_desc, pos_desc, q_bufs.index(slot), do_bufs.index(slot),
-                    st_bufs.index(slot), pos_bufs.index(slot), ready.index(slot), e, hi,
-                    t0, t1, t2, t3, head0, HQ, OOB, G, D, SLOT)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, QT * (2 * G * D * 2 + 2 * G * 4 + G * 4))
+        for i in gl.static_range(QT):
+            e = lo + s * QT + i
+            r = gl.where(e < hi, gl.load(list_ptr + gl.minimum(e, last)) * HQ + head0, OOB)
+            tma.async_copy_global_to_shared(q_desc, [r, 0], bar,
+                                            q_bufs.index(slot).slice(i * G, G))
+            tma.async_copy_global_to_shared(do_desc, [r, 0], bar,
+                                            do_bufs.index(slot).slice(i * G, G))
+            # The row stats of (token, group) are 2 G floats at 2 (token * HQ + head0).
+            tma.async_copy_global_to_shared(st_desc, [2 * r], bar,
+                                            st_bufs.index(slot).slice(i * SLOT, 2 * G))
+            # A token's position is repeated G times at token * G (OOB / HQ * G is past them).
+            tma.async_copy_global_to_shared(pos_desc, [r // HQ * G], bar,
+                                            pos_bufs.index(slot).slice(i * SLOT, G))
 
 
 @gluon.jit
@@ -281,6 +252,7 @@ def descriptor_blocks(group: int, head_dim: int, block_size: int) -> dict:
 #: The Triton releases whose Gluon this kernel was written and tested against (Gluon's API
 #: changes between releases; others take the Triton kernel).
 TESTED_TRITON = ("3.6.",)
+_TRITON_TESTED = triton.__version__.startswith(TESTED_TRITON)
 
 
 def gluon_dkdv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -289,16 +261,15 @@ def gluon_dkdv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dim 128, block 128, 16 query heads per KV head, q and dO dense ([T, Hq, d] contiguous), k
     and v with dense rows of heads ([T, Hkv, d] with the head and dim strides of a contiguous
     tensor), and 2 T Hq < 2^31 (the kernel's TMA coordinates are int32)."""
-    if not triton.__version__.startswith(TESTED_TRITON):
+    if not _TRITON_TESTED:
         return False
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return False
-    t, _, d = q.shape
-    dense_rows = all(x.stride(2) == 1 and x.stride(1) == d and x.data_ptr() % 16 == 0
-                     and (x.stride(0) * x.element_size()) % 16 == 0 for x in (k, v))
+    t, hq, d = q.shape
     return (q.dtype == torch.bfloat16 and d == 128 and block_size == 128 and group == 16
-            and 0 < 2 * t * q.shape[1] < 2**31 and q.is_contiguous() and dout.is_contiguous()
-            and dense_rows and q.data_ptr() % 16 == 0 and dout.data_ptr() % 16 == 0)
+            and 0 < 2 * t * hq < 2**31 and q.is_contiguous() and dout.is_contiguous()
+            and tma_rows(k) and tma_rows(v) and q.data_ptr() % 16 == 0
+            and dout.data_ptr() % 16 == 0)
 
 
 def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,

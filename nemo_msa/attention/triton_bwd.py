@@ -14,6 +14,8 @@ Two kernels:
   to exactly one program, so dk/dv are written once, without atomics; the result is bitwise
   reproducible run to run. dq is not added from this kernel (FlashAttention's scheme): the
   fp32 atomics would cost more than the recomputation they save and break reproducibility.
+  On SM90 at the production shape the same dk/dv comes from the Gluon kernel of
+  :mod:`nemo_msa.attention.gluon_dkdv` (ADR 0042), bit for bit.
 """
 
 from __future__ import annotations

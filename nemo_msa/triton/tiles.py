@@ -97,23 +97,27 @@ def tma_supported(x: torch.Tensor, interpret: bool) -> bool:
     return x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-def row_descriptor(x: torch.Tensor, rows: int, cols: int, interpret: bool):
-    """A TMA descriptor over ``x`` [T, ...] seen as a 2-D [T, width] matrix with [rows, cols]
-    boxes, or None where TMA cannot read it (see :func:`tma_supported`): the trailing dims must
-    be dense, the base and the row stride 16-byte aligned, and T > 0.
-
-    A kernel then reads rows ``[r, r + rows)`` at columns ``[c, c + cols)`` as one bulk copy
-    with ``desc.load([r, c])`` (rows past T read as zero) instead of a pointer per element.
-    """
-    if x.shape[0] == 0 or not tma_supported(x, interpret):
-        return None
+def tma_rows(x: torch.Tensor) -> bool:
+    """Whether TMA can read ``x`` [T, ...] as a 2-D [T, width] matrix: the trailing dims dense,
+    the base and the row stride 16-byte aligned."""
     width, dense = 1, True
     for dim in range(x.dim() - 1, 0, -1):
         dense = dense and x.stride(dim) == width
         width *= x.shape[dim]
-    if not dense or x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
+    return dense and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
+
+
+def row_descriptor(x: torch.Tensor, rows: int, cols: int, interpret: bool):
+    """A TMA descriptor over ``x`` [T, ...] seen as a 2-D [T, width] matrix with [rows, cols]
+    boxes, or None where TMA cannot read it (see :func:`tma_supported` and :func:`tma_rows`)
+    or T is 0.
+
+    A kernel then reads rows ``[r, r + rows)`` at columns ``[c, c + cols)`` as one bulk copy
+    with ``desc.load([r, c])`` (rows past T read as zero) instead of a pointer per element.
+    """
+    if x.shape[0] == 0 or not tma_supported(x, interpret) or not tma_rows(x):
         return None
-    return TensorDescriptor(x, [x.shape[0], width], [x.stride(0), 1], [rows, cols])
+    return TensorDescriptor(x, [x.shape[0], x[0].numel()], [x.stride(0), 1], [rows, cols])
 
 
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, rows: int, interpret: bool):
