@@ -213,9 +213,8 @@ def _dkdv_gluon(cfg, emit, guarded):
              for name, (dtype, shape, layout) in gd.descriptor_blocks(G, D, BS).items()}
     pointers = {"dk_ptr": "*bf16", "dv_ptr": "*bf16", "offsets_ptr": "*i64"}  # the rest int32
     fn = gd._dkdv_sm90_kernel
-    return fn, _signature(fn, dict(G=G, QT=4, BS=BS, D=D, DQ=cfg.dq_from_kv), pointers,
-                          {"scale", "scale_log2"}, descs), {"num_warps": gd.GLUON_DKDV_WARPS,
-                                                            "maxnreg": gd.MAXNREG}
+    return fn, _signature(fn, dict(G=G, QT=4, BS=BS, D=D), pointers, {"scale", "scale_log2"},
+                          descs), {"num_warps": gd.GLUON_DKDV_WARPS, "maxnreg": gd.MAXNREG}
 
 
 def _union_build(cfg, emit, guarded):

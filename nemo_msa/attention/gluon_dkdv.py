@@ -1,4 +1,4 @@
-"""MSA sparse attention dk/dv (and dq) for Hopper (SM90) in Gluon: TMA rows, warp-specialized.
+"""MSA sparse attention dk/dv for Hopper (SM90) in Gluon: TMA rows, warp-specialized.
 
 The same function as the Triton dk/dv kernel of :mod:`nemo_msa.attention.triton_bwd` (which
 stays the interpreter's and every other GPU's path; on the same inputs the two agree bit for
@@ -15,12 +15,7 @@ bit), organised the way FlashAttention-3 organises its backward on Hopper (ADR 0
 * every product is a warpgroup MMA in the transposed form ``S^T = K Q^T``,
   ``dP^T = V dO^T``: ``P^T`` and ``dS^T`` are those products' accumulators and feed
   ``dV += P^T dO`` and ``dK += dS^T Q`` from registers, so nothing is transposed through
-  shared memory; a step's dV / dK products run while the next step's S^T is computed;
-* with ``DQ`` (ADR 0043) each step also computes its rows' ``dS K`` (dS^T through shared memory,
-  a warpgroup per half of the head dim) and adds it to an fp32 dq buffer by TMA reduce-add, one
-  bulk reduce per token: the key-split dq of FlashAttention's backward, which reads a query
-  row's K/V side once per block where the per-token dq kernels read 64 KiB of K and V per
-  (token, block).
+  shared memory; a step's dV / dK products run while the next step's S^T is computed.
 
 Rows past a list's end read the zeros TMA returns past the tensors (q = dO = 0 and LSE = delta
 = 0: they add nothing). Non-finite rows follow ADR 0025 exactly as the Triton kernel does: a
@@ -32,10 +27,8 @@ from __future__ import annotations
 
 import torch
 import triton
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -58,16 +51,6 @@ PRODUCER_REGS = gl.constexpr(24)
 #: counts as 4 and every thread of the 12 warps gets at most this (the register file's 64 K
 #: words, in multiples of 8) before the consumers raise theirs to what is left (240).
 MAXNREG = 65536 // ((GLUON_DKDV_WARPS + 4) * 32) // 8 * 8
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """TMA bulk reduce-add of the shared buffer ``src`` into the descriptor's tensor at
-    ``coord``; elements out of the tensor's bounds are skipped. (Triton 3.6 builds the op,
-    ``ttng.async_tma_reduce``, but its Gluon has no wrapper for it.)"""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
-                                              coord, src.handle)
 
 
 @gluon.jit
@@ -104,32 +87,11 @@ def _dkdv_producer(q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs, st_bufs,
 
 
 @gluon.jit
-def _zero_nonfinite_keys(k_smem, BS: gl.constexpr, D: gl.constexpr):
-    """Zeroes the key rows of ``k_smem`` that hold a NaN/Inf (dq's operand; see
-    :func:`_dkdv_consumer`) and orders the stores before the warpgroups' MMAs read it."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    k = k_smem.load(layout)
-    finite = gl.min(gl.where(gl.abs(k.to(gl.float32)) < float("inf"), 1, 0), axis=1)
-    k_smem.store(gl.where(finite[:, None] != 0, k, 0.0))
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _dkdv_consumer(k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty, kv_bar,
-                   ds_smem, dq_smem, dq_desc, list_ptr, lo, hi, b, head0, HQ, OOB, scale_log2,
-                   G: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr,
-                   SLOT: gl.constexpr, DQ: gl.constexpr):
+                   lo, hi, b, scale_log2, G: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
+                   D: gl.constexpr, SLOT: gl.constexpr):
     """Two warpgroups (64 keys each): the products of every step; returns fp32 (dK / scale,
-    dV) [BS, D].
-
-    With ``DQ`` they also add each step's ``dq / scale = dS K`` to the fp32 buffer behind
-    ``dq_desc``: both warpgroups put their half of dS^T (bf16, 0 where a row does not see a
-    key) in ``ds_smem``, meet at a barrier, and each multiplies the whole of it with its half of
-    K's columns; the [BM, D] product goes through ``dq_smem`` to one TMA reduce-add per token
-    (rows past the list's end address row ``OOB``, where TMA adds nothing). K's non-finite rows
-    are zeroed first: a row that sees one has a NaN LSE (its probabilities are NaN on every
-    pair it sees whatever S is), and a row that does not must not add 0 * NaN (ADR 0025)."""
+    dV) [BS, D]."""
     BM: gl.constexpr = QT * G
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     # A step's LSE, delta and position slots read as [BM] row vectors through this padded view
@@ -139,9 +101,6 @@ def _dkdv_consumer(k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, em
                                                        instr_shape=[16, BM, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                          instr_shape=[16, D, 16])
-    # dq [BM, D]: each warpgroup takes D / 2 of the columns.
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                        instr_shape=[16, D // 2, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     # The same words as rows of G: row 2 (stage QT + i) + 1 starts the delta half of token i's
@@ -151,10 +110,7 @@ def _dkdv_consumer(k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, em
     dk = gl.zeros([BS, D], gl.float32, acc_layout)
     dv = gl.zeros([BS, D], gl.float32, acc_layout)
     kpos = b * BS + gl.arange(0, BS, layout=gl.SliceLayout(1, s_layout))
-    last = gl.maximum(hi - 1, 0)
     mbarrier.wait(kv_bar, 0)
-    if DQ:
-        _zero_nonfinite_keys(k_smem, BS, D)
     for s in range(gl.cdiv(hi - lo, QT)):
         stage = s % STAGES
         q_s = q_bufs.index(stage)
@@ -178,48 +134,24 @@ def _dkdv_consumer(k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, em
         # The slot's words are read: order those reads before the producer's next TMA into it.
         fence_async_shared()
         dpt = warpgroup_mma_wait(0, deps=(dpt,))
-        dsb = (pt * (dpt - delta[None, :])).to(gl.bfloat16)
-        pb = pt.to(gl.bfloat16)
-        if DQ:
-            # The previous step's reduces have read dq_smem (each issuing thread waits for its
-            # own; the barrier tells the rest), and its dq products, each waited for before
-            # that step's last barrier, no longer read ds_smem.
-            tma.store_wait(0)
-            ds_smem.store(gl.where(pb == 0.0, 0.0, dsb))
-            fence_async_shared()
-            gl.thread_barrier()
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
-                               gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
-                               is_async=True)
-        dsa = gl.convert_layout(dsb, a_layout)
-        pa = gl.convert_layout(pb, a_layout)
+        dsa = gl.convert_layout((pt * (dpt - delta[None, :])).to(gl.bfloat16), a_layout)
+        pa = gl.convert_layout(pt.to(gl.bfloat16), a_layout)
         dv = warpgroup_mma(pa, do_s, dv, is_async=True)
         dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
-        if DQ:
-            dq = warpgroup_mma_wait(2, deps=(dq,))
-            dq_smem.store(dq)
-            fence_async_shared()
-            gl.thread_barrier()
-            for i in gl.static_range(QT):
-                e = lo + s * QT + i
-                r = gl.where(e < hi, gl.load(list_ptr + gl.minimum(e, last)) * HQ + head0, OOB)
-                _tma_reduce_add(dq_desc, [r, 0], dq_smem.slice(i * G, G))
         # Typed back to tensors without waiting: the next products only accumulate into them,
         # in order.
         dv, dk = warpgroup_mma_wait(2, deps=(dv, dk))
     dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-    if DQ:
-        tma.store_wait(0)
     return dk, dv
 
 
 @gluon.jit
 def _dkdv_sm90_kernel(
-    q_desc, do_desc, k_desc, v_desc, st_desc, pos_desc, dq_desc, dk_ptr, dv_ptr,
+    q_desc, do_desc, k_desc, v_desc, st_desc, pos_desc, dk_ptr, dv_ptr,
     offsets_ptr, list_ptr, order_ptr, block_doc_ptr, block_local_ptr, cu_ptr,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, num_blocks_bound, HQ, OOB,
     scale, scale_log2,
-    G: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, DQ: gl.constexpr,
+    G: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr,
 ):
     BM: gl.constexpr = QT * G
     STAGES: gl.constexpr = 3
@@ -243,14 +175,6 @@ def _dkdv_sm90_kernel(
         do_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], do_desc.layout)
         st_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, QT * SLOT], st_desc.layout)
         pos_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, QT * SLOT], pos_desc.layout)
-        if DQ:
-            ds_smem = gl.allocate_shared_memory(
-                gl.bfloat16, [BS, BM], gl.NVMMASharedLayout.get_default_for([BS, BM],
-                                                                           gl.bfloat16))
-            dq_smem = gl.allocate_shared_memory(gl.float32, [BM, D], dq_desc.layout)
-        else:
-            ds_smem = k_smem
-            dq_smem = k_smem
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -266,8 +190,7 @@ def _dkdv_sm90_kernel(
 
         dk, dv = gl.warp_specialize([
             (_dkdv_consumer, (k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty,
-                              kv_bar, ds_smem, dq_smem, dq_desc, list_ptr, lo, hi, b, g * G, HQ,
-                              OOB, scale_log2, G, QT, BS, D, SLOT, DQ)),
+                              kv_bar, lo, hi, b, scale_log2, G, QT, BS, D, SLOT)),
             (_dkdv_producer, (q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs, st_bufs,
                               pos_bufs, ready, empty, list_ptr, lo, hi, g * G, HQ, OOB, G, D,
                               SLOT, QT)),
@@ -314,18 +237,16 @@ def row_stats(lse: torch.Tensor, delta: torch.Tensor, token_pos: torch.Tensor,
 
 
 def descriptor_blocks(group: int, head_dim: int, block_size: int) -> dict:
-    """The kernel's seven TMA descriptors as ``name -> (element dtype, block shape, shared
+    """The kernel's six TMA descriptors as ``name -> (element dtype, block shape, shared
     layout)``: what :func:`gluon_dkdv` builds and ``benchmarks/kernel_report.py`` compiles."""
     rows = gl.NVMMASharedLayout.get_default_for([group, head_dim], gl.bfloat16)
-    dq_rows = gl.NVMMASharedLayout.get_default_for([group, head_dim], gl.float32)
     keys = gl.NVMMASharedLayout.get_default_for([block_size, head_dim], gl.bfloat16)
     word = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     return {"q_desc": ("bf16", [group, head_dim], rows),
             "do_desc": ("bf16", [group, head_dim], rows),
             "k_desc": ("bf16", [block_size, head_dim], keys),
             "v_desc": ("bf16", [block_size, head_dim], keys),
-            "st_desc": ("fp32", [2 * group], word), "pos_desc": ("i32", [group], word),
-            "dq_desc": ("fp32", [group, head_dim], dq_rows)}
+            "st_desc": ("fp32", [2 * group], word), "pos_desc": ("i32", [group], word)}
 
 
 #: The Triton releases whose Gluon this kernel was written and tested against (Gluon's API
@@ -353,10 +274,8 @@ def gluon_dkdv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                lse: torch.Tensor, delta: torch.Tensor, csr, view, token_pos: torch.Tensor,
-               scale: float, block_size: int, dk: torch.Tensor, dv: torch.Tensor,
-               dq_acc: torch.Tensor | None = None) -> None:
-    """dk and dv of the sparse attention into ``dk`` and ``dv`` (written in full), and with
-    ``dq_acc`` dq too.
+               scale: float, block_size: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """dk and dv of the sparse attention into ``dk`` and ``dv`` (written in full).
 
     Args:
         q: bf16 [T, Hq, 128] contiguous. ``dout`` likewise.
@@ -369,10 +288,6 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
         scale: the softmax scale.
         block_size: 128.
         dk, dv: k's and v's shapes and dtypes; every row is written.
-        dq_acc: None, or fp32 [T, Hq, 128] contiguous, zeroed: ``dq / scale`` is added to it
-            by TMA reduce-add, one (token, KV head) row group per list entry, in the order the
-            programs reach them (fp32 sums: the same function as the dq kernels, not the same
-            bits run to run).
     """
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -391,14 +306,10 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
     v_desc = descriptor("v_desc", v, [v.shape[0], hkv * d], [v.stride(0), 1])
     st_desc = descriptor("st_desc", stats, [stats.numel()], [1])
     pos_desc = descriptor("pos_desc", positions, [positions.numel()], [1])
-    # Without dq the kernel never touches the descriptor: q's stands in.
-    dq_desc = q_desc if dq_acc is None else descriptor("dq_desc", dq_acc.view(rows, d),
-                                                       [rows, d], [d, 1])
     _dkdv_sm90_kernel[(hkv * view.num_blocks_bound,)](
-        q_desc, do_desc, k_desc, v_desc, st_desc, pos_desc, dq_desc, dk, dv,
+        q_desc, do_desc, k_desc, v_desc, st_desc, pos_desc, dk, dv,
         csr.offsets, csr.tokens, csr.order, view.block_doc, view.block_local, view.cu_seqlens,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         view.num_blocks_bound, hq, rows, scale, scale * LOG2E,
-        G=group, QT=4, BS=block_size, D=d, DQ=dq_acc is not None, num_warps=GLUON_DKDV_WARPS,
-        maxnreg=MAXNREG,
+        G=group, QT=4, BS=block_size, D=d, num_warps=GLUON_DKDV_WARPS, maxnreg=MAXNREG,
     )

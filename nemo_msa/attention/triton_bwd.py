@@ -1,4 +1,4 @@
-"""MSA sparse attention backward for SM90 in Triton (and, on Hopper, Gluon).
+"""MSA sparse attention backward for SM90 in Triton; deterministic, no atomics.
 
 Two kernels:
 
@@ -11,14 +11,12 @@ Two kernels:
   query tokens that selected the block (a CSR built with one stable sort, so the list and the
   summation order are fixed) in tiles of ``QT`` tokens x ``G`` heads (M = 64 rows at G = 16) and
   accumulates ``dv += P^T dO`` and ``dk += scale * dS^T Q`` in registers. Every key row belongs
-  to exactly one program, so dk/dv are written once, without atomics, the same bits run to run.
-
-On SM90 at the production shape the dk/dv come from the Gluon kernel of
-:mod:`nemo_msa.attention.gluon_dkdv` (ADR 0042), bit for bit, and by default that kernel also
-adds dq, by TMA reduce-add into an fp32 buffer, so the dq kernels do not run (ADR 0043; a small
-kernel writes delta first). That dq is the same function but its fp32 sums come in the order the
-programs reach them; ``bwd.dq_from_kv=False`` or ``torch.use_deterministic_algorithms(True)``
-keep the dq kernels and with them a backward that is the same bits run to run.
+  to exactly one program, so dk/dv are written once, without atomics; the result is bitwise
+  reproducible run to run. dq is not added from this kernel (FlashAttention's scheme): on
+  Hopper that measured slower on coherent selections and at 8192 tokens, and its fp32 sums
+  are not reproducible (ADR 0043).
+  On SM90 at the production shape the same dk/dv comes from the Gluon kernel of
+  :mod:`nemo_msa.attention.gluon_dkdv` (ADR 0042), bit for bit.
 """
 
 from __future__ import annotations
@@ -60,7 +58,6 @@ from nemo_msa.triton.tiles import (
     dq_tile,
     dq_tile_rows,
     kv_descriptors,
-    load_do_and_delta,
     load_dq_rows,
     load_kv_tile,
     load_masked_union_tile,
@@ -327,17 +324,6 @@ def _dkdv_kernel(
              dv.to(dv_ptr.dtype.element_ty), mask=kvalid[:, None])
 
 
-@triton.jit
-def _delta_kernel(do_ptr, o_ptr, delta_ptr, T, stride_dot, stride_doh, stride_ot, stride_oh,
-                  stride_lh, D: tl.constexpr, BT: tl.constexpr):
-    """``delta = rowsum(dO * O)`` [Hq, T] of ``BT`` tokens of one head: what the dq kernels
-    store for the dk/dv kernel, for the launch in which they do not run."""
-    tok = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    heads = tl.zeros([BT], tl.int32) + tl.program_id(1)
-    load_do_and_delta(do_ptr, o_ptr, delta_ptr, tok, heads, tok < T, stride_dot, stride_doh,
-                      stride_ot, stride_oh, stride_lh, D)
-
-
 def dkdv_launch(cfg: BackwardLaunch, group: int, block_size: int, head_dim: int) -> dict:
     """The dk/dv kernel's tile constexprs (``GP``, ``QT``, ``BN``) and launch options
     (``num_warps``, ``num_stages``) under ``cfg`` for ``group`` query heads per KV head: what the
@@ -422,8 +408,7 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
                               block_size: int | None = None, unions: TileUnions | None = None,
                               launch: BackwardLaunch | None = None,
                               queries: torch.Tensor | None = None):
-    """Gradients of the sparse MSA attention (the same bits run to run unless the Gluon kernel
-    adds dq; see the module docstring).
+    """Gradients of the sparse MSA attention; deterministic (no atomics).
 
     Args:
         dout: [T, Hq, d] gradient of the output, q's dtype.
@@ -480,25 +465,13 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     q2k_ = q2k.contiguous()
     delta = torch.empty_like(lse_)
     gp = max(16, next_pow2(grp))
-    gluon = (cfg.kv_kernel == "gluon" and gluon_dkdv is not None
-             and gluon_dkdv_supported(q_, k_, v_, do_, grp, bs))
-    if gluon and cfg.dq_from_kv and not torch.are_deterministic_algorithms_enabled():
-        # dq from the dk/dv kernel (ADR 0043): delta first, which the dq kernels would write.
-        bt = 64
-        _delta_kernel[(triton.cdiv(t, bt), hq)](
-            do_, o_, delta, t, do_.stride(0), do_.stride(1), o_.stride(0), o_.stride(1),
-            delta.stride(0), D=d, BT=bt)
-        dq_acc = torch.zeros(q_.shape, dtype=torch.float32, device=q_.device)
-        gluon_dkdv(q_, k_, v_, do_, lse_, delta, block_query_csr(q2k_, view, subset), view,
-                   (subset or view).token_pos, scale, bs, dk, dv, dq_acc=dq_acc)
-        torch.mul(dq_acc, scale, out=dq)
-        return dq, dk, dv
     rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, o_ptr=o_, lse_ptr=lse_,
                 delta_ptr=delta, dq_ptr=dq)
     # The dq launch also writes delta (rowsum(dO * O)), which the dk/dv kernel reads.
     _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions, subset)
     csr = block_query_csr(q2k_, view, subset)
-    if gluon:
+    if (cfg.kv_kernel == "gluon" and gluon_dkdv is not None
+            and gluon_dkdv_supported(q_, k_, v_, do_, grp, bs)):
         gluon_dkdv(q_, k_, v_, do_, lse_, delta, csr, view, (subset or view).token_pos, scale,
                    bs, dk, dv)
         return dq, dk, dv

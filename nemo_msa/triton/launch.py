@@ -121,11 +121,6 @@ class BackwardLaunch:
         kv_warps, kv_stages: dk/dv: warps and stages.
         kv_kernel: dk/dv kernel on SM90 with bf16, d = 128, block 128 and 16 query heads per
             KV head: ``"gluon"`` (:mod:`~nemo_msa.attention.gluon_dkdv`) or ``"triton"``.
-        dq_from_kv: where the Gluon dk/dv kernel runs, it also adds dq (TMA reduce-add into
-            an fp32 buffer) and the dq kernels do not run (ADR 0043). The fp32 sums then come
-            in the order the programs reach them: the same function, not the same bits run to
-            run, so under ``torch.use_deterministic_algorithms(True)`` the dq kernels run
-            whatever this says.
     """
 
     dq_bn: int = 64
@@ -145,7 +140,6 @@ class BackwardLaunch:
     kv_warps: int = 4
     kv_stages: int = 2
     kv_kernel: typing.Literal["triton", "gluon"] = "gluon"
-    dq_from_kv: bool = True
 
     def __post_init__(self) -> None:
         _check_fields(self, "bwd")

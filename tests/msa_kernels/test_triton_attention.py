@@ -263,7 +263,6 @@ def test_union_build_programs_write_only_their_tiles():
     ("fwd.union_tma", 1, "fwd.union_tma=1: expected bool"),
     ("fwd.union_maxnreg", "128", "fwd.union_maxnreg='128': expected int or None"),
     ("bwd.kv_kernel", "cuda", "bwd.kv_kernel='cuda': expected 'triton' or 'gluon'"),
-    ("bwd.dq_from_kv", "yes", "bwd.dq_from_kv='yes': expected bool"),
     # Gone: a backward that skipped dq also skipped delta, which dk/dv read (wrong dk).
     ("bwd.skip", "dq", "unknown launch parameter 'bwd.skip'"),
     ("fwd.union_flat", False, "unknown launch parameter 'fwd.union_flat'"),
@@ -363,22 +362,3 @@ def test_tile_unions_by_kernel_equal_the_reference():
             want = sorted({b for b in q2k[g, toks].flatten().tolist() if b >= 0})
             n = int(count[g, tile])
             assert n == len(want) and union[g, tile, :n].tolist() == want
-
-
-def test_delta_kernel_is_the_rowsum_of_do_times_o():
-    """The delta the Gluon kernel's dq launch takes (ADR 0043) where the dq kernels would have
-    written it: rowsum(dO * O) in fp32, [Hq, T], over a token count no multiple of its tile."""
-    import triton
-
-    from nemo_msa.attention.triton_bwd import _delta_kernel
-
-    g = torch.Generator().manual_seed(4)
-    t, hq, d = 70, 3, 32
-    do, o = (torch.randn(t, hq, d, generator=g).to(torch.bfloat16) for _ in range(2))
-    delta = torch.full((hq, t), float("nan"))
-    ddo, do_, ddelta = on_kernel_device(do, o, delta)
-    _delta_kernel[(triton.cdiv(t, 64), hq)](ddo, do_, ddelta, t, ddo.stride(0), ddo.stride(1),
-                                            do_.stride(0), do_.stride(1), ddelta.stride(0),
-                                            D=d, BT=64)
-    want = (do.float() * o.float()).sum(-1).t()
-    assert torch.allclose(ddelta.cpu(), want, rtol=1e-5, atol=1e-5)
