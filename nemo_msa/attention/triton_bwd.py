@@ -13,8 +13,8 @@ Two kernels:
   accumulates ``dv += P^T dO`` and ``dk += scale * dS^T Q`` in registers. Every key row belongs
   to exactly one program, so dk/dv are written once, without atomics; the result is bitwise
   reproducible run to run. dq is not added from this kernel (FlashAttention's scheme): on
-  Hopper that measured slower on coherent selections and at 8192 tokens, and its fp32 sums
-  are not reproducible (ADR 0043).
+  Hopper that measured slower on coherent selections and no faster at 8192 tokens, and its
+  fp32 sums are not reproducible (ADR 0043).
   On SM90 at the production shape the same dk/dv comes from the Gluon kernel of
   :mod:`nemo_msa.attention.gluon_dkdv` (ADR 0042), bit for bit.
 """
