@@ -41,7 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from nemo_msa.triton.tiles import LOG2E, tma_rows
 
 __all__ = ["GLUON_DKDV_WARPS", "descriptor_blocks", "gluon_dkdv", "gluon_dkdv_supported",
-           "row_stats"]
+           "query_rows_producer", "query_side_descriptors", "row_stats"]
 
 #: Warps of the dk/dv program's consumer partition: two warpgroups, 64 keys each.
 GLUON_DKDV_WARPS = 8
@@ -54,14 +54,15 @@ MAXNREG = 65536 // ((GLUON_DKDV_WARPS + 4) * 32) // 8 * 8
 
 
 @gluon.jit
-def _dkdv_producer(q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs, st_bufs, pos_bufs,
-                   ready, empty, list_ptr, lo, hi, head0, HQ, OOB, G: gl.constexpr,
-                   D: gl.constexpr, SLOT: gl.constexpr, QT: gl.constexpr):
-    """One warp: fills the ring, a slot as soon as the consumers release it. Per step, each of
-    its ``QT`` list entries sends for its token's ``G`` heads of q and dO, their LSE and delta,
-    and its position; entries past ``hi`` address row ``OOB`` (past the tensors: zeros). Shared
-    memory takes TMA writes at 128-byte aligned addresses: the LSE/delta and the position of a
-    token each fill one ``SLOT``-word slot."""
+def query_rows_producer(q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs, st_bufs,
+                        pos_bufs, ready, empty, list_ptr, lo, hi, head0, HQ, OOB,
+                        G: gl.constexpr, D: gl.constexpr, SLOT: gl.constexpr, QT: gl.constexpr):
+    """One warp (the producer of the dk/dv and the key-major dq kernels): fills the ring, a slot
+    as soon as the consumers release it. Per step, each of its ``QT`` list entries sends for its
+    token's ``G`` heads of q and dO, their LSE and delta, and its position; entries past ``hi``
+    address row ``OOB`` (past the tensors: zeros). Shared memory takes TMA writes at 128-byte
+    aligned addresses: the LSE/delta and the position of a token each fill one ``SLOT``-word
+    slot."""
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     last = gl.maximum(hi - 1, 0)
     for s in range(gl.cdiv(hi - lo, QT)):
@@ -191,9 +192,9 @@ def _dkdv_sm90_kernel(
         dk, dv = gl.warp_specialize([
             (_dkdv_consumer, (k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty,
                               kv_bar, lo, hi, b, scale_log2, G, QT, BS, D, SLOT)),
-            (_dkdv_producer, (q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs, st_bufs,
-                              pos_bufs, ready, empty, list_ptr, lo, hi, g * G, HQ, OOB, G, D,
-                              SLOT, QT)),
+            (query_rows_producer, (q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs,
+                                   st_bufs, pos_bufs, ready, empty, list_ptr, lo, hi, g * G, HQ,
+                                   OOB, G, D, SLOT, QT)),
         ], [1], [PRODUCER_REGS])
 
         for i in gl.static_range(STAGES):
@@ -272,9 +273,43 @@ def gluon_dkdv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and dout.data_ptr() % 16 == 0)
 
 
+def query_side_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                           token_pos: torch.Tensor, block_size: int) -> dict:
+    """The six TMA descriptors the dk/dv kernel and the key-major dq kernel
+    (:mod:`nemo_msa.attention.gluon_dq`) read, by kernel argument name; built once per backward
+    for both (the row stats are two passes over [Hq, T]).
+
+    Args:
+        q, dout: bf16 [T, Hq, 128] contiguous.
+        k, v: bf16 [T, Hkv, 128] with dense rows of heads (see :func:`gluon_dkdv_supported`).
+        lse: fp32 [Hq, T] natural-log LSE of the forward.
+        delta: fp32 [Hq, T] rowsum(dO * O).
+        token_pos: int32 [T] document position of each query row of the lists.
+        block_size: 128.
+    """
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    stats, positions = row_stats(lse, delta, token_pos, hkv)
+    rows = t * hq
+    blocks = {name: (shape, layout) for name, (_, shape, layout)
+              in descriptor_blocks(hq // hkv, d, block_size).items()}
+
+    def descriptor(name, x, shape, strides):
+        return TensorDescriptor(x, shape, strides, *blocks[name])
+
+    return {"q_desc": descriptor("q_desc", q.view(rows, d), [rows, d], [d, 1]),
+            "do_desc": descriptor("do_desc", dout.view(rows, d), [rows, d], [d, 1]),
+            "k_desc": descriptor("k_desc", k, [k.shape[0], hkv * d], [k.stride(0), 1]),
+            "v_desc": descriptor("v_desc", v, [v.shape[0], hkv * d], [v.stride(0), 1]),
+            "st_desc": descriptor("st_desc", stats, [stats.numel()], [1]),
+            "pos_desc": descriptor("pos_desc", positions, [positions.numel()], [1])}
+
+
 def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                lse: torch.Tensor, delta: torch.Tensor, csr, view, token_pos: torch.Tensor,
-               scale: float, block_size: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+               scale: float, block_size: int, dk: torch.Tensor, dv: torch.Tensor,
+               descriptors: dict | None = None) -> None:
     """dk and dv of the sparse attention into ``dk`` and ``dv`` (written in full).
 
     Args:
@@ -288,28 +323,18 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
         scale: the softmax scale.
         block_size: 128.
         dk, dv: k's and v's shapes and dtypes; every row is written.
+        descriptors: :func:`query_side_descriptors` of these inputs, or None to build them.
     """
     t, hq, d = q.shape
     hkv = k.shape[1]
-    group = hq // hkv
-    stats, positions = row_stats(lse, delta, token_pos, hkv)
-    rows = t * hq
-    blocks = {name: (shape, layout) for name, (_, shape, layout)
-              in descriptor_blocks(group, d, block_size).items()}
-
-    def descriptor(name, x, shape, strides):
-        return TensorDescriptor(x, shape, strides, *blocks[name])
-
-    q_desc = descriptor("q_desc", q.view(rows, d), [rows, d], [d, 1])
-    do_desc = descriptor("do_desc", dout.view(rows, d), [rows, d], [d, 1])
-    k_desc = descriptor("k_desc", k, [k.shape[0], hkv * d], [k.stride(0), 1])
-    v_desc = descriptor("v_desc", v, [v.shape[0], hkv * d], [v.stride(0), 1])
-    st_desc = descriptor("st_desc", stats, [stats.numel()], [1])
-    pos_desc = descriptor("pos_desc", positions, [positions.numel()], [1])
+    if descriptors is None:
+        descriptors = query_side_descriptors(q, k, v, dout, lse, delta, token_pos, block_size)
     _dkdv_sm90_kernel[(hkv * view.num_blocks_bound,)](
-        q_desc, do_desc, k_desc, v_desc, st_desc, pos_desc, dk, dv,
-        csr.offsets, csr.tokens, csr.order, view.block_doc, view.block_local, view.cu_seqlens,
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        view.num_blocks_bound, hq, rows, scale, scale * LOG2E,
-        G=group, QT=4, BS=block_size, D=d, num_warps=GLUON_DKDV_WARPS, maxnreg=MAXNREG,
+        **descriptors, dk_ptr=dk, dv_ptr=dv, offsets_ptr=csr.offsets, list_ptr=csr.tokens,
+        order_ptr=csr.order, block_doc_ptr=view.block_doc, block_local_ptr=view.block_local,
+        cu_ptr=view.cu_seqlens, stride_dkt=dk.stride(0), stride_dkh=dk.stride(1),
+        stride_dvt=dv.stride(0), stride_dvh=dv.stride(1),
+        num_blocks_bound=view.num_blocks_bound, HQ=hq, OOB=t * hq, scale=scale,
+        scale_log2=scale * LOG2E, G=hq // hkv, QT=4, BS=block_size, D=d,
+        num_warps=GLUON_DKDV_WARPS, maxnreg=MAXNREG,
     )

@@ -27,8 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # Gluon's Hopper API as Triton 3.6 has it; other Tritons take the Triton dk/dv kernel
-    from nemo_msa.attention.gluon_dkdv import gluon_dkdv, gluon_dkdv_supported
+try:  # Gluon's Hopper API as Triton 3.6 has it; other Tritons take the Triton kernels
+    from nemo_msa.attention.gluon_dkdv import (
+        gluon_dkdv,
+        gluon_dkdv_supported,
+        query_side_descriptors,
+    )
+    from nemo_msa.attention.gluon_dq import gluon_dq
 except ImportError:
     gluon_dkdv = None
 from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, tensor_identity
@@ -58,6 +63,7 @@ from nemo_msa.triton.tiles import (
     dq_tile,
     dq_tile_rows,
     kv_descriptors,
+    load_do_and_delta,
     load_dq_rows,
     load_kv_tile,
     load_masked_union_tile,
@@ -275,6 +281,17 @@ def _dkdv_accumulate(q, do, v, pr, delta, dk, dv):
 
 
 @triton.jit
+def _delta_kernel(do_ptr, o_ptr, delta_ptr, T, stride_dot, stride_doh, stride_ot, stride_oh,
+                  stride_lh, D: tl.constexpr, BT: tl.constexpr):
+    """``delta = rowsum(dO * O)`` [Hq, T] of ``BT`` tokens of one head: what the dq kernels
+    store for the dk/dv kernel, for the launch in which they do not run."""
+    tok = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    heads = tl.zeros([BT], tl.int32) + tl.program_id(1)
+    load_do_and_delta(do_ptr, o_ptr, delta_ptr, tok, heads, tok < T, stride_dot, stride_doh,
+                      stride_ot, stride_oh, stride_lh, D)
+
+
+@triton.jit
 def _dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     offsets_ptr, list_ptr, order_ptr, block_doc_ptr, block_local_ptr, cu_ptr, tok_pos_ptr,
@@ -465,15 +482,31 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     q2k_ = q2k.contiguous()
     delta = torch.empty_like(lse_)
     gp = max(16, next_pow2(grp))
+    gluon = (cfg.kv_kernel == "gluon" and gluon_dkdv is not None
+             and gluon_dkdv_supported(q_, k_, v_, do_, grp, bs))
+    token_pos = (subset or view).token_pos
+    if gluon and cfg.dq_kernel == "keys" and not torch.are_deterministic_algorithms_enabled():
+        # Key-major dq (ADR 0044): delta first, which the dq kernels would write.
+        bt = 64
+        _delta_kernel[(triton.cdiv(t, bt), hq)](
+            do_, o_, delta, t, do_.stride(0), do_.stride(1), o_.stride(0), o_.stride(1),
+            delta.stride(0), D=d, BT=bt)
+        csr = block_query_csr(q2k_, view, subset)
+        descs = query_side_descriptors(q_, k_, v_, do_, lse_, delta, token_pos, bs)
+        dq_acc = torch.zeros(q_.shape, dtype=torch.float32, device=q_.device)
+        gluon_dq(q_, k_, v_, do_, lse_, delta, csr, view, token_pos, scale, bs, dq_acc,
+                 descriptors=descs)
+        gluon_dkdv(q_, k_, v_, do_, lse_, delta, csr, view, token_pos, scale, bs, dk, dv,
+                   descriptors=descs)
+        torch.mul(dq_acc, scale, out=dq)
+        return dq, dk, dv
     rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, o_ptr=o_, lse_ptr=lse_,
                 delta_ptr=delta, dq_ptr=dq)
     # The dq launch also writes delta (rowsum(dO * O)), which the dk/dv kernel reads.
     _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions, subset)
     csr = block_query_csr(q2k_, view, subset)
-    if (cfg.kv_kernel == "gluon" and gluon_dkdv is not None
-            and gluon_dkdv_supported(q_, k_, v_, do_, grp, bs)):
-        gluon_dkdv(q_, k_, v_, do_, lse_, delta, csr, view, (subset or view).token_pos, scale,
-                   bs, dk, dv)
+    if gluon:
+        gluon_dkdv(q_, k_, v_, do_, lse_, delta, csr, view, token_pos, scale, bs, dk, dv)
         return dq, dk, dv
     meta = dkdv_launch(cfg, grp, bs, d)
     rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, lse_ptr=lse_, delta_ptr=delta,

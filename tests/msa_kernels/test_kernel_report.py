@@ -107,6 +107,19 @@ def test_kernel_report_compiles_the_gluon_dkdv_kernel_without_spills():
     assert mmas and max(mmas) == 24, res.stdout
 
 
+def test_kernel_report_compiles_the_gluon_dq_kernel_without_spills():
+    """The SM90 key-major dq kernel (ADR 0044) compiles from the launcher's descriptor layouts:
+    its consumers' loop holds the three products of a step (24 wgmma instructions at 128 rows x
+    128 keys x d 128) and nothing spills under the warp-specialized register cap."""
+    res = _run("--kernel", "dq_gluon")
+    assert res.returncode == 0, res.stderr[-2000:]
+    head = re.match(r"dq_gluon: (\d+) registers, spills (\d+) B stored / (\d+) B loaded",
+                    res.stdout)
+    assert head and head.group(2) == head.group(3) == "0", res.stdout
+    mmas = [int(m) for m in re.findall(r"(\d+) HGMMA", res.stdout)]
+    assert mmas and max(mmas) == 24, res.stdout
+
+
 _SOURCE_OF_SEL = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
