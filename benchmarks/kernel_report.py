@@ -224,7 +224,7 @@ def _dq_gluon(cfg, emit, guarded):
 
     descs = {name: f"tensordesc<{dtype}[{', '.join(map(str, shape))}],{layout!r}>"
              for name, (dtype, shape, layout) in gd.descriptor_blocks(G, D, BS).items()}
-    pointers = {"dq_ptr": "*fp32", "offsets_ptr": "*i64"}  # the rest int32
+    pointers = {"dq_ptr": "*fp32", "offsets_ptr": "*i64", "ends_ptr": "*i64"}  # the rest int32
     fn = gq._dq_sm90_kernel
     return fn, _signature(fn, dict(G=G, QT=gq.QT_TOKENS, BS=BS, D=D), pointers, {"scale_log2"},
                           descs), {"num_warps": gq.GLUON_DQ_WARPS, "maxnreg": gd.MAXNREG}

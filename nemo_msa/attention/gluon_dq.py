@@ -126,7 +126,7 @@ def _dq_consumer(k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empt
 @gluon.jit
 def _dq_sm90_kernel(
     q_desc, do_desc, k_desc, v_desc, st_desc, pos_desc, dq_ptr,
-    offsets_ptr, list_ptr, order_ptr, block_doc_ptr, block_local_ptr, cu_ptr,
+    offsets_ptr, ends_ptr, list_ptr, order_ptr, block_doc_ptr, block_local_ptr, cu_ptr,
     num_blocks_bound, HQ, OOB, scale_log2, CHUNKS,
     G: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr,
 ):
@@ -140,7 +140,7 @@ def _dq_sm90_kernel(
     blk = seg % num_blocks_bound
     doc = gl.load(block_doc_ptr + blk)
     lo = gl.load(offsets_ptr + seg).to(gl.int32)
-    hi = gl.load(offsets_ptr + seg + 1).to(gl.int32)
+    hi = gl.load(ends_ptr + seg).to(gl.int32)
     # The chunk's whole steps of the list: a long list is spread over CHUNKS programs.
     per = gl.cdiv(gl.cdiv(hi - lo, QT), CHUNKS) * QT
     lo = lo + chunk * per
@@ -204,12 +204,14 @@ def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
         k, v: bf16 [T, Hkv, 128] with dense rows of heads.
         lse: fp32 [Hq, T] natural-log LSE of the forward.
         delta: fp32 [Hq, T] rowsum(dO * O).
-        csr: the :class:`~nemo_msa.triton.kernel_layout.BlockQueryCSR` of the selection.
+        csr: the :class:`~nemo_msa.triton.kernel_layout.BlockQueryCSR` of the selection; with
+            leading entries (``csr.lead_end``) only those are walked, else every entry.
         view: the layout's :class:`~nemo_msa.triton.kernel_layout.KernelLayout`.
         token_pos: int32 [T] document position of each query row of the lists.
         scale: the softmax scale.
         block_size: 128.
-        dq_acc: fp32 [T, Hq, 128] contiguous, zeroed by the caller; ``dS K`` is added to it.
+        dq_acc: fp32 [T, Hq, 128] contiguous, zero on the walked rows; ``dS K`` of every walked
+            (row, block) pair is added to it.
         descriptors: :func:`~nemo_msa.attention.gluon_dkdv.query_side_descriptors` of these
             inputs, or None to build them.
     """
@@ -222,9 +224,12 @@ def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
         descriptors = query_side_descriptors(q, k, v, dout, lse, delta, token_pos, block_size)
     segments = hkv * view.num_blocks_bound
     chunks = gluon_dq_chunks(segments, q.device)
+    lead = csr.lead_end is not None
     _dq_sm90_kernel[(segments * chunks,)](
-        **descriptors, dq_ptr=dq_acc, offsets_ptr=csr.offsets, list_ptr=csr.tokens,
-        order_ptr=csr.order, block_doc_ptr=view.block_doc, block_local_ptr=view.block_local,
+        **descriptors, dq_ptr=dq_acc, offsets_ptr=csr.offsets,
+        ends_ptr=csr.lead_end if lead else csr.offsets[1:], list_ptr=csr.tokens,
+        order_ptr=csr.lead_order if lead else csr.order, block_doc_ptr=view.block_doc,
+        block_local_ptr=view.block_local,
         cu_ptr=view.cu_seqlens, num_blocks_bound=view.num_blocks_bound, HQ=hq, OOB=t * hq,
         scale_log2=scale * LOG2E, CHUNKS=chunks, G=hq // hkv, QT=QT_TOKENS, BS=block_size, D=d,
         num_warps=GLUON_DQ_WARPS, maxnreg=MAXNREG,

@@ -124,9 +124,10 @@ class BackwardLaunch:
         dq_kernel: where the Gluon dk/dv kernel runs, ``"keys"`` computes dq key-major
             (:mod:`~nemo_msa.attention.gluon_dq`: each block's K/V read once for every row that
             selected it, dq added by fp32 atomics) instead of with the query-major ``"tokens"``
-            kernels. The atomics' sums are not the same bits run to run, so under
-            ``torch.use_deterministic_algorithms(True)`` the ``"tokens"`` kernels run whatever
-            this says.
+            kernels; ``"split"`` runs the union dq kernel on the tiles whose union is small
+            and the key-major kernel on the other rows (ADR 0044). The atomics' sums are not
+            the same bits run to run, so under ``torch.use_deterministic_algorithms(True)``
+            the ``"tokens"`` kernels run whatever this says.
     """
 
     dq_bn: int = 64
@@ -146,7 +147,7 @@ class BackwardLaunch:
     kv_warps: int = 4
     kv_stages: int = 2
     kv_kernel: typing.Literal["triton", "gluon"] = "gluon"
-    dq_kernel: typing.Literal["tokens", "keys"] = "tokens"
+    dq_kernel: typing.Literal["tokens", "keys", "split"] = "tokens"
 
     def __post_init__(self) -> None:
         _check_fields(self, "bwd")
