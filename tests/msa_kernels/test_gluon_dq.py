@@ -1,9 +1,10 @@
 """The key-major Gluon dq kernel (SM90, ADR 0044) against the dq kernels and the float64 oracle.
 
-The backward with ``bwd.dq_kernel="keys"`` computes the same function as with the query-major
-dq kernels: the same gradients up to bf16 rounding and fp32 summation order, the same NaN
-pattern where a K/V row holds a NaN (ADR 0025), the same query-subset (context-parallel)
-gradients, and exactly the dq kernels' result under ``torch.use_deterministic_algorithms``.
+The backward with ``bwd.dq_kernel="keys"`` or ``"split"`` computes the same function as with
+the query-major dq kernels: the same gradients up to bf16 rounding and fp32 summation order, the
+same NaN pattern where a K/V row holds a NaN (ADR 0025), the same query-subset
+(context-parallel) gradients, and exactly the dq kernels' result under
+``torch.use_deterministic_algorithms``.
 The kernel compiles only for a Hopper GPU, so these tests are marked ``gpu`` and skipped with
 the reason elsewhere; ``benchmarks/kernel_report.py --kernel dq_gluon`` compiles it anywhere
 (``tests/msa_kernels/test_kernel_report.py``).
@@ -66,13 +67,14 @@ def test_key_major_dq_matches_the_dq_kernels_and_float64(lengths, top_k):
     msa, q, k, v, dout, q2k = _inputs(lengths, seed=len(lengths) + top_k, top_k=top_k)
     q2k = torch.where(q2k == 2, -1, q2k)
     tokens = _grads("tokens", msa, q, k, v, dout, q2k)
-    keys = _grads("keys", msa, q, k, v, dout, q2k)
     ref = attention_grads_f64(q.cpu(), k.cpu(), v.cpu(), q2k.cpu(), msa, 1 / math.sqrt(D), BS,
                               dout.cpu())[2:]
-    for name, got, want, r in zip(("dq", "dk", "dv"), keys, tokens, ref, strict=True):
-        err = rel_err(got.cpu(), r)
-        assert 1e-4 < err < 1e-2 and not math.isnan(err), (name, err)
-        assert rel_err(got, want) < 5e-3, (name, rel_err(got, want))
+    for path in ("keys", "split"):
+        got_all = _grads(path, msa, q, k, v, dout, q2k)
+        for name, got, want, r in zip(("dq", "dk", "dv"), got_all, tokens, ref, strict=True):
+            err = rel_err(got.cpu(), r)
+            assert 1e-4 < err < 1e-2 and not math.isnan(err), (path, name, err)
+            assert rel_err(got, want) < 5e-3, (path, name, rel_err(got, want))
 
 
 @pytest.mark.gpu
@@ -82,12 +84,13 @@ def test_key_major_dq_contains_nonfinite_rows_like_the_dq_kernels():
     k[700, 1, 5] = float("nan")
     v[2500, 2, :] = float("inf")
     tokens = _grads("tokens", msa, q, k, v, dout, q2k)
-    keys = _grads("keys", msa, q, k, v, dout, q2k)
-    for name, got, want in zip(("dq", "dk", "dv"), keys, tokens, strict=True):
-        bad = ~torch.isfinite(want)
-        assert bad.any(), name
-        assert torch.equal(~torch.isfinite(got), bad), name
-        assert rel_err(got[~bad], want[~bad]) < 5e-3, name
+    for path in ("keys", "split"):
+        got_all = _grads(path, msa, q, k, v, dout, q2k)
+        for name, got, want in zip(("dq", "dk", "dv"), got_all, tokens, strict=True):
+            bad = ~torch.isfinite(want)
+            assert bad.any(), name
+            assert torch.equal(~torch.isfinite(got), bad), (path, name)
+            assert rel_err(got[~bad], want[~bad]) < 5e-3, (path, name)
 
 
 @pytest.mark.gpu
@@ -96,10 +99,11 @@ def test_key_major_dq_query_subset_matches_the_dq_kernels():
     msa, q, k, v, dout, q2k = _inputs([2300, 900], seed=5)
     queries = torch.arange(1, msa.num_tokens, 3, device="cuda")
     tokens = _grads("tokens", msa, q, k, v, dout, q2k, queries)
-    keys = _grads("keys", msa, q, k, v, dout, q2k, queries)
-    for name, got, want in zip(("dq", "dk", "dv"), keys, tokens, strict=True):
-        assert torch.isfinite(got).all(), name
-        assert rel_err(got, want) < 5e-3, (name, rel_err(got, want))
+    for path in ("keys", "split"):
+        got_all = _grads(path, msa, q, k, v, dout, q2k, queries)
+        for name, got, want in zip(("dq", "dk", "dv"), got_all, tokens, strict=True):
+            assert torch.isfinite(got).all(), (path, name)
+            assert rel_err(got, want) < 5e-3, (path, name, rel_err(got, want))
 
 
 @pytest.mark.gpu
@@ -112,7 +116,7 @@ def test_deterministic_algorithms_keep_the_dq_kernels():
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        runs = [_grads("keys", msa, q, k, v, dout, q2k) for _ in range(2)]
+        runs = [_grads(path, msa, q, k, v, dout, q2k) for path in ("keys", "split")]
     finally:
         torch.use_deterministic_algorithms(before)
     for got in runs:
