@@ -16,11 +16,13 @@ import math
 
 import pytest
 import torch
+from _msa_support import make_layout, random_q2k
 
 from nemo_msa import MSAMicrobatch, select_blocks
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
 from nemo_msa.testing.oracle import attention_grads_f64, rel_err
+from nemo_msa.triton.kernel_layout import kernel_layout
 from nemo_msa.triton.launch import launch_overrides
 
 sm90 = pytest.mark.skipif(not torch.cuda.is_available()
@@ -121,3 +123,83 @@ def test_deterministic_algorithms_keep_the_dq_kernels():
         torch.use_deterministic_algorithms(before)
     for got in runs:
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def _walk_lists(q, k, v, dout, lse, delta, csr, view, token_pos, scale, block_size, ends):
+    """Per (KV head, key block) list entry up to ``ends``: ``(tokens, heads, g, keys, p, ds)``
+    of the sparse attention's backward in fp32 (what the Gluon kernels compute per step)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    group, bound = hq // hkv, view.num_blocks_bound
+    for seg in range(hkv * bound):
+        lo, hi = int(csr.offsets[seg]), int(ends[seg])
+        if lo >= hi:
+            continue
+        g, blk = divmod(seg, bound)
+        doc, b = int(view.block_doc[blk]), int(view.block_local[blk])
+        start, end = int(view.cu_seqlens[doc]), int(view.cu_seqlens[doc + 1])
+        kpos = torch.arange(b * block_size, min((b + 1) * block_size, end - start))
+        keys = start + kpos
+        toks = csr.tokens[lo:hi].long()
+        heads = torch.arange(g * group, (g + 1) * group)
+        kk, vv = k[keys, g].float(), v[keys, g].float()
+        s = q[toks][:, heads].float() @ kk.T * scale
+        vis = kpos[None, None, :] <= token_pos[toks].long()[:, None, None]
+        p = torch.where(vis, torch.exp(s - lse[heads][:, toks].T[..., None]), 0.0)
+        dp = dout[toks][:, heads].float() @ vv.T
+        ds = p * (dp - delta[heads][:, toks].T[..., None])
+        yield toks, heads, g, keys, p, ds
+
+
+def _reference_gluon_dq(q, k, v, dout, lse, delta, csr, view, token_pos, scale, block_size,
+                        dq_acc, descriptors=None):
+    ends = csr.lead_end if csr.lead_end is not None else csr.offsets[1:]
+    for toks, heads, g, keys, _, ds in _walk_lists(q, k, v, dout, lse, delta, csr, view,
+                                                   token_pos, scale, block_size, ends):
+        dq_acc.index_put_((toks[:, None], heads[None, :]), ds @ k[keys, g].float(),
+                          accumulate=True)
+
+
+def _reference_gluon_dkdv(q, k, v, dout, lse, delta, csr, view, token_pos, scale, block_size,
+                          dk, dv, descriptors=None):
+    dk_acc = torch.zeros(dk.shape, dtype=torch.float32)
+    dv_acc = torch.zeros(dv.shape, dtype=torch.float32)
+    for toks, heads, g, keys, p, ds in _walk_lists(q, k, v, dout, lse, delta, csr, view,
+                                                   token_pos, scale, block_size,
+                                                   csr.offsets[1:]):
+        dv_acc[keys, g] += torch.einsum("ngk,ngd->kd", p, dout[toks][:, heads].float())
+        dk_acc[keys, g] += scale * torch.einsum("ngk,ngd->kd", ds, q[toks][:, heads].float())
+    dk.copy_(dk_acc)
+    dv.copy_(dv_acc)
+
+
+@pytest.mark.parametrize("path", ["keys", "split"])
+def test_the_key_major_host_path_with_reference_kernels(monkeypatch, set_launch, path):
+    """The host side of ``bwd.dq_kernel="keys"`` / ``"split"`` on the CPU: the union dq kernel
+    (interpreter) on the tiles whose union is small, the rows kernel's delta, accumulators and
+    final dq, the CSR with the key-major rows leading, and dq / dk / dv against float64, with
+    the two Gluon kernels replaced by torch loops that compute what they compute per step."""
+    import nemo_msa.attention.triton_bwd as tb
+    from nemo_msa.attention.triton_union import hybrid_plan
+
+    monkeypatch.setattr(tb, "gluon_dkdv_supported", lambda *a: True)
+    monkeypatch.setattr(tb, "query_side_descriptors", lambda *a: {})
+    monkeypatch.setattr(tb, "gluon_dq", _reference_gluon_dq)
+    monkeypatch.setattr(tb, "gluon_dkdv", _reference_gluon_dkdv)
+    set_launch({"bwd.dq_kernel": path, "bwd.dq_union_qt": 4, "bwd.dq_union_max": 2})
+    gen = torch.Generator().manual_seed(23)
+    bs, hq, hkv, d, top_k = 16, 8, 2, 16, 3
+    msa = make_layout([[45, 37, 6]], 96, bs)
+    t = msa.num_tokens
+    q, dout = (torch.randn((t, hq, d), generator=gen).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn((t, hkv, d), generator=gen).to(torch.bfloat16) for _ in range(2))
+    q2k = random_q2k(msa, hkv, top_k, bs, gen)
+    scale = 1 / math.sqrt(d)
+    out, lse = triton_attention_forward(q, k, v, q2k, msa, scale, block_size=bs)
+    got = triton_attention_backward(dout, q, k, v, out, lse, q2k, msa, scale, block_size=bs)
+    ref = attention_grads_f64(q, k, v, q2k, msa, scale, bs, dout)[2:]
+    for name, x, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        assert rel_err(x, r) < 1e-2, (name, rel_err(x, r))
+    if path == "split":
+        plan = hybrid_plan(q2k, kernel_layout(msa, bs), 4, 2, 16, torch.zeros(1))
+        union = plan.union_rows(kernel_layout(msa, bs), bs, hkv)
+        assert union.any() and not union.all()
