@@ -41,7 +41,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from nemo_msa.triton.tiles import LOG2E, tma_rows
 
 __all__ = ["GLUON_DKDV_WARPS", "descriptor_blocks", "gluon_dkdv", "gluon_dkdv_supported",
-           "query_rows_producer", "query_side_descriptors", "row_stats"]
+           "invalidate_ring", "key_block_and_query_ring", "query_rows_producer",
+           "query_side_descriptors", "row_stats"]
 
 #: Warps of the dk/dv program's consumer partition: two warpgroups, 64 keys each.
 GLUON_DKDV_WARPS = 8
@@ -85,6 +86,50 @@ def query_rows_producer(q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs, st_
             # A token's position is repeated G times at token * G (OOB / HQ * G is past them).
             tma.async_copy_global_to_shared(pos_desc, [r // HQ * G], bar,
                                             pos_bufs.index(slot).slice(i * SLOT, G))
+
+
+@gluon.jit
+def key_block_and_query_ring(k_desc, v_desc, q_desc, do_desc, st_desc, pos_desc, start, b, g,
+                             STAGES: gl.constexpr, QT: gl.constexpr, G: gl.constexpr,
+                             SLOT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr):
+    """The shared memory of a KV-outer program (the dk/dv and the key-major dq kernels): K and V
+    of its key block (document block ``b`` of the document at row ``start``, KV head ``g``), sent
+    for by TMA against ``kv_bar``, and a ring of ``STAGES`` slots of ``QT`` tokens (q and dO rows
+    of the ``G`` heads, row stats, positions) with their ``ready`` / ``empty`` barriers,
+    initialised.
+
+    Returns:
+        ``(k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty, kv_bar)``.
+    """
+    BM: gl.constexpr = QT * G
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], do_desc.layout)
+    st_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, QT * SLOT], st_desc.layout)
+    pos_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, QT * SLOT], pos_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(kv_bar, count=1)
+    key_row = start + b * BS
+    mbarrier.expect(kv_bar, 2 * BS * D * 2)
+    tma.async_copy_global_to_shared(k_desc, [key_row, g * D], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [key_row, g * D], kv_bar, v_smem)
+    return k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty, kv_bar
+
+
+@gluon.jit
+def invalidate_ring(ready, empty, kv_bar):
+    """Invalidates the barriers of :func:`key_block_and_query_ring` once the partitions end."""
+    STAGES: gl.constexpr = ready.type.shape[0]
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+    mbarrier.invalidate(kv_bar)
 
 
 @gluon.jit
@@ -154,7 +199,6 @@ def _dkdv_sm90_kernel(
     scale, scale_log2,
     G: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr,
 ):
-    BM: gl.constexpr = QT * G
     STAGES: gl.constexpr = 3
     SLOT: gl.constexpr = 32
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
@@ -170,24 +214,9 @@ def _dkdv_sm90_kernel(
         lo = gl.load(offsets_ptr + seg).to(gl.int32)
         hi = gl.load(offsets_ptr + seg + 1).to(gl.int32)
 
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], v_desc.layout)
-        q_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], q_desc.layout)
-        do_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], do_desc.layout)
-        st_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, QT * SLOT], st_desc.layout)
-        pos_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, QT * SLOT], pos_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        mbarrier.init(kv_bar, count=1)
-
-        key_row = start + b * BS
-        mbarrier.expect(kv_bar, 2 * BS * D * 2)
-        tma.async_copy_global_to_shared(k_desc, [key_row, g * D], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [key_row, g * D], kv_bar, v_smem)
+        k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty, kv_bar = (
+            key_block_and_query_ring(k_desc, v_desc, q_desc, do_desc, st_desc, pos_desc,
+                                     start, b, g, STAGES, QT, G, SLOT, BS, D))
 
         dk, dv = gl.warp_specialize([
             (_dkdv_consumer, (k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty,
@@ -197,10 +226,7 @@ def _dkdv_sm90_kernel(
                                    OOB, G, D, SLOT, QT)),
         ], [1], [PRODUCER_REGS])
 
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(i))
-            mbarrier.invalidate(empty.index(i))
-        mbarrier.invalidate(kv_bar)
+        invalidate_ring(ready, empty, kv_bar)
         keys = b * BS + gl.arange(0, BS, layout=gl.SliceLayout(1, acc_layout))
         rows = (start + keys).to(gl.int64)
         dd = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))

@@ -30,7 +30,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -38,6 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from nemo_msa.attention.gluon_dkdv import (
     MAXNREG,
     PRODUCER_REGS,
+    invalidate_ring,
+    key_block_and_query_ring,
     query_rows_producer,
     query_side_descriptors,
 )
@@ -130,7 +131,6 @@ def _dq_sm90_kernel(
     num_blocks_bound, HQ, OOB, scale_log2, CHUNKS,
     G: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr,
 ):
-    BM: gl.constexpr = QT * G
     STAGES: gl.constexpr = 2
     SLOT: gl.constexpr = 32
     pid = gl.program_id(0)
@@ -149,24 +149,9 @@ def _dq_sm90_kernel(
         start = gl.load(cu_ptr + doc)
         b = gl.load(block_local_ptr + blk)
 
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], v_desc.layout)
-        q_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], q_desc.layout)
-        do_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], do_desc.layout)
-        st_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, QT * SLOT], st_desc.layout)
-        pos_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, QT * SLOT], pos_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        mbarrier.init(kv_bar, count=1)
-
-        key_row = start + b * BS
-        mbarrier.expect(kv_bar, 2 * BS * D * 2)
-        tma.async_copy_global_to_shared(k_desc, [key_row, g * D], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [key_row, g * D], kv_bar, v_smem)
+        k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty, kv_bar = (
+            key_block_and_query_ring(k_desc, v_desc, q_desc, do_desc, st_desc, pos_desc,
+                                     start, b, g, STAGES, QT, G, SLOT, BS, D))
 
         gl.warp_specialize([
             (_dq_consumer, (k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty,
@@ -177,10 +162,7 @@ def _dq_sm90_kernel(
                                    OOB, G, D, SLOT, QT)),
         ], [1], [PRODUCER_REGS])
 
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(i))
-            mbarrier.invalidate(empty.index(i))
-        mbarrier.invalidate(kv_bar)
+        invalidate_ring(ready, empty, kv_bar)
 
 
 def gluon_dq_chunks(segments: int, device: torch.device) -> int:

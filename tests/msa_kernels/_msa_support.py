@@ -67,3 +67,40 @@ def random_q2k(msa, hkv, top_k, block_size, gen, drop_own=False):
             chosen = sorted(chosen)
             out[g, i, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
     return out
+
+
+def production_inputs(lengths, seed, top_k=16, hq=64, hkv=4, d=128, block_size=128):
+    """bf16 inputs at the production topology on the GPU over documents of ``lengths`` (one
+    row): ``(msa, q, k, v, dout, q2k)``, q2k from the Triton selection of random index
+    queries (the SM90 Gluon kernels' tests)."""
+    from nemo_msa import select_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)])[None]
+    msa = MSAMicrobatch.build(packed_seq_ids=ids.cuda(), block_size=block_size)
+    t = msa.num_tokens
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to("cuda", torch.bfloat16)
+
+    q, k, v, dout = rnd(t, hq, d), rnd(t, hkv, d), rnd(t, hkv, d), rnd(t, hq, d)
+    q2k = select_blocks(rnd(t, hkv, d), rnd(t, d), msa, top_k=top_k, backend="triton")
+    return msa, q, k, v, dout, q2k
+
+
+def sparse_grads(overrides, msa, q, k, v, dout, q2k, queries=None):
+    """``(dq, dk, dv)`` of the Triton forward and backward under the launch ``overrides``
+    (e.g. ``{"bwd.kv_kernel": "gluon"}``); with ``queries`` a query subset's."""
+    import math
+
+    from nemo_msa.attention.triton_bwd import triton_attention_backward
+    from nemo_msa.attention.triton_fwd import triton_attention_forward
+    from nemo_msa.triton.launch import launch_overrides
+
+    scale = 1 / math.sqrt(q.shape[-1])
+    rows = slice(None) if queries is None else queries
+    out, lse = triton_attention_forward(q[rows], k, v, q2k[:, rows], msa, scale,
+                                        queries=queries)
+    with launch_overrides(overrides):
+        return triton_attention_backward(dout[rows], q[rows], k, v, out, lse, q2k[:, rows], msa,
+                                         scale, queries=queries)

@@ -78,6 +78,14 @@ def _csr_by_definition(q2k, msa, block, rows):
     return lists
 
 
+def _random_layout(rng, block=16):
+    """A layout of one row of 1-3 documents of 1-90 tokens and its kernel view."""
+    lengths = [rng.randint(1, 90) for _ in range(rng.randint(1, 3))]
+    ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
+    msa = MSAMicrobatch.from_document_map(ids.view(1, -1), block_size=block)
+    return msa, kernel_layout(msa, block)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_block_query_csr_matches_its_definition_with_shared_layout_terms(seed):
     """block_query_csr keeps the layout's terms per layout view / subset (every layer of a
@@ -86,10 +94,7 @@ def test_block_query_csr_matches_its_definition_with_shared_layout_terms(seed):
     from nemo_msa.triton.kernel_layout import block_query_csr
 
     rng = random.Random(seed)
-    lengths = [rng.randint(1, 90) for _ in range(rng.randint(1, 3))]
-    ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
-    msa = MSAMicrobatch.from_document_map(ids.view(1, -1), block_size=16)
-    view = kernel_layout(msa, 16)
+    msa, view = _random_layout(rng)
     t = msa.num_tokens
     queries = torch.tensor(sorted(rng.sample(range(t), rng.randint(1, t))), dtype=torch.int64)
     for subset in (None, build_query_subset(view, queries)):
@@ -114,10 +119,7 @@ def test_block_query_csr_puts_the_leading_rows_first_in_each_list(seed):
     from nemo_msa.triton.kernel_layout import block_query_csr
 
     rng = random.Random(seed)
-    lengths = [rng.randint(1, 90) for _ in range(rng.randint(1, 3))]
-    ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
-    msa = MSAMicrobatch.from_document_map(ids.view(1, -1), block_size=16)
-    view = kernel_layout(msa, 16)
+    msa, view = _random_layout(rng)
     t = msa.num_tokens
     g = torch.Generator().manual_seed(seed)
     q2k = torch.randint(-1, 7, (2, t, 3), dtype=torch.int32, generator=g)
