@@ -45,7 +45,7 @@ D, BS, TOPK, G = 128, 128, 16, 16
 _T = 131072
 PRODUCTION_INTS = {"num_blocks_bound": _T // BS, "bound": _T // BS, "TQ": _T, "top_k": TOPK,
                    "init_blocks": 0, "local_blocks": 1, "num_tiles": _T // 8, "max_count": 31,
-                   "t0": 0, "HQ": 64, "OOB": _T * 64, "CHUNKS": 1}
+                   "t0": 0, "HQ": 64, "OOB": _T * 64}
 #: Every stride at the production shape is a multiple of 16 elements (d = 128, top-k 16, token
 #: counts a multiple of the block), and every tensor a 16-byte aligned allocation or view.
 _STRIDE = 16 * D
@@ -217,19 +217,6 @@ def _dkdv_gluon(cfg, emit, guarded):
                           descs), {"num_warps": gd.GLUON_DKDV_WARPS, "maxnreg": gd.MAXNREG}
 
 
-def _dq_gluon(cfg, emit, guarded):
-    """The SM90 key-major dq kernel in Gluon (ADR 0044); it has no launch fields."""
-    import nemo_msa.attention.gluon_dkdv as gd
-    import nemo_msa.attention.gluon_dq as gq
-
-    descs = {name: f"tensordesc<{dtype}[{', '.join(map(str, shape))}],{layout!r}>"
-             for name, (dtype, shape, layout) in gd.descriptor_blocks(G, D, BS).items()}
-    pointers = {"dq_ptr": "*fp32", "offsets_ptr": "*i64", "ends_ptr": "*i64"}  # the rest int32
-    fn = gq._dq_sm90_kernel
-    return fn, _signature(fn, dict(G=G, QT=gq.QT_TOKENS, BS=BS, D=D), pointers, {"scale_log2"},
-                          descs), {"num_warps": gq.GLUON_DQ_WARPS, "maxnreg": gd.MAXNREG}
-
-
 def _union_build(cfg, emit, guarded):
     import nemo_msa.attention.triton_union as tu
     from nemo_msa.triton.tiles import next_pow2
@@ -266,7 +253,7 @@ def _loss_dk(cfg, emit, guarded):
 KERNELS = {"sel": ("sel", _selection), "fwd_union": ("fwd", _forward_union),
            "dq_union": ("bwd", _dq_union), "fwd_token": ("fwd", _forward_token),
            "dq_token": ("bwd", _dq_token), "dkdv": ("bwd", _dkdv),
-           "dkdv_gluon": ("bwd", _dkdv_gluon), "dq_gluon": ("bwd", _dq_gluon),
+           "dkdv_gluon": ("bwd", _dkdv_gluon),
            "union_build": ("fwd", _union_build),
            "loss_scores": ("bwd", _loss_scores), "loss_dk": ("bwd", _loss_dk)}
 

@@ -41,8 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from nemo_msa.triton.tiles import LOG2E, tma_rows
 
 __all__ = ["GLUON_DKDV_WARPS", "descriptor_blocks", "gluon_dkdv", "gluon_dkdv_supported",
-           "invalidate_ring", "key_block_and_query_ring", "query_rows_producer",
-           "query_side_descriptors", "row_stats"]
+           "row_stats"]
 
 #: Warps of the dk/dv program's consumer partition: two warpgroups, 64 keys each.
 GLUON_DKDV_WARPS = 8
@@ -55,15 +54,14 @@ MAXNREG = 65536 // ((GLUON_DKDV_WARPS + 4) * 32) // 8 * 8
 
 
 @gluon.jit
-def query_rows_producer(q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs, st_bufs,
-                        pos_bufs, ready, empty, list_ptr, lo, hi, head0, HQ, OOB,
-                        G: gl.constexpr, D: gl.constexpr, SLOT: gl.constexpr, QT: gl.constexpr):
-    """One warp (the producer of the dk/dv and the key-major dq kernels): fills the ring, a slot
-    as soon as the consumers release it. Per step, each of its ``QT`` list entries sends for its
-    token's ``G`` heads of q and dO, their LSE and delta, and its position; entries past ``hi``
-    address row ``OOB`` (past the tensors: zeros). Shared memory takes TMA writes at 128-byte
-    aligned addresses: the LSE/delta and the position of a token each fill one ``SLOT``-word
-    slot."""
+def _dkdv_producer(q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs, st_bufs, pos_bufs,
+                   ready, empty, list_ptr, lo, hi, head0, HQ, OOB, G: gl.constexpr,
+                   D: gl.constexpr, SLOT: gl.constexpr, QT: gl.constexpr):
+    """One warp: fills the ring, a slot as soon as the consumers release it. Per step, each of
+    its ``QT`` list entries sends for its token's ``G`` heads of q and dO, their LSE and delta,
+    and its position; entries past ``hi`` address row ``OOB`` (past the tensors: zeros). Shared
+    memory takes TMA writes at 128-byte aligned addresses: the LSE/delta and the position of a
+    token each fill one ``SLOT``-word slot."""
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     last = gl.maximum(hi - 1, 0)
     for s in range(gl.cdiv(hi - lo, QT)):
@@ -86,50 +84,6 @@ def query_rows_producer(q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs, st_
             # A token's position is repeated G times at token * G (OOB / HQ * G is past them).
             tma.async_copy_global_to_shared(pos_desc, [r // HQ * G], bar,
                                             pos_bufs.index(slot).slice(i * SLOT, G))
-
-
-@gluon.jit
-def key_block_and_query_ring(k_desc, v_desc, q_desc, do_desc, st_desc, pos_desc, start, b, g,
-                             STAGES: gl.constexpr, QT: gl.constexpr, G: gl.constexpr,
-                             SLOT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr):
-    """The shared memory of a KV-outer program (the dk/dv and the key-major dq kernels): K and V
-    of its key block (document block ``b`` of the document at row ``start``, KV head ``g``), sent
-    for by TMA against ``kv_bar``, and a ring of ``STAGES`` slots of ``QT`` tokens (q and dO rows
-    of the ``G`` heads, row stats, positions) with their ``ready`` / ``empty`` barriers,
-    initialised.
-
-    Returns:
-        ``(k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty, kv_bar)``.
-    """
-    BM: gl.constexpr = QT * G
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], do_desc.layout)
-    st_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, QT * SLOT], st_desc.layout)
-    pos_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, QT * SLOT], pos_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    mbarrier.init(kv_bar, count=1)
-    key_row = start + b * BS
-    mbarrier.expect(kv_bar, 2 * BS * D * 2)
-    tma.async_copy_global_to_shared(k_desc, [key_row, g * D], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [key_row, g * D], kv_bar, v_smem)
-    return k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty, kv_bar
-
-
-@gluon.jit
-def invalidate_ring(ready, empty, kv_bar):
-    """Invalidates the barriers of :func:`key_block_and_query_ring` once the partitions end."""
-    STAGES: gl.constexpr = ready.type.shape[0]
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
-    mbarrier.invalidate(kv_bar)
 
 
 @gluon.jit
@@ -199,6 +153,7 @@ def _dkdv_sm90_kernel(
     scale, scale_log2,
     G: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr,
 ):
+    BM: gl.constexpr = QT * G
     STAGES: gl.constexpr = 3
     SLOT: gl.constexpr = 32
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
@@ -214,19 +169,37 @@ def _dkdv_sm90_kernel(
         lo = gl.load(offsets_ptr + seg).to(gl.int32)
         hi = gl.load(offsets_ptr + seg + 1).to(gl.int32)
 
-        k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty, kv_bar = (
-            key_block_and_query_ring(k_desc, v_desc, q_desc, do_desc, st_desc, pos_desc,
-                                     start, b, g, STAGES, QT, G, SLOT, BS, D))
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.bfloat16, [BS, D], v_desc.layout)
+        q_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, D], do_desc.layout)
+        st_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, QT * SLOT], st_desc.layout)
+        pos_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, QT * SLOT], pos_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(kv_bar, count=1)
+
+        key_row = start + b * BS
+        mbarrier.expect(kv_bar, 2 * BS * D * 2)
+        tma.async_copy_global_to_shared(k_desc, [key_row, g * D], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [key_row, g * D], kv_bar, v_smem)
 
         dk, dv = gl.warp_specialize([
             (_dkdv_consumer, (k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, empty,
                               kv_bar, lo, hi, b, scale_log2, G, QT, BS, D, SLOT)),
-            (query_rows_producer, (q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs,
-                                   st_bufs, pos_bufs, ready, empty, list_ptr, lo, hi, g * G, HQ,
-                                   OOB, G, D, SLOT, QT)),
+            (_dkdv_producer, (q_desc, do_desc, st_desc, pos_desc, q_bufs, do_bufs, st_bufs,
+                              pos_bufs, ready, empty, list_ptr, lo, hi, g * G, HQ, OOB, G, D,
+                              SLOT, QT)),
         ], [1], [PRODUCER_REGS])
 
-        invalidate_ring(ready, empty, kv_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+        mbarrier.invalidate(kv_bar)
         keys = b * BS + gl.arange(0, BS, layout=gl.SliceLayout(1, acc_layout))
         rows = (start + keys).to(gl.int64)
         dd = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
@@ -299,43 +272,9 @@ def gluon_dkdv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and dout.data_ptr() % 16 == 0)
 
 
-def query_side_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-                           token_pos: torch.Tensor, block_size: int) -> dict:
-    """The six TMA descriptors the dk/dv kernel and the key-major dq kernel
-    (:mod:`nemo_msa.attention.gluon_dq`) read, by kernel argument name; built once per backward
-    for both (the row stats are two passes over [Hq, T]).
-
-    Args:
-        q, dout: bf16 [T, Hq, 128] contiguous.
-        k, v: bf16 [T, Hkv, 128] with dense rows of heads (see :func:`gluon_dkdv_supported`).
-        lse: fp32 [Hq, T] natural-log LSE of the forward.
-        delta: fp32 [Hq, T] rowsum(dO * O).
-        token_pos: int32 [T] document position of each query row of the lists.
-        block_size: 128.
-    """
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    stats, positions = row_stats(lse, delta, token_pos, hkv)
-    rows = t * hq
-    blocks = {name: (shape, layout) for name, (_, shape, layout)
-              in descriptor_blocks(hq // hkv, d, block_size).items()}
-
-    def descriptor(name, x, shape, strides):
-        return TensorDescriptor(x, shape, strides, *blocks[name])
-
-    return {"q_desc": descriptor("q_desc", q.view(rows, d), [rows, d], [d, 1]),
-            "do_desc": descriptor("do_desc", dout.view(rows, d), [rows, d], [d, 1]),
-            "k_desc": descriptor("k_desc", k, [k.shape[0], hkv * d], [k.stride(0), 1]),
-            "v_desc": descriptor("v_desc", v, [v.shape[0], hkv * d], [v.stride(0), 1]),
-            "st_desc": descriptor("st_desc", stats, [stats.numel()], [1]),
-            "pos_desc": descriptor("pos_desc", positions, [positions.numel()], [1])}
-
-
 def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                lse: torch.Tensor, delta: torch.Tensor, csr, view, token_pos: torch.Tensor,
-               scale: float, block_size: int, dk: torch.Tensor, dv: torch.Tensor,
-               descriptors: dict | None = None) -> None:
+               scale: float, block_size: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
     """dk and dv of the sparse attention into ``dk`` and ``dv`` (written in full).
 
     Args:
@@ -349,18 +288,28 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
         scale: the softmax scale.
         block_size: 128.
         dk, dv: k's and v's shapes and dtypes; every row is written.
-        descriptors: :func:`query_side_descriptors` of these inputs, or None to build them.
     """
     t, hq, d = q.shape
     hkv = k.shape[1]
-    if descriptors is None:
-        descriptors = query_side_descriptors(q, k, v, dout, lse, delta, token_pos, block_size)
+    group = hq // hkv
+    stats, positions = row_stats(lse, delta, token_pos, hkv)
+    rows = t * hq
+    blocks = {name: (shape, layout) for name, (_, shape, layout)
+              in descriptor_blocks(group, d, block_size).items()}
+
+    def descriptor(name, x, shape, strides):
+        return TensorDescriptor(x, shape, strides, *blocks[name])
+
+    q_desc = descriptor("q_desc", q.view(rows, d), [rows, d], [d, 1])
+    do_desc = descriptor("do_desc", dout.view(rows, d), [rows, d], [d, 1])
+    k_desc = descriptor("k_desc", k, [k.shape[0], hkv * d], [k.stride(0), 1])
+    v_desc = descriptor("v_desc", v, [v.shape[0], hkv * d], [v.stride(0), 1])
+    st_desc = descriptor("st_desc", stats, [stats.numel()], [1])
+    pos_desc = descriptor("pos_desc", positions, [positions.numel()], [1])
     _dkdv_sm90_kernel[(hkv * view.num_blocks_bound,)](
-        **descriptors, dk_ptr=dk, dv_ptr=dv, offsets_ptr=csr.offsets, list_ptr=csr.tokens,
-        order_ptr=csr.order, block_doc_ptr=view.block_doc, block_local_ptr=view.block_local,
-        cu_ptr=view.cu_seqlens, stride_dkt=dk.stride(0), stride_dkh=dk.stride(1),
-        stride_dvt=dv.stride(0), stride_dvh=dv.stride(1),
-        num_blocks_bound=view.num_blocks_bound, HQ=hq, OOB=t * hq, scale=scale,
-        scale_log2=scale * LOG2E, G=hq // hkv, QT=4, BS=block_size, D=d,
-        num_warps=GLUON_DKDV_WARPS, maxnreg=MAXNREG,
+        q_desc, do_desc, k_desc, v_desc, st_desc, pos_desc, dk, dv,
+        csr.offsets, csr.tokens, csr.order, view.block_doc, view.block_local, view.cu_seqlens,
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        view.num_blocks_bound, hq, rows, scale, scale * LOG2E,
+        G=group, QT=4, BS=block_size, D=d, num_warps=GLUON_DKDV_WARPS, maxnreg=MAXNREG,
     )

@@ -14,7 +14,9 @@ Two kernels:
   to exactly one program, so dk/dv are written once, without atomics; the result is bitwise
   reproducible run to run. dq is not added from this kernel (FlashAttention's scheme): on
   Hopper that measured slower on coherent selections and no faster at 8192 tokens, and its
-  fp32 sums are not reproducible (ADR 0043).
+  fp32 sums are not reproducible (ADR 0043); a separate key-major dq kernel adding by fp32
+  reductions measured slower than the dq kernels on five of six rows, bound by the rate of
+  those reductions (ADR 0044).
   On SM90 at the production shape the same dk/dv comes from the Gluon kernel of
   :mod:`nemo_msa.attention.gluon_dkdv` (ADR 0042), bit for bit.
 """
@@ -27,16 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # Gluon's Hopper API as Triton 3.6 has it; other Tritons take the Triton kernels
-    from nemo_msa.attention.gluon_dkdv import (
-        gluon_dkdv,
-        gluon_dkdv_supported,
-        query_side_descriptors,
-    )
-    from nemo_msa.attention.gluon_dq import gluon_dq
+try:  # Gluon's Hopper API as Triton 3.6 has it; other Tritons take the Triton dk/dv kernel
+    from nemo_msa.attention.gluon_dkdv import gluon_dkdv, gluon_dkdv_supported
 except ImportError:
     gluon_dkdv = None
-from nemo_msa.attention.triton_union import HybridPlan, TileUnions, hybrid_plan, tensor_identity
+from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, tensor_identity
 from nemo_msa.triton.guards import (
     dq_tile_masked,
     finite_delta,
@@ -63,7 +60,6 @@ from nemo_msa.triton.tiles import (
     dq_tile,
     dq_tile_rows,
     kv_descriptors,
-    load_do_and_delta,
     load_dq_rows,
     load_kv_tile,
     load_masked_union_tile,
@@ -281,32 +277,6 @@ def _dkdv_accumulate(q, do, v, pr, delta, dk, dv):
 
 
 @triton.jit
-def _key_major_rows_kernel(do_ptr, o_ptr, delta_ptr, acc_ptr, dq_ptr, keyed_ptr, T, HQ,
-                           stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh,
-                           stride_lh, scale, G: tl.constexpr, D: tl.constexpr,
-                           BT: tl.constexpr, FINISH: tl.constexpr):
-    """The rows of the key-major dq (``keyed``: uint8 [Hkv, T], 1 where it computes the row's
-    dq) for ``BT`` tokens of one query head. Before it (FINISH False): their
-    ``delta = rowsum(dO * O)`` (which the dq kernels would store) and a zeroed fp32 [T Hq, D]
-    accumulator row; after it (FINISH True): ``dq = scale * acc`` in dq's dtype. The union dq
-    kernel writes the other rows."""
-    tok = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    h = tl.program_id(1)
-    inside = tok < T
-    keyed = inside & (tl.load(keyed_ptr + (h // G) * T + tok, mask=inside, other=0) != 0)
-    dd = tl.arange(0, D)
-    acc_rows = acc_ptr + (tok * HQ + h)[:, None] * D + dd[None, :]
-    if FINISH:
-        acc = tl.load(acc_rows, mask=keyed[:, None], other=0.0)
-        tl.store(dq_ptr + tok[:, None] * stride_dqt + h * stride_dqh + dd[None, :],
-                 (acc * scale).to(dq_ptr.dtype.element_ty), mask=keyed[:, None])
-    else:
-        load_do_and_delta(do_ptr, o_ptr, delta_ptr, tok, tl.zeros([BT], tl.int32) + h, keyed,
-                          stride_dot, stride_doh, stride_ot, stride_oh, stride_lh, D)
-        tl.store(acc_rows, tl.zeros([BT, D], tl.float32), mask=keyed[:, None])
-
-
-@triton.jit
 def _dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     offsets_ptr, list_ptr, order_ptr, block_doc_ptr, block_local_ptr, cu_ptr, tok_pos_ptr,
@@ -366,12 +336,11 @@ def dkdv_launch(cfg: BackwardLaunch, group: int, block_size: int, head_dim: int)
 
 
 def _launch_dq(cfg: BackwardLaunch, view: KernelLayout, rows: dict, q2k_, scale, t, hkv, top_k,
-               grp, gp, d, unions, subset=None, per_token=True) -> HybridPlan:
+               grp, gp, d, unions, subset=None):
     """dq and delta: the union kernel for tiles with a small union, per token for the rest
-    (with the forward's union lists when ``unions`` holds them for dq's tile size); returns the
-    split. ``rows``: the q, k, v, dO, O, lse, delta and dq tensors by kernel argument name;
-    ``subset``: the query subset (``QuerySubset``) or None; ``per_token`` False: the union
-    kernel's tiles only (the key-major kernel takes the rest)."""
+    (with the forward's union lists when ``unions`` holds them for dq's tile size).
+    ``rows``: the q, k, v, dO, O, lse, delta and dq tensors by kernel argument name;
+    ``subset``: the query subset (``QuerySubset``) or None."""
     bs = view.block_size
     k_, v_ = rows["k_ptr"], rows["v_ptr"]
     args = dict(rows, q2k_ptr=q2k_, **_row_strides(rows), stride_sg=q2k_.stride(0),
@@ -400,8 +369,6 @@ def _launch_dq(cfg: BackwardLaunch, view: KernelLayout, rows: dict, q2k_, scale,
                 TMA=descs is not None, UW=next_pow2(plan.union.shape[2]), GUARD=guard,
                 num_warps=cfg.dq_union_warps, num_stages=cfg.dq_union_stages,
             )
-    if not per_token:
-        return plan
     tpp = cfg.dq_tile_grid_tiles if plan.enabled else 1
     _dq_kernel[(triton.cdiv(plan.num_tiles, tpp) if plan.enabled else t, hkv)](
         **args, tok_start_ptr=(subset or view).token_start,
@@ -409,7 +376,6 @@ def _launch_dq(cfg: BackwardLaunch, view: KernelLayout, rows: dict, q2k_, scale,
         HYBRID=plan.enabled, QT=max(plan.qt, 1), TPP=tpp,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )
-    return plan
 
 
 def _forward_nonfinite(unions: TileUnions | None, rows: dict) -> torch.Tensor | None:
@@ -436,41 +402,6 @@ def _row_strides(rows: dict) -> dict:
         if name in rows:
             out[st], out[sh] = rows[name].stride(0), rows[name].stride(1)
     return out
-
-
-def _key_major_backward(cfg: BackwardLaunch, view: KernelLayout, subset, q_, k_, v_, do_, o_,
-                        lse_, delta, q2k_, dq, dk, dv, scale, unions, gp) -> None:
-    """dq key-major (ADR 0044) and dk/dv from the Gluon kernels into ``dq``, ``dk``, ``dv``;
-    ``delta`` is written on the way. With ``bwd.dq_kernel="split"`` the union dq kernel first
-    takes the tiles whose union is small (as in the query-major launch) and the key-major
-    kernel the other rows; with ``"keys"`` the key-major kernel takes every row."""
-    t, hq, d = q_.shape
-    hkv, bs = k_.shape[1], view.block_size
-    grp = hq // hkv
-    rows_of = subset or view
-    if cfg.dq_kernel == "split":
-        rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, o_ptr=o_, lse_ptr=lse_,
-                    delta_ptr=delta, dq_ptr=dq)
-        plan = _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, q2k_.shape[2], grp, gp, d,
-                          unions, subset, per_token=False)
-        keyed = ~plan.union_rows(rows_of, bs, hkv, subset)
-    else:
-        keyed = torch.ones(hkv, t, dtype=torch.bool, device=q_.device)
-    dq_acc = torch.empty(q_.shape, dtype=torch.float32, device=q_.device)
-    bt = 64
-    launch = dict(do_ptr=do_, o_ptr=o_, delta_ptr=delta, acc_ptr=dq_acc, dq_ptr=dq,
-                  keyed_ptr=keyed.view(torch.uint8), T=t, HQ=hq, stride_dot=do_.stride(0),
-                  stride_doh=do_.stride(1), stride_ot=o_.stride(0), stride_oh=o_.stride(1),
-                  stride_dqt=dq.stride(0), stride_dqh=dq.stride(1), stride_lh=delta.stride(0),
-                  scale=scale, G=grp, D=d, BT=bt)
-    _key_major_rows_kernel[(triton.cdiv(t, bt), hq)](**launch, FINISH=False)
-    csr = block_query_csr(q2k_, view, subset, lead=keyed)
-    descs = query_side_descriptors(q_, k_, v_, do_, lse_, delta, rows_of.token_pos, bs)
-    gluon_dq(q_, k_, v_, do_, lse_, delta, csr, view, rows_of.token_pos, scale, bs, dq_acc,
-             descriptors=descs)
-    gluon_dkdv(q_, k_, v_, do_, lse_, delta, csr, view, rows_of.token_pos, scale, bs, dk, dv,
-               descriptors=descs)
-    _key_major_rows_kernel[(triton.cdiv(t, bt), hq)](**launch, FINISH=True)
 
 
 def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -536,21 +467,15 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     q2k_ = q2k.contiguous()
     delta = torch.empty_like(lse_)
     gp = max(16, next_pow2(grp))
-    gluon = (cfg.kv_kernel == "gluon" and gluon_dkdv is not None
-             and gluon_dkdv_supported(q_, k_, v_, do_, grp, bs))
-    token_pos = (subset or view).token_pos
-    if (gluon and cfg.dq_kernel != "tokens"
-            and not torch.are_deterministic_algorithms_enabled()):
-        _key_major_backward(cfg, view, subset, q_, k_, v_, do_, o_, lse_, delta, q2k_, dq, dk,
-                            dv, scale, unions, gp)
-        return dq, dk, dv
     rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, o_ptr=o_, lse_ptr=lse_,
                 delta_ptr=delta, dq_ptr=dq)
     # The dq launch also writes delta (rowsum(dO * O)), which the dk/dv kernel reads.
     _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions, subset)
     csr = block_query_csr(q2k_, view, subset)
-    if gluon:
-        gluon_dkdv(q_, k_, v_, do_, lse_, delta, csr, view, token_pos, scale, bs, dk, dv)
+    if (cfg.kv_kernel == "gluon" and gluon_dkdv is not None
+            and gluon_dkdv_supported(q_, k_, v_, do_, grp, bs)):
+        gluon_dkdv(q_, k_, v_, do_, lse_, delta, csr, view, (subset or view).token_pos, scale,
+                   bs, dk, dv)
         return dq, dk, dv
     meta = dkdv_launch(cfg, grp, bs, d)
     rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, lse_ptr=lse_, delta_ptr=delta,

@@ -138,27 +138,6 @@ class HybridPlan:
     def enabled(self) -> bool:
         return self.qt > 0
 
-    def union_rows(self, rows, block_size: int, kv_heads: int,
-                   subset: QuerySubset | None = None) -> torch.Tensor:
-        """bool [Hkv, T]: the (KV head, query row) pairs whose tile the union kernel runs
-        (``count <= max_count``); all False when the plan is off.
-
-        Args:
-            rows: the layout's kernel view, or the query subset (then T is its Tq).
-            block_size: the key block size.
-            kv_heads: Hkv.
-            subset: the query subset, or None (its tiles are a list of the full launch's).
-        """
-        t = rows.token_pos.shape[0]
-        if not self.enabled:
-            return torch.zeros(kv_heads, t, dtype=torch.bool, device=rows.token_pos.device)
-        pos = rows.token_pos.long()
-        tile = ((rows.token_first_block + pos // block_size) * (block_size // self.qt)
-                + pos % block_size // self.qt)
-        if subset is not None:
-            tile = torch.searchsorted(subset.tile_list(self.qt).long(), tile)
-        return self.count.view(kv_heads, -1)[:, tile] <= self.max_count
-
 
 @dataclass(frozen=True)
 class TileUnions:

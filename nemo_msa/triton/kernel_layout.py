@@ -227,17 +227,11 @@ class BlockQueryCSR:
         tokens: int32 [Hkv * T * top_k]; selected (token) entries, invalid slots at the tail.
         order: int32 [Hkv * num_blocks_bound]; segments by descending size, so that the long
             lists (early blocks of long documents) start first.
-        lead_end: with a ``lead`` mask (:func:`block_query_csr`): int64 [Hkv * num_blocks_bound];
-            each list holds its leading entries (ascending tokens) in
-            ``[offsets[i], lead_end[i])`` and the others (ascending) after them. None without.
-        lead_order: int32 [Hkv * num_blocks_bound]: segments by descending leading size, or None.
     """
 
     offsets: torch.Tensor
     tokens: torch.Tensor
     order: torch.Tensor
-    lead_end: torch.Tensor | None = None
-    lead_order: torch.Tensor | None = None
 
 
 #: Per rows object (a layout's kernel view or a query subset, both built once per microbatch):
@@ -263,9 +257,8 @@ def _csr_terms(rows, hkv: int, bound: int, bs: int, idx: torch.dtype):
 
 
 def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout,
-                    subset: QuerySubset | None = None,
-                    lead: torch.Tensor | None = None) -> BlockQueryCSR:
-    """Inverts ``q2k`` into the block -> queries CSR used by the KV-outer kernels.
+                    subset: QuerySubset | None = None) -> BlockQueryCSR:
+    """Inverts ``q2k`` into the block -> queries CSR used by the KV-outer dk/dv kernel.
 
     A stable sort on (head, global block) keeps each list in ascending token order, so the
     reduction order inside a list (and so dk/dv) is deterministic. Slots that are -1 or name a
@@ -277,9 +270,6 @@ def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout,
             with ``subset``: the lists then hold local query rows).
         blocks: the kernel view of the same layout.
         subset: the query subset (:func:`query_subset`), or None for every token.
-        lead: bool [Hkv, T] or None: the (KV head, token) rows whose entries lead their lists
-            (the key-major dq kernel walks only those, ADR 0044); the same sort then orders each
-            list by (leading first, token).
 
     Returns:
         The :class:`BlockQueryCSR`.
@@ -287,31 +277,23 @@ def block_query_csr(q2k: torch.Tensor, blocks: KernelLayout,
     hkv, t, top_k = q2k.shape
     bound = blocks.num_blocks_bound
     bs = blocks.block_size
-    span = 2 if lead is not None else 1
     # 32-bit keys and entry ids whenever they fit (always, short of 2^31 entries): the sort's
     # temporaries are most of the backward's extra memory.
-    wide = span * (hkv * bound + 1) >= 2**31 or hkv * t * top_k >= 2**31
+    wide = hkv * bound + 1 >= 2**31 or hkv * t * top_k >= 2**31
     idx = torch.int64 if wide else torch.int32
     b = q2k.to(idx)
     rows = blocks if subset is None else subset
     own, base, seg = _csr_terms(rows, hkv, bound, bs, idx)
     key = torch.where((b >= 0) & (b <= own), base + b, hkv * bound)
-    if lead is not None:
-        key = key * 2 + (~lead).to(idx).view(hkv, t, 1)
     sorted_keys, order = torch.sort(key.reshape(-1), stable=True)
     del key, b
     tokens = (order // top_k % max(t, 1)).to(torch.int32)
     del order
-    offsets = torch.searchsorted(sorted_keys, seg if lead is None else seg * 2)
+    offsets = torch.searchsorted(sorted_keys, seg)
     sizes = offsets[1:] - offsets[:-1]
     seg_order = torch.sort(sizes, descending=True, stable=True).indices.to(torch.int32)
-    lead_end = lead_order = None
-    if lead is not None:
-        lead_end = torch.searchsorted(sorted_keys, seg[:-1] * 2 + 1)
-        lead_order = torch.sort(lead_end - offsets[:-1], descending=True,
-                                stable=True).indices.to(torch.int32)
     return BlockQueryCSR(offsets=offsets.contiguous(), tokens=tokens.contiguous(),
-                         order=seg_order.contiguous(), lead_end=lead_end, lead_order=lead_order)
+                         order=seg_order.contiguous())
 
 
 @dataclass(frozen=True, eq=False)

@@ -121,13 +121,6 @@ class BackwardLaunch:
         kv_warps, kv_stages: dk/dv: warps and stages.
         kv_kernel: dk/dv kernel on SM90 with bf16, d = 128, block 128 and 16 query heads per
             KV head: ``"gluon"`` (:mod:`~nemo_msa.attention.gluon_dkdv`) or ``"triton"``.
-        dq_kernel: where the Gluon dk/dv kernel runs, ``"keys"`` computes dq key-major
-            (:mod:`~nemo_msa.attention.gluon_dq`: each block's K/V read once for every row that
-            selected it, dq added by fp32 atomics) instead of with the query-major ``"tokens"``
-            kernels; ``"split"`` runs the union dq kernel on the tiles whose union is small
-            and the key-major kernel on the other rows (ADR 0044). The atomics' sums are not
-            the same bits run to run, so under ``torch.use_deterministic_algorithms(True)``
-            the ``"tokens"`` kernels run whatever this says.
     """
 
     dq_bn: int = 64
@@ -147,7 +140,6 @@ class BackwardLaunch:
     kv_warps: int = 4
     kv_stages: int = 2
     kv_kernel: typing.Literal["triton", "gluon"] = "gluon"
-    dq_kernel: typing.Literal["tokens", "keys", "split"] = "tokens"
 
     def __post_init__(self) -> None:
         _check_fields(self, "bwd")

@@ -13,10 +13,13 @@ import math
 
 import pytest
 import torch
-from _msa_support import production_inputs, sparse_grads
 
+from nemo_msa import MSAMicrobatch, select_blocks
 from nemo_msa.attention.gluon_dkdv import row_stats
+from nemo_msa.attention.triton_bwd import triton_attention_backward
+from nemo_msa.attention.triton_fwd import triton_attention_forward
 from nemo_msa.testing.oracle import attention_grads_f64, rel_err
+from nemo_msa.triton.launch import launch_overrides
 from nemo_msa.triton.tiles import LOG2E
 
 sm90 = pytest.mark.skipif(not torch.cuda.is_available()
@@ -27,11 +30,29 @@ HQ, HKV, D, BS = 64, 4, 128, 128
 
 
 def _inputs(lengths, seed, top_k=16):
-    return production_inputs(lengths, seed, top_k, HQ, HKV, D, BS)
+    """bf16 production-topology inputs over documents of ``lengths`` (one row) and a q2k from
+    the Triton selection of random index queries."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)])[None]
+    msa = MSAMicrobatch.build(packed_seq_ids=ids.cuda(), block_size=BS)
+    t = msa.num_tokens
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to("cuda", torch.bfloat16)
+
+    q, k, v, dout = rnd(t, HQ, D), rnd(t, HKV, D), rnd(t, HKV, D), rnd(t, HQ, D)
+    q2k = select_blocks(rnd(t, HKV, D), rnd(t, D), msa, top_k=top_k, backend="triton")
+    return msa, q, k, v, dout, q2k
 
 
 def _grads(kernel, msa, q, k, v, dout, q2k, queries=None):
-    return sparse_grads({"bwd.kv_kernel": kernel}, msa, q, k, v, dout, q2k, queries)
+    scale = 1 / math.sqrt(D)
+    rows = slice(None) if queries is None else queries
+    out, lse = triton_attention_forward(q[rows], k, v, q2k[:, rows], msa, scale,
+                                        queries=queries)
+    with launch_overrides({"bwd.kv_kernel": kernel}):
+        return triton_attention_backward(dout[rows], q[rows], k, v, out, lse, q2k[:, rows], msa,
+                                         scale, queries=queries)
 
 
 @pytest.mark.gpu

@@ -263,7 +263,6 @@ def test_union_build_programs_write_only_their_tiles():
     ("fwd.union_tma", 1, "fwd.union_tma=1: expected bool"),
     ("fwd.union_maxnreg", "128", "fwd.union_maxnreg='128': expected int or None"),
     ("bwd.kv_kernel", "cuda", "bwd.kv_kernel='cuda': expected 'triton' or 'gluon'"),
-    ("bwd.dq_kernel", "atomic", "bwd.dq_kernel='atomic': expected 'tokens' or 'keys' or 'split'"),
     # Gone: a backward that skipped dq also skipped delta, which dk/dv read (wrong dk).
     ("bwd.skip", "dq", "unknown launch parameter 'bwd.skip'"),
     ("fwd.union_flat", False, "unknown launch parameter 'fwd.union_flat'"),
