@@ -265,8 +265,9 @@ def _tool(name):
 
 
 def _mma_loops(sass):
-    """(first address, instructions, BAR.SYNC, MMAs, MMA kind, local ld/st) per innermost loop
-    holding an HGMMA or HMMA, from the backward branches of the disassembly."""
+    """(first address, instructions, BAR.SYNC, MMAs, MMA kind, wgmma waits, local ld/st) per
+    innermost loop holding an HGMMA or HMMA, from the backward branches of the disassembly. A
+    wgmma wait is a ``WARPGROUP.DEPBAR``: one per HGMMA means ptxas serialized them."""
     lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
     addr = [int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16) for ln in lines]
     where = {a: i for i, a in enumerate(addr)}
@@ -278,7 +279,7 @@ def _mma_loops(sass):
         body = lines[where[int(m.group(1), 16)]: i + 1]
         count = collections.Counter()
         for b in body:
-            for op in ("BAR.SYNC", "HGMMA", "HMMA", "LDL", "STL"):
+            for op in ("BAR.SYNC", "HGMMA", "HMMA", "WARPGROUP.DEPBAR", "LDL", "STL"):
                 count[op] += op in b
         if count["HGMMA"] or count["HMMA"]:
             loops.append((where[int(m.group(1), 16)], i, count))
@@ -287,7 +288,7 @@ def _mma_loops(sass):
     inner = [(s, e, c) for s, e, c in loops
              if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2, _ in loops)]
     return [(hex(addr[s]), e - s + 1, c["BAR.SYNC"], c["HGMMA"] or c["HMMA"],
-             "HGMMA" if c["HGMMA"] else "HMMA", c["LDL"] + c["STL"])
+             "HGMMA" if c["HGMMA"] else "HMMA", c["WARPGROUP.DEPBAR"], c["LDL"] + c["STL"])
             for s, e, c in inner]
 
 
@@ -317,9 +318,11 @@ def report(kernel, cfg, emit=False, guarded=False):
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
     lines = [f"{kernel}: {regs} registers, spills {spill.group(1)} B stored / {spill.group(2)} B "
              f"loaded, shared {compiled.metadata.shared} B, {options}"]
-    for start, size, bars, mmas, kind, local in _mma_loops(sass):
+    for start, size, bars, mmas, kind, waits, local in _mma_loops(sass):
         lines.append(f"  loop at {start}: {size} instructions, {bars} BAR.SYNC, {mmas} {kind}, "
-                     f"{local} local loads/stores")
+                     f"{waits} wgmma waits, {local} local loads/stores")
+    if "C7512" in info:
+        lines.append("  ptxas C7512: wgmma serialized for lack of registers (a wait after each)")
     return lines
 
 

@@ -105,6 +105,28 @@ def test_kernel_report_compiles_the_gluon_dkdv_kernel_without_spills():
     assert head and head.group(2) == head.group(3) == "0", res.stdout
     mmas = [int(m) for m in re.findall(r"(\d+) HGMMA", res.stdout)]
     assert mmas and max(mmas) == 24, res.stdout
+    # Each loop line counts its wgmma waits (WARPGROUP.DEPBAR): at most one per HGMMA.
+    waits = re.findall(r"(\d+) HGMMA, (\d+) wgmma waits", res.stdout)
+    assert waits and all(0 < int(w) <= int(m) for m, w in waits), res.stdout
+
+
+def test_mma_loops_count_each_loops_wgmma_waits():
+    """A loop whose every HGMMA is followed by a ``WARPGROUP.DEPBAR`` (what ptxas emits when it
+    serializes them, C7512) reports as many waits as HGMMAs; a pipelined one reports fewer."""
+    import kernel_report as kr
+
+    def sass(body):
+        lines = [f"        /*{0x100 + 16 * i:04x}*/   {op} ;" for i, op in enumerate(body)]
+        lines.append(f"        /*{0x100 + 16 * len(body):04x}*/   BRA 0x100 ;")
+        return "\n".join(lines)
+
+    serial = ["WARPGROUP.ARRIVE", "HGMMA.64x64x16.F32.BF16 R0, gdesc[UR4], R0, gsb0",
+              "WARPGROUP.DEPBAR.LE gsb0, 0x0"] * 3
+    pipelined = ["WARPGROUP.ARRIVE", *["HGMMA.64x64x16.F32.BF16 R0, gdesc[UR4], R0"] * 2,
+                 "HGMMA.64x64x16.F32.BF16 R0, gdesc[UR4], R0, gsb0",
+                 "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    assert [loop[3:6] for loop in kr._mma_loops(sass(serial))] == [(3, "HGMMA", 3)]
+    assert [loop[3:6] for loop in kr._mma_loops(sass(pipelined))] == [(3, "HGMMA", 1)]
 
 
 _SOURCE_OF_SEL = """
