@@ -140,7 +140,7 @@ def _dkdv_consumer(k_smem, v_smem, q_bufs, do_bufs, st_bufs, pos_bufs, ready, em
         dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
         # dV is done and dK stays in flight into the next step (the next products only
         # accumulate into them, in order). Leaving both in flight (a wait for 2) made ptxas
-        # serialize every warpgroup MMA for lack of registers (C7512): 3-5% slower (ADR 0045).
+        # serialize every warpgroup MMA for lack of registers (C7512): 2-5% slower (ADR 0045).
         dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
     dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
     return dk, dv
