@@ -21,6 +21,7 @@ import os
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nemo_msa.capabilities import TRITON
@@ -133,46 +134,81 @@ def kernel_layout(msa, block_size: int) -> KernelLayout:
 
 
 def build_kernel_layout(msa, block_size: int) -> KernelLayout:
-    """Builds the :class:`KernelLayout` of ``msa`` for ``block_size`` with device ops only.
+    """Builds the :class:`KernelLayout` of ``msa`` for ``block_size`` from its host document
+    lengths, with one host-to-device copy and no device op.
+
+    The maps are functions of the document lengths alone (documents are contiguous and in
+    order in the compact order), which the layout read on the host in its one synchronization.
+    Computing them there and uploading one buffer replaces about twenty small device ops, each
+    a launch the host pays on the forward's critical path (issue #50).
 
     Args:
-        msa: layout with device tensors ``cu_seqlens`` int32 [D + 1], ``token_documents``
-            int32 [T], ``document_positions`` int32 [T] and host ints ``num_tokens``,
-            ``num_documents``.
+        msa: layout with host ints ``num_tokens``, ``num_documents``, host ``document_lengths``
+            (compact order) and device tensors ``cu_seqlens`` int32 [D + 1] and
+            ``document_positions`` int32 [T].
         block_size: key block size in tokens.
 
     Returns:
         The view; every tensor lives on ``cu_seqlens``' device.
+
+    Raises:
+        ValueError: host lengths that disagree with ``num_tokens`` / ``num_documents``.
     """
     num_tokens = _host_int(msa, "num_tokens")
     num_docs = _host_int(msa, "num_documents")
-    cu = msa.cu_seqlens
-    device = cu.device
-    lengths = (cu[1:] - cu[:-1]).to(torch.int64)
-    nblk = (lengths + block_size - 1) // block_size
-    cum = torch.cumsum(nblk, 0)
-    first = cum - nblk
+    lengths = np.asarray(getattr(msa, "document_lengths", ()), dtype=np.int64)
+    if lengths.size != num_docs or int(lengths.sum()) != num_tokens:
+        raise ValueError(
+            f"msa.document_lengths holds {lengths.size} lengths summing to {int(lengths.sum())}; "
+            f"expected num_documents={num_docs} lengths summing to num_tokens={num_tokens}"
+        )
     bound = num_tokens // block_size + num_docs
-    ids = torch.arange(bound, device=device, dtype=torch.int64)
-    doc = torch.searchsorted(cum, ids, right=True)
-    valid = doc < num_docs
-    doc_c = doc.clamp(max=max(num_docs - 1, 0))
-    local = torch.where(valid, ids - first[doc_c], torch.zeros_like(ids))
-    block_doc = torch.where(valid, doc, torch.full_like(doc, -1)).to(torch.int32)
-    token_docs = msa.token_documents.to(torch.int64)
+    nblk = (lengths + block_size - 1) // block_size
+    first = np.cumsum(nblk) - nblk
+    used = int(nblk.sum())
+    block_doc = np.full(bound, -1, dtype=np.int32)
+    block_doc[:used] = np.repeat(np.arange(num_docs, dtype=np.int32), nblk)
+    block_local = np.zeros(bound, dtype=np.int32)
+    block_local[:used] = np.arange(used, dtype=np.int32) - np.repeat(first.astype(np.int32), nblk)
+    starts = (np.cumsum(lengths) - lengths).astype(np.int32)
+    (doc_first_block, token_first_block, block_doc, block_local, token_start) = _upload(
+        (first, np.repeat(first, lengths), block_doc, block_local, np.repeat(starts, lengths)),
+        msa.cu_seqlens.device,
+    )
     return KernelLayout(
         block_size=block_size,
         num_tokens=num_tokens,
         num_documents=num_docs,
         num_blocks_bound=bound,
-        cu_seqlens=cu,
-        block_doc=block_doc.contiguous(),
-        block_local=local.to(torch.int32).contiguous(),
-        doc_first_block=first.contiguous(),
-        token_first_block=first[token_docs].contiguous(),
-        token_start=cu[token_docs].to(torch.int32).contiguous(),
+        cu_seqlens=msa.cu_seqlens,
+        block_doc=block_doc,
+        block_local=block_local,
+        doc_first_block=doc_first_block,
+        token_first_block=token_first_block,
+        token_start=token_start,
         token_pos=msa.document_positions.to(torch.int32).contiguous(),
     )
+
+
+def _upload(arrays, device: torch.device) -> list[torch.Tensor]:
+    """The int32/int64 host arrays as tensors on ``device``, through one staging buffer and one
+    copy (the tensors are views of the copy, each 128-byte aligned as the kernels' pointer
+    arguments are specialized on 16-byte alignment).
+
+    On CUDA the staging buffer is pinned and the copy asynchronous: no synchronization, and
+    the caching host allocator keeps the buffer until the copy has run."""
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // 128) * 128
+    staging = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    raw = staging.numpy()
+    for a, at in zip(arrays, offsets, strict=True):
+        raw[at:at + a.nbytes] = a.view(np.uint8)
+    buffer = staging if device.type == "cpu" else staging.to(device, non_blocking=True)
+    dtypes = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+    return [buffer[at:at + a.nbytes].view(dtypes[a.dtype])
+            for a, at in zip(arrays, offsets, strict=True)]
 
 
 def check_attention_inputs(q, k, v, q2k, view: KernelLayout, subset: QuerySubset | None = None):

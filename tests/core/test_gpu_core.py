@@ -33,11 +33,25 @@ def test_layout_build_synchronizes_exactly_once_on_cuda():
             x = msa.pack(torch.randn(2, 4096, 8, device="cuda"))
             msa.unpack(x)
             msa.position_ids()
+            view = msa.kernel_layout(128)  # built on the host, one asynchronous upload
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     assert msa.num_tokens == int((ids > 0).sum())
+    # The uploaded maps are the layout's own (what the device ops derived from it gave).
+    first = torch.cumsum((torch.diff(msa.cu_seqlens) + 127) // 128, 0)
+    first = torch.cat([first.new_zeros(1), first[:-1]])
+    docs = msa.token_documents.long()
+    assert view.doc_first_block.is_cuda and torch.equal(view.doc_first_block, first)
+    assert torch.equal(view.token_first_block, first[docs])
+    assert torch.equal(view.token_start, msa.cu_seqlens[docs])
+    blocks = torch.arange(view.num_blocks_bound, device="cuda")
+    doc = torch.searchsorted(first, blocks, right=True) - 1
+    used = int(((torch.diff(msa.cu_seqlens) + 127) // 128).sum())
+    assert torch.equal(view.block_doc[:used].long(), doc[:used])
+    assert torch.equal(view.block_local[:used].long(), blocks[:used] - first[doc[:used]])
+    assert bool((view.block_doc[used:] == -1).all()) and bool((view.block_local[used:] == 0).all())
 
 
 def _production_inputs(seed: int, max_doc: int):

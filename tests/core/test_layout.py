@@ -12,7 +12,9 @@ from packs import packed_batches
 from torch.overrides import TorchFunctionMode
 
 from nemo_msa import MSAMicrobatch
+from nemo_msa.testing.op_count import OpCounter
 from nemo_msa.testing.packs import document_map_from_lengths
+from nemo_msa.triton.kernel_layout import build_kernel_layout
 
 
 def expected_documents(ids: torch.Tensor):
@@ -90,6 +92,54 @@ def test_pack_unpack_and_workspace_round_trip(case):
     # A caller writing into what it got changes nothing for the next caller (issue #29).
     pos += 100
     assert torch.all(msa.position_ids()[starts] == 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(packed_batches(max_batch=3, max_seq=1500))
+def test_kernel_layout_matches_an_independent_reading_and_launches_nothing(case):
+    """The Triton kernels' view is built on the host from the document lengths and uploaded in
+    one copy (issue #50: about twenty small device ops before): every map equals a per-document
+    reading of the map, for the layout's block size and a larger one, and on the CPU the build
+    runs no kernel-launching op at all."""
+    ids, block = case
+    msa = MSAMicrobatch.from_document_map(ids, block_size=block)
+    docs = expected_documents(ids)
+    for bs in (block, 128):
+        with OpCounter() as ops:
+            view = build_kernel_layout(msa, bs)
+        assert ops.total == 0, ops.table()
+        block_doc, block_local, first, token_first, token_start = [], [], [], [], []
+        at = 0
+        for d, (*_, n) in enumerate(docs):
+            blocks = -(-n // bs)
+            first.append(len(block_doc))
+            block_doc += [d] * blocks
+            block_local += list(range(blocks))
+            token_first += [first[-1]] * n
+            token_start += [at] * n
+            at += n
+        bound = msa.num_tokens // bs + msa.num_documents
+        assert view.num_blocks_bound == bound >= len(block_doc)
+        pad = bound - len(block_doc)
+        assert view.block_doc.dtype == view.block_local.dtype == torch.int32
+        assert view.block_doc.tolist() == block_doc + [-1] * pad
+        assert view.block_local.tolist() == block_local + [0] * pad
+        assert view.doc_first_block.dtype == view.token_first_block.dtype == torch.int64
+        assert view.doc_first_block.tolist() == first
+        assert view.token_first_block.tolist() == token_first
+        assert view.token_start.dtype == torch.int32 and view.token_start.tolist() == token_start
+        assert torch.equal(view.token_pos, msa.document_positions)
+        for x in (view.block_doc, view.block_local, view.doc_first_block, view.token_first_block,
+                  view.token_start):
+            assert x.data_ptr() % 16 == 0  # the kernels' pointers are specialized on alignment
+
+
+def test_kernel_layout_refuses_host_lengths_that_disagree_with_the_layout():
+    msa = MSAMicrobatch.from_document_map(torch.tensor([[1] * 20 + [2] * 12]), block_size=16)
+    bad = copy.copy(msa)
+    object.__setattr__(bad, "document_lengths", (20, 11))
+    with pytest.raises(ValueError, match=r"document_lengths holds 2 lengths summing to 31"):
+        build_kernel_layout(bad, 16)
 
 
 def test_pack_and_unpack_reject_wrong_shapes():
