@@ -308,6 +308,23 @@ class MSAMicrobatch:
     def num_workspace_blocks(self) -> int:
         return self.workspace_size // self.block_size
 
+    def checked_document_lengths(self) -> tuple[int, ...]:
+        """The host document lengths, the plans' input (per-document dense calls, the kernels'
+        layout view), checked against the host sizes.
+
+        Raises:
+            ValueError: a layout without host lengths (built by hand, not by :meth:`build`), or
+                lengths that do not add up to ``num_documents`` / ``num_tokens``.
+        """
+        lengths = self.document_lengths
+        if len(lengths) != self.num_documents or sum(lengths) != self.num_tokens:
+            raise ValueError(
+                f"msa.document_lengths holds {len(lengths)} lengths summing to {sum(lengths)}; "
+                f"expected num_documents={self.num_documents} lengths summing to num_tokens="
+                f"{self.num_tokens} (build the layout with MSAMicrobatch.build)"
+            )
+        return lengths
+
     def cached(self, name: str, make):
         """Returns a derived tensor computed once per layout (shared by all layers)."""
         value = self._cache.get(name)

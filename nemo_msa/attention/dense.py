@@ -105,13 +105,7 @@ def document_runs(msa: MSAMicrobatch) -> tuple[DocumentRun, ...]:
     """
 
     def make() -> tuple[DocumentRun, ...]:
-        lengths = msa.document_lengths
-        if len(lengths) != msa.num_documents or sum(lengths) != msa.num_tokens:
-            raise ValueError(
-                f"msa.document_lengths holds {len(lengths)} lengths summing to {sum(lengths)}; "
-                f"expected num_documents={msa.num_documents} summing to num_tokens="
-                f"{msa.num_tokens} (build the layout with MSAMicrobatch.build)"
-            )
+        lengths = msa.checked_document_lengths()
         runs: list[DocumentRun] = []
         start = 0
         for length in lengths:

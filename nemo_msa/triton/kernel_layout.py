@@ -143,25 +143,21 @@ def build_kernel_layout(msa, block_size: int) -> KernelLayout:
     a launch the host pays on the forward's critical path (issue #50).
 
     Args:
-        msa: layout with host ints ``num_tokens``, ``num_documents``, host ``document_lengths``
-            (compact order) and device tensors ``cu_seqlens`` int32 [D + 1] and
-            ``document_positions`` int32 [T].
+        msa: layout with host ints ``num_tokens``, ``num_documents``, its host document lengths
+            (``checked_document_lengths()``, compact order) and device tensors ``cu_seqlens``
+            int32 [D + 1] and ``document_positions`` int32 [T].
         block_size: key block size in tokens.
 
     Returns:
         The view; every tensor lives on ``cu_seqlens``' device.
 
     Raises:
-        ValueError: host lengths that disagree with ``num_tokens`` / ``num_documents``.
+        ValueError: host lengths that disagree with ``num_tokens`` / ``num_documents``
+            (``checked_document_lengths``).
     """
     num_tokens = _host_int(msa, "num_tokens")
     num_docs = _host_int(msa, "num_documents")
-    lengths = np.asarray(getattr(msa, "document_lengths", ()), dtype=np.int64)
-    if lengths.size != num_docs or int(lengths.sum()) != num_tokens:
-        raise ValueError(
-            f"msa.document_lengths holds {lengths.size} lengths summing to {int(lengths.sum())}; "
-            f"expected num_documents={num_docs} lengths summing to num_tokens={num_tokens}"
-        )
+    lengths = np.asarray(msa.checked_document_lengths(), dtype=np.int64)
     bound = num_tokens // block_size + num_docs
     nblk = (lengths + block_size - 1) // block_size
     first = np.cumsum(nblk) - nblk
