@@ -15,7 +15,7 @@ This file only re-exports; the modules and their one-way layers are in docs/adr/
 """
 
 from nemo_msa.attention.dense import dense_document_attention
-from nemo_msa.backends import MSABackend, register_backend, resolve_backend
+from nemo_msa.backends.registry import MSABackend, register_backend, resolve_backend
 from nemo_msa.layout import MSAMicrobatch
 from nemo_msa.ops import select_blocks, sparse_attention
 from nemo_msa.support import MSATopology, check_runtime_arguments, require_msa_support

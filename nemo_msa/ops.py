@@ -19,7 +19,7 @@ import math
 import torch
 
 from nemo_msa.attention.dense import dense_document_attention, validate_qkv
-from nemo_msa.backends import MSABackend, resolve_backend
+from nemo_msa.backends.registry import MSABackend, resolve_backend
 from nemo_msa.layout import MSAMicrobatch, query_rows, validate_queries
 from nemo_msa.limits import SUPPORTED_SCORE_TYPES, require_float_tensor, require_integer
 from nemo_msa.q2k import canonical_q2k, mark_canonical, marked_block_size

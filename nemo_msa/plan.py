@@ -5,7 +5,7 @@
 ``NEMO_MSA_BACKEND`` read here and nowhere later), the backend's capability record asked for the
 layer's shape and dtype, whether the helpers around the ops run fused, and the indexer loss's
 path. The layer keeps the plan and passes ``plan.backend`` (an
-:class:`~nemo_msa.backend_spec.MSABackend`, not a name) to the ops and ``plan.fused_helpers`` to
+:class:`~nemo_msa.backends.spec.MSABackend`, not a name) to the ops and ``plan.fused_helpers`` to
 the helpers, so a training step makes no registry lookup and repeats no range check.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from nemo_msa.backend_spec import MSABackend
-from nemo_msa.backends import resolve_backend
+from nemo_msa.backends.registry import resolve_backend
+from nemo_msa.backends.spec import MSABackend
 from nemo_msa.support import (
     DEFAULT_INDEXER_LOSS_COEFF,
     DEFAULT_INDEXER_LOSS_TYPE,
@@ -48,8 +48,8 @@ class MSAPlan:
         dtype: the layer's parameter dtype (q/k/v and the indexer's).
         cp_size: the context-parallel group size the layer was built in.
         fused_helpers: the layer's helpers around the ops run fused where their inputs allow
-            (:attr:`~nemo_msa.capabilities.MSACapabilities.fused_helpers` of the backend: its
-            q/k and index norms, RoPE, the by-product loss's passes, the recall, the dense
+            (:attr:`~nemo_msa.backends.capabilities.MSACapabilities.fused_helpers` of the backend:
+            its q/k and index norms, RoPE, the by-product loss's passes, the recall, the dense
             path's per-document SDPA); False (the reference backend): their torch references.
             The layer passes it down; the helpers decide per call from the device only where
             no plan exists (a direct caller).

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from nemo_msa.backends import AUTO, get_backend
+from nemo_msa.backends.registry import AUTO, get_backend
 from nemo_msa.limits import (
     MAX_TOP_K,
     SUPPORTED_BLOCK_SIZES,

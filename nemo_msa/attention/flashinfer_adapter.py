@@ -3,7 +3,7 @@
 flashinfer (0.7.2) ships ``flashinfer.msa_ops.msa_sparse_attention``, the MiniMax sparse
 attention forward for compute capability 10.0/10.3 (and 12.x). Every conversion between its
 arguments and this project's compact layout lives here, so that the backend
-(:mod:`nemo_msa.backends_flashinfer`) only dispatches:
+(:mod:`nemo_msa.backends.flashinfer`) only dispatches:
 
 - sequences: flashinfer's "sequence" is one document. ``cu_seqlens_q`` and ``cu_seqlens_k`` are
   both the layout's ``cu_seqlens`` (int32 [D + 1]); q, k and v are the compact tokens, flat
@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from nemo_msa.capabilities import FLASHINFER_PREFILL
+from nemo_msa.backends.capabilities import FLASHINFER_PREFILL
 from nemo_msa.layout import MSAMicrobatch
 from nemo_msa.q2k import canonical_q2k, is_marked_canonical
 
@@ -51,8 +51,9 @@ __all__ = [
     "unsupported_shape_reason",
 ]
 
-# What the SM100/SM103 kernels take is the record nemo_msa.capabilities.FLASHINFER_PREFILL; the
-# names below are its fields, for the layout conversion.
+# What the SM100/SM103 kernels take is the record
+# nemo_msa.backends.capabilities.FLASHINFER_PREFILL; the names below are its fields, for the
+# layout conversion.
 #: Tokens per KV block in flashinfer's MSA kernels (fixed).
 FLASHINFER_BLOCK_SIZE = FLASHINFER_PREFILL.block_sizes[0]
 #: The only head dim of the SM100/SM103 kernels.

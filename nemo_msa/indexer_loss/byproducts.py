@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from nemo_msa.capabilities import TRITON
+from nemo_msa.backends.capabilities import TRITON
 from nemo_msa.indexer_loss.triton_byproducts import (
     block_scores_triton,
     byproduct_grads_triton,
@@ -111,8 +111,8 @@ def _fused(target: torch.Tensor, index_q: torch.Tensor, fused: bool | None) -> b
     """The Triton kernels (:mod:`nemo_msa.indexer_loss.triton_byproducts`) where they run: where
     ``fused`` allows them (None: the kernels' device, CUDA or the host under the interpreter),
     an fp32 target, fp16/bf16 index tensors, d one of the Triton record's index head dims
-    (nemo_msa.capabilities). They are deterministic (no atomics), so a deterministic-algorithms
-    request keeps them."""
+    (nemo_msa.backends.capabilities). They are deterministic (no atomics), so a
+    deterministic-algorithms request keeps them."""
     dim = index_q.shape[-1]
     return (
         (kernels_run_on(target) if fused is None else fused)

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from nemo_msa.capabilities import TRITON
+from nemo_msa.backends.capabilities import TRITON
 from nemo_msa.indexer_loss.triton_recall import selection_recall_rows_triton
 from nemo_msa.layout import query_rows
 from nemo_msa.limits import accumulation_dtype

@@ -18,7 +18,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from nemo_msa.backend_spec import MSABackend
+from nemo_msa.backends.spec import MSABackend
 from nemo_msa.limits import require_softmax_scale
 from nemo_msa.ops import document_attention
 

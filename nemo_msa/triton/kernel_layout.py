@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nemo_msa.capabilities import TRITON
+from nemo_msa.backends.capabilities import TRITON
 from nemo_msa.tensor_memo import TensorMemo
 
 # The Triton interpreter computes tl.dot on bf16 operands wrongly (PLATFORM.md); kernels take
@@ -243,7 +243,7 @@ def check_attention_inputs(q, k, v, q2k, view: KernelLayout, subset: QuerySubset
 
 
 def check_block_size(block_size: int) -> None:
-    """The kernels take the block sizes of :data:`nemo_msa.capabilities.TRITON`."""
+    """The kernels take the block sizes of :data:`nemo_msa.backends.capabilities.TRITON`."""
     reason = TRITON.why_not(block_size=block_size)
     if reason is not None:
         raise ValueError(reason)

@@ -9,7 +9,7 @@ import torch
 from test_support_and_backends import production_config
 
 from nemo_msa import MSAMicrobatch, ops, select_blocks, sparse_attention
-from nemo_msa.capabilities import FLASHINFER_PREFILL, REFERENCE, TRITON
+from nemo_msa.backends.capabilities import FLASHINFER_PREFILL, REFERENCE, TRITON
 from nemo_msa.plan import MSAPlan
 from nemo_msa.triton.kernel_layout import kernel_layout
 

@@ -20,7 +20,7 @@ from nemo_msa.attention.naive import (
     sparse_attention_backward_reference,
     sparse_attention_forward_reference,
 )
-from nemo_msa.backends import get_backend
+from nemo_msa.backends.registry import get_backend
 from nemo_msa.context_parallel import (
     ContextParallelLayout,
     gather_order,

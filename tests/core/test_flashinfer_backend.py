@@ -23,12 +23,13 @@ import pytest
 import torch
 from packs import document_map_from_rows
 
-import nemo_msa.backends_flashinfer as bf
-import nemo_msa.backends_triton as bt
-from nemo_msa import MSAMicrobatch, backends, register_backend, sparse_attention
+import nemo_msa.backends.flashinfer as bf
+import nemo_msa.backends.triton as bt
+from nemo_msa import MSAMicrobatch, register_backend, sparse_attention
 from nemo_msa.attention import flashinfer_adapter as fa
 from nemo_msa.attention.naive import masked_attention_reference
-from nemo_msa.backends import ENV_VAR, get_backend, known_backends, resolve_backend
+from nemo_msa.backends import registry as backends
+from nemo_msa.backends.registry import ENV_VAR, get_backend, known_backends, resolve_backend
 from nemo_msa.selection.naive import select_blocks_reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,10 +142,10 @@ def test_importing_nemo_msa_and_resolving_never_imports_flashinfer(tmp_path):
     code = (
         "import sys\n"
         "import nemo_msa\n"
-        "from nemo_msa.backends import get_backend, resolve_backend\n"
+        "from nemo_msa.backends.registry import get_backend, resolve_backend\n"
         "assert resolve_backend('auto', 'cpu').name == 'reference'\n"
         "backend = get_backend('flashinfer')\n"
-        "assert 'nemo_msa.backends_flashinfer' in sys.modules\n"
+        "assert 'nemo_msa.backends.flashinfer' in sys.modules\n"
         "assert backend.unavailable_reason(__import__('torch').device('cpu'))\n"
         "assert 'flashinfer' not in sys.modules, 'flashinfer was imported'\n"
     )

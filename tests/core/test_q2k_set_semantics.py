@@ -143,7 +143,7 @@ def test_the_op_hands_every_backend_the_canonical_form(monkeypatch):
     select_blocks's output on unchanged (no copy): one meaning, whichever backend runs."""
     import dataclasses
 
-    from nemo_msa import backends
+    from nemo_msa.backends import registry as backends
 
     seen = []
     reference = backends.get_backend("reference")

@@ -11,14 +11,14 @@ import torch
 
 from nemo_msa import (
     MSAMicrobatch,
-    backends,
     check_runtime_arguments,
     register_backend,
     require_msa_support,
     resolve_backend,
     select_blocks,
 )
-from nemo_msa.backends import ENV_VAR, MSABackend, get_backend, known_backends
+from nemo_msa.backends import registry as backends
+from nemo_msa.backends.registry import ENV_VAR, MSABackend, get_backend, known_backends
 from nemo_msa.plan import MSAPlan
 
 
@@ -71,7 +71,6 @@ def test_context_parallelism_is_a_capability_of_the_backend(kernel_backends_on_t
     """CP > 1 (the layer's process group or the config) needs a backend whose capability record
     declares the query subset: one named without it is refused when the plan is built, naming
     context_parallel_size; ``auto`` skips it (the reference takes every query subset)."""
-    from nemo_msa import backends
 
     for name in ("triton", "flashinfer"):
         backend = backends.get_backend(name)
@@ -220,7 +219,6 @@ def triton_runs_on_the_cpu(monkeypatch):
     gate's shape check is what decides (the kernels themselves are never launched here)."""
     import dataclasses
 
-    from nemo_msa import backends
 
     triton = backends.get_backend("triton")
     monkeypatch.setitem(backends._REGISTRY, "triton",

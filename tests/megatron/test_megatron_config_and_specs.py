@@ -172,7 +172,7 @@ def test_context_parallelism_needs_a_backend_with_the_query_subset_mode(monkeypa
     """Under CP the layer's plan asks the backend's record for the query subset when the layer
     is built: a backend without it (a GPU-less double of the Triton backend with the mode off)
     is refused naming context_parallel_size; the reference builds."""
-    from nemo_msa import backends
+    from nemo_msa.backends import registry as backends
 
     triton = backends.get_backend("triton")
     monkeypatch.setitem(backends._REGISTRY, "triton", dataclasses.replace(
@@ -192,7 +192,7 @@ def test_context_parallelism_needs_a_backend_with_the_query_subset_mode(monkeypa
 def test_the_layer_gate_asks_the_triton_backend_for_lse(monkeypatch):
     """msa_score_type='lse' with msa_backend='triton' is refused when the layer is built (not
     at its first step), naming the field; the backend's device check is a GPU-less double."""
-    from nemo_msa import backends
+    from nemo_msa.backends import registry as backends
 
     triton = backends.get_backend("triton")
     monkeypatch.setitem(backends._REGISTRY, "triton",

@@ -17,8 +17,9 @@ from _megatron_harness import (
     tiny_config,
 )
 
-from nemo_msa import backends, ops, plan
-from nemo_msa.capabilities import REFERENCE, MSACapabilities
+from nemo_msa import ops, plan
+from nemo_msa.backends import registry as backends
+from nemo_msa.backends.capabilities import REFERENCE, MSACapabilities
 from nemo_msa.megatron import MSAIndexerMetrics
 from nemo_msa.support import MSATopology
 from nemo_msa.testing.op_count import OpCounter

@@ -23,7 +23,7 @@ from _msa_support import KERNEL_DEVICE, layout_on_kernel_device, make_layout, ra
 from nemo_msa import MSAMicrobatch
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
-from nemo_msa.backends_triton import BACKEND
+from nemo_msa.backends.triton import BACKEND
 from nemo_msa.context_parallel import load_balanced_indices
 from nemo_msa.indexer_loss import compute_indexer_loss, dense_indexer_loss_triton
 from nemo_msa.selection.triton_select import triton_select_blocks

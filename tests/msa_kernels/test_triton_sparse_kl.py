@@ -11,7 +11,7 @@ import pytest
 import torch
 from _msa_support import KERNEL_DEVICE, layout_on_kernel_device, make_layout
 
-from nemo_msa.backends_triton import BACKEND
+from nemo_msa.backends.triton import BACKEND
 from nemo_msa.indexer_loss import sparse_indexer_loss_from_byproducts
 from nemo_msa.indexer_loss.byproducts import _EPS, _fused, sparse_kl_forward_reference
 from nemo_msa.indexer_loss.triton_byproducts import sparse_kl_forward_triton

@@ -1,7 +1,7 @@
 """What an MSA backend is: :class:`MSABackend`, the record the registry holds.
 
 Its own module, below the registry (nemo_msa.backends) and the backend modules
-(nemo_msa.backends_reference, backends_triton, backends_flashinfer), so that a backend module
+(nemo_msa.backends.reference, backends_triton, backends_flashinfer), so that a backend module
 describes itself without importing the registry that loads it (ADR 0017).
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_msa.capabilities import MSACapabilities
+from nemo_msa.backends.capabilities import MSACapabilities
 
 __all__ = ["MSABackend"]
 
@@ -36,7 +36,8 @@ class MSABackend:
         attention_backward: ``(dout, q, k, v, out, lse, q2k, msa, softmax_scale[, queries])
             -> (dq, dk, dv)``; with ``queries`` dq has Tq rows, dk/dv every token's (the local
             queries' share).
-        capabilities: what it runs (:class:`~nemo_msa.capabilities.MSACapabilities`): the plan
+        capabilities: what it runs
+            (:class:`~nemo_msa.backends.capabilities.MSACapabilities`): the plan
             (nemo_msa.plan) and ``auto`` ask its ``why_not`` before anything runs; its
             ``query_subset`` says whether the three functions take ``queries``.
         unavailable_reason: ``(device) -> str | None``; None when it runs on the device.

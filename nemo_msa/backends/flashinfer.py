@@ -20,11 +20,11 @@ import logging
 
 import torch
 
-from nemo_msa import backends_triton as triton_backend
 from nemo_msa.attention import flashinfer_adapter
 from nemo_msa.attention.triton_fwd import triton_attention_forward
-from nemo_msa.backend_spec import MSABackend
-from nemo_msa.capabilities import FLASHINFER_PREFILL
+from nemo_msa.backends import triton as triton_backend
+from nemo_msa.backends.capabilities import FLASHINFER_PREFILL
+from nemo_msa.backends.spec import MSABackend
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from nemo_msa.attention.naive import (
     sparse_attention_backward_reference,
     sparse_attention_forward_reference,
 )
-from nemo_msa.backend_spec import MSABackend
-from nemo_msa.capabilities import REFERENCE
+from nemo_msa.backends.capabilities import REFERENCE
+from nemo_msa.backends.spec import MSABackend
 from nemo_msa.selection.naive import select_blocks_reference
 
 __all__ = ["BACKEND"]

@@ -12,8 +12,8 @@ import torch
 
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
-from nemo_msa.backend_spec import MSABackend
-from nemo_msa.capabilities import TRITON
+from nemo_msa.backends.capabilities import TRITON
+from nemo_msa.backends.spec import MSABackend
 from nemo_msa.selection.triton_select import triton_select_blocks
 
 

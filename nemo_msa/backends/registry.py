@@ -1,7 +1,7 @@
 """Backend registry: which implementation of selection and sparse attention runs where.
 
-A backend (:class:`~nemo_msa.backend_spec.MSABackend`) is three functions with the signatures of
-ADR 0001 plus an availability check. The reference backend (nemo_msa.backends_reference) is
+A backend (:class:`~nemo_msa.backends.spec.MSABackend`) is three functions with the signatures of
+ADR 0001 plus an availability check. The reference backend (nemo_msa.backends.reference) is
 registered when this module loads; the kernel backends when first asked for. ``resolve_backend``
 picks one for a device:
 
@@ -23,8 +23,8 @@ import os
 
 import torch
 
-from nemo_msa import backends_reference
-from nemo_msa.backend_spec import MSABackend
+from nemo_msa.backends import reference as backends_reference
+from nemo_msa.backends.spec import MSABackend
 
 __all__ = [
     "AUTO",
@@ -43,11 +43,11 @@ _REGISTRY: dict[str, MSABackend] = {}
 # The kernel backends' modules, imported by name on first request: they import Triton (and
 # flashinfer's adapter), an optional heavy dependency that `import nemo_msa` must not pull in,
 # and a missing one must leave the other backends usable. Importing by name is not an upward
-# import: each module defines its ``BACKEND`` from nemo_msa.backend_spec and the kernels below
+# import: each module defines its ``BACKEND`` from nemo_msa.backends.spec and the kernels below
 # it, and never imports this registry; :func:`_load` registers that ``BACKEND`` here.
 _LAZY_MODULES: dict[str, str] = {
-    "flashinfer": "nemo_msa.backends_flashinfer",
-    "triton": "nemo_msa.backends_triton",
+    "flashinfer": "nemo_msa.backends.flashinfer",
+    "triton": "nemo_msa.backends.triton",
 }
 _PREFERENCE = ("flashinfer", "triton", "reference")
 
@@ -96,8 +96,8 @@ def resolve_backend(
         requested: a backend name, ``"auto"`` or None (same as auto).
         device: where the tensors live.
         **shape: what the call runs (the keywords of
-            :meth:`~nemo_msa.capabilities.MSACapabilities.why_not`); ``auto`` skips backends
-            that cannot run it, a named backend that cannot is an error.
+            :meth:`~nemo_msa.backends.capabilities.MSACapabilities.why_not`); ``auto`` skips
+            backends that cannot run it, a named backend that cannot is an error.
 
     Returns:
         The backend to run.
