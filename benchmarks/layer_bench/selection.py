@@ -19,6 +19,8 @@ import torch
 from msa_bench.unions import hybrid_work, tile_union_sizes
 
 from nemo_msa.attention.triton_union import union_tile_tokens
+from nemo_msa.q2k import Selection
+from nemo_msa.query_view import QueryView
 from nemo_msa.triton.launch import current_launch
 from nemo_msa.triton.tiles import next_pow2
 
@@ -56,14 +58,31 @@ class CoreAttentionCall:
 
     Attributes:
         module: the layer's ``MSACoreAttention`` (its ``softmax_scale`` included).
-        args: ``(query [T, Hq, d], key [T, Hkv, d], value, msa)``, q/k/v detached.
-        kwargs: ``q2k`` (int32 [Hkv, T, top_k], the selection's own tensor, so it keeps its
-            canonical mark), ``backend``, ``return_block_mass``, ``queries``, ``fused``.
+        args: ``(query [T, Hq, d], key [T, Hkv, d], value, view)``, q/k/v detached; ``view``
+            the layout with the layer's queries (a ``QueryView``).
+        kwargs: ``q2k`` (the layer's ``Selection``: canonical, so the timed op does not sort it
+            again), ``plan``, ``return_block_mass``.
     """
 
     module: torch.nn.Module
     args: tuple
     kwargs: dict
+
+    @property
+    def view(self) -> QueryView:
+        """The layout with the call's queries."""
+        return QueryView.of(self.args[3])
+
+    @property
+    def msa(self):
+        """The call's layout."""
+        return self.view.msa
+
+    @property
+    def q2k(self) -> torch.Tensor:
+        """The selection's int32 [Hkv, Tq, top_k] block ids."""
+        q2k = self.kwargs["q2k"]
+        return q2k.q2k if isinstance(q2k, Selection) else q2k
 
 
 def capture_core_attention(model, bench) -> CoreAttentionCall | None:
@@ -79,8 +98,8 @@ def capture_core_attention(model, bench) -> CoreAttentionCall | None:
     found: list[CoreAttentionCall] = []
 
     def capture(module, args, kwargs):
-        # core_attention(query, key, value, msa, q2k=..., ...); a recompute's second call in
-        # the backward repeats the first.
+        # core_attention(query, key, value, view, q2k=selection, ...); a recompute's second
+        # call in the backward repeats the first.
         if not found and kwargs.get("q2k") is not None:
             found.append(CoreAttentionCall(
                 module, tuple(a.detach() if torch.is_tensor(a) else a for a in args),
@@ -114,11 +133,12 @@ def selection_stats(call: CoreAttentionCall | None) -> dict:
     if call is None:
         return {}
     launch = current_launch("fwd")
-    query, key, _, msa = call.args[:4]
+    query, key = call.args[:2]
+    msa = call.msa
     group = query.shape[1] // key.shape[1]
     # The tile the launch uses: union_qt, capped by the block and the rows one program holds.
     qt = union_tile_tokens(max(launch.union_qt, 1), msa.block_size, max(16, next_pow2(group)))
-    union, tokens, exact = tile_union_sizes(call.kwargs["q2k"].cpu(), msa.token_documents.cpu(),
+    union, tokens, exact = tile_union_sizes(call.q2k.cpu(), msa.token_documents.cpu(),
                                             msa.document_positions.cpu(), qt)
     work = hybrid_work(union, tokens, exact, launch.union_max)
     return {"union_qt": qt, "union_mean": union.float().mean().item(),

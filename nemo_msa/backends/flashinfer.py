@@ -1,36 +1,33 @@
-"""The flashinfer (SM100/SM103) MSA backend; nemo_msa.backends registers it when first asked
-for (this module does not import the registry).
+"""The flashinfer (SM100/SM103) MSA backend; nemo_msa.backends.registry registers it when first
+asked for (this module does not import the registry).
 
 - forward: flashinfer's MSA prefill kernel (``flashinfer.msa_ops.msa_sparse_attention``, one
   sequence per document, causal), through :mod:`nemo_msa.attention.flashinfer_adapter`, which
-  converts the layout, the q2k and the LSE;
+  converts the layout, the q2k and the LSE; or the Triton forward;
 - selection: the Triton backend's (``triton_select_blocks``);
 - backward: the Triton backend's (``triton_attention_backward``) from the forward's
-  LSE; it builds its own union lists.
+  LSE; after the prefill kernel it builds its own union lists.
 
 Available where the device has compute capability 10.0 or 10.3 and flashinfer imports; ``auto``
-prefers it there. Shapes the kernel does not take (block size or head dim other than 128,
-top_k > 16, more than 16 query heads per KV head) run the Triton forward instead, with one
-warning per reason (ADR 0014). Importing this module imports Triton but never flashinfer.
+prefers it there. Which forward runs is the layer's plan's (``MSAKernels.forward`` and
+``mass_forward``, ADR 0048): the prefill kernel where it takes the layer's shape (block size and
+head dim 128, top_k <= 16, at most 16 query heads per KV head; ADR 0014) and the call (no block
+mass, no query subset), the Triton forward otherwise. Importing this module imports Triton but
+never flashinfer.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
+from nemo_msa import unplanned
 from nemo_msa.attention import flashinfer_adapter
-from nemo_msa.attention.triton_fwd import triton_attention_forward
 from nemo_msa.backends import triton as triton_backend
 from nemo_msa.backends.capabilities import FLASHINFER_PREFILL
-from nemo_msa.backends.spec import MSABackend
-
-logger = logging.getLogger(__name__)
+from nemo_msa.backends.spec import MSABackend, require_kernel
 
 #: Compute capabilities of flashinfer's SM100/SM103 MSA prefill (B200/GB200, B300/GB300).
 SUPPORTED_CAPABILITIES = ((10, 0), (10, 3))
-_WARNED: set[str] = set()
 
 
 def _unavailable_reason(device: torch.device) -> str | None:
@@ -52,25 +49,41 @@ def _unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def _forward(q, k, v, q2k, msa, softmax_scale, return_block_mass=False, queries=None):
-    """``(out, lse, residuals)``: flashinfer's forward (residuals None), or for shapes it does
-    not take the Triton forward (residuals: its union lists). The per-slot block mass of the
-    sparse indexer loss (``return_block_mass``) and the query subset of context parallelism
-    (``queries``) are the Triton forward's only, so those steps run the Triton forward (the same
-    function)."""
-    if return_block_mass or queries is not None:
-        return triton_attention_forward(q, k, v, q2k, msa, softmax_scale, return_unions=True,
-                                        return_block_mass=return_block_mass, queries=queries)
-    reason = flashinfer_adapter.unsupported_shape_reason(q, k, q2k, msa)
-    if reason is None:
-        out, lse = flashinfer_adapter.flashinfer_attention_forward(q, k, v, q2k, msa,
-                                                                   softmax_scale)
-        return out, lse, None
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        logger.warning("MSA backend flashinfer: %s; this layer's forward runs the Triton "
-                       "kernel instead", reason)
-    return triton_attention_forward(q, k, v, q2k, msa, softmax_scale, return_unions=True)
+def _forward(q, k, v, selection, view, softmax_scale, *, return_block_mass=False, kernel=None):
+    """``(out, lse[, block mass])`` from the forward ``kernel`` names: ``"flashinfer"`` (the
+    prefill kernel) or ``"triton"`` (the Triton forward; its union lists stay with the
+    selection for the backward). The per-slot block mass of the sparse indexer loss and the
+    query subset of context parallelism are the Triton forward's only; a layer's plan names
+    the Triton forward for them (:func:`nemo_msa.plan.choose_kernels`). None (a direct user,
+    no plan): the prefill kernel where the call takes it, else the Triton forward.
+
+    Raises:
+        ValueError: ``kernel="flashinfer"`` on a call the prefill kernel does not take (naming
+            ``MSAKernels.forward``).
+    """
+    reason = _prefill_refusal(q, k, selection.q2k, view, return_block_mass)
+    if kernel is None:
+        unplanned.record("forward")
+        kernel = "flashinfer" if reason is None else "triton"
+    require_kernel("forward", kernel, ("flashinfer", "triton"))
+    if kernel == "triton":
+        return triton_backend.BACKEND.attention_forward(
+            q, k, v, selection, view, softmax_scale, return_block_mass=return_block_mass,
+            kernel="triton")
+    if reason is not None:
+        raise ValueError(f"MSAKernels.forward='flashinfer' but this call has {reason}; the "
+                         "layer's plan did not foresee it")
+    return flashinfer_adapter.flashinfer_attention_forward(
+        q, k, v, selection.q2k, view.msa, softmax_scale, canonical=selection.canonical)
+
+
+def _prefill_refusal(q, k, q2k, view, return_block_mass: bool) -> str | None:
+    """Why flashinfer's prefill kernel does not take this call (None when it does)."""
+    if return_block_mass:
+        return "return_block_mass=True (flashinfer's kernel gives no per-slot block mass)"
+    if view.queries is not None:
+        return "a query subset (flashinfer's kernel takes every token as a query)"
+    return flashinfer_adapter.unsupported_shape_reason(q, k, q2k, view.msa)
 
 
 BACKEND = MSABackend(
@@ -81,7 +94,6 @@ BACKEND = MSABackend(
     unavailable_reason=_unavailable_reason,
     # Selection and backward (and the forward's fallback) are the Triton kernels.
     capabilities=triton_backend.BACKEND.capabilities,
-    forward_residuals=True,
     preferred_forward=FLASHINFER_PREFILL,
     description="SM100/SM103: flashinfer's MSA prefill forward (the Triton forward where the "
     "sparse indexer loss's block mass or a CP query subset is asked for), Triton selection and "

@@ -1,9 +1,9 @@
 """Backend registry: which implementation of selection and sparse attention runs where.
 
-A backend (:class:`~nemo_msa.backends.spec.MSABackend`) is three functions with the signatures of
-ADR 0001 plus an availability check. The reference backend (nemo_msa.backends.reference) is
-registered when this module loads; the kernel backends when first asked for. ``resolve_backend``
-picks one for a device:
+A backend (:class:`~nemo_msa.backends.spec.MSABackend`) is three functions (selection, forward,
+backward) plus an availability check and its capability record. The reference backend
+(nemo_msa.backends.reference) is registered when this module loads; the kernel backends when
+first asked for. ``resolve_backend`` picks one for a device:
 
 1. the environment variable ``NEMO_MSA_BACKEND``, when set, wins (an operator's override that
    needs no recipe edit);
@@ -12,8 +12,8 @@ picks one for a device:
    where it imports, triton on SM90+, then the reference, which runs anywhere).
 
 A named backend that cannot run on the device is an error, never a silent fallback. A layer
-resolves its backend once, when it is built (:class:`nemo_msa.plan.MSAPlan`), and passes the
-resolved :class:`MSABackend` to the ops; the ops resolve a name per call for direct users only.
+resolves its backend once, when it is built (:class:`nemo_msa.plan.MSAPlan`), and passes its
+plan to the ops; the ops resolve a name per call for direct users only.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ and concatenates a rotated half, and its autograd backward adds the slices' zero
 gradients: about 12 kernels forward and 10 backward per tensor on the GPU (issue #28's
 profile). :func:`rope_factors` builds ``cos`` and a sign-folded ``sin`` once per layer call and
 dtype; :func:`apply_rope` applies them in one autograd function: one Triton kernel each way
-for bf16 on the GPU where the layer's plan runs fused helpers
-(:func:`nemo_msa.triton.rope.rope_triton`), else 4-5 torch kernels.
+for bf16 where the layer's plan names it (:attr:`nemo_msa.plan.MSAKernels.rope`,
+:func:`nemo_msa.triton.rope.rope_triton`), else 4-5 torch kernels.
 
 The arithmetic is Megatron's, operation for operation, so the result is the same bits: with
 ``x = t[..., :rot]`` in halves ``x1, x2`` and ``c = cos(f).to(dtype)``, ``s = sin(f).to(dtype)``,
@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
+from nemo_msa import unplanned
+from nemo_msa.backends.capabilities import TRITON_HELPERS
 from nemo_msa.triton.kernel_layout import kernels_run_on
 from nemo_msa.triton.rope import rope_triton
 
@@ -37,9 +39,10 @@ class RopeFactors:
     Args:
         freqs: fp32 [Tq, 1, rot_dim] per-token angles (``MSASelfAttention``'s table rows).
         interleaved: ``config.rotary_interleaved`` (then Megatron's function runs).
-        fused: whether the one-kernel RoPE may run (where the input allows it); None decides
-            per call from the device. The layer passes its plan's
-            :attr:`~nemo_msa.plan.MSAPlan.fused_helpers`.
+        fused: run the one-kernel RoPE (the layer passes its plan's
+            :attr:`~nemo_msa.plan.MSAKernels.rope`; an input it does not take is then refused);
+            None chooses per call from the device and the input (a direct caller, counted by
+            :mod:`nemo_msa.unplanned`).
     """
 
     def __init__(self, freqs: torch.Tensor, interleaved: bool, fused: bool | None = None) -> None:
@@ -80,20 +83,28 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_runs(t: torch.Tensor, cos: torch.Tensor, fused: bool | None) -> bool:
-    """The one-kernel RoPE (:func:`nemo_msa.triton.rope.rope_triton`) where it runs: bf16
-    [T, H, dim] with [T, 1, rot] factors, where ``fused`` allows it (None: on CUDA or the host
-    under the interpreter); it computes the same bits as the torch ops. fp16 keeps the torch
-    ops: compiled on the H200 the kernel's fp16 results differed from torch's by one unit in
-    the last place (2026-12-04, benchmarks/results/2026-12-04-h200-session3, call 3), and bit
-    equality is its contract."""
-    return (
-        (kernels_run_on(t) if fused is None else fused)
-        and t.dtype == torch.bfloat16
-        and t.dim() == 3
-        and cos.dim() == 3
-        and cos.shape[0] == t.shape[0]
-        and cos.shape[1] == 1
-    )
+    """Whether the one-kernel RoPE (:func:`nemo_msa.triton.rope.rope_triton`) runs: where
+    ``fused`` says so (None: on CUDA or the host under the interpreter, where it takes the
+    input). It takes [T, H, dim] in the dtypes of its record
+    (:data:`~nemo_msa.backends.capabilities.TRITON_HELPERS`' ``rope``: bf16; fp16 keeps the
+    torch ops, whose bits its compiled fp16 results missed by one unit in the last place on an
+    H200, and bit equality is its contract) with [T, 1, rot] factors, and computes the same bits
+    as the torch ops.
+
+    Raises:
+        ValueError: ``fused`` on an input the kernel does not take, naming
+            ``MSAKernels.rope``.
+    """
+    takes = (TRITON_HELPERS.rope.why_not(dtype=t.dtype) is None and t.dim() == 3
+             and cos.dim() == 3 and cos.shape[0] == t.shape[0] and cos.shape[1] == 1)
+    if fused is None:
+        unplanned.record("rope")
+        return kernels_run_on(t) and takes
+    if fused and not (takes and kernels_run_on(t)):
+        raise ValueError(f"MSAKernels.rope=True but the one-kernel RoPE does not take "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}; the layer's plan did not "
+                         "foresee this input")
+    return fused
 
 
 class _Rope(torch.autograd.Function):

@@ -34,8 +34,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 def kernels_run_on(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run on ``x``'s device: CUDA, or the host under the
-    interpreter. The fused helpers' decision where no layer plan passes one
-    (:attr:`nemo_msa.plan.MSAPlan.fused_helpers`): a direct caller's."""
+    interpreter. The helpers ask it for a direct caller (no plan: the layer's plan names its
+    helpers' kernels, :class:`nemo_msa.plan.MSAKernels`), and to refuse a device the plan's
+    kernel cannot run on."""
     return x.is_cuda or INTERPRET
 
 

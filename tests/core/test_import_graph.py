@@ -31,13 +31,14 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE
 #: An entry names a module or a package (then every module under it); the longest entry wins.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # What every layer reads: the contract's limits, the document map and the layout built from
-    # it, the canonical q2k. The kernels take the layout as their input, so it sits below them.
+    # it, the canonical q2k and the selection, the query view, the count of choices made per
+    # call without a plan. The kernels take the layout as their input, so it sits below them.
     # The kernels' typed view of the layout (device index tensors, torch only) sits with it, and
     # the backends' capability records (data read by the kernels' asserts and the plan): the one
     # module of the nemo_msa.backends package below the core.
     ("layout", ("nemo_msa.limits", "nemo_msa.backends.capabilities", "nemo_msa.tensor_memo",
                 "nemo_msa.document_map", "nemo_msa.layout", "nemo_msa.q2k",
-                "nemo_msa.triton.kernel_layout")),
+                "nemo_msa.query_view", "nemo_msa.unplanned", "nemo_msa.triton.kernel_layout")),
     # Kernels and references: attention (naive, dense, Triton, flashinfer adapter), selection,
     # the indexer loss (reference, by-products, fused dense).
     # The Triton pieces they share (launch settings, tile helpers) live in nemo_msa.triton.

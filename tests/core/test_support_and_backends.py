@@ -171,46 +171,48 @@ def test_a_registered_backend_is_dispatched_to(monkeypatch):
     assert calls == ["select"], "the environment variable must override the requested backend"
 
 
-def test_forward_residuals_reach_the_backward(monkeypatch):
-    """A backend with ``forward_residuals`` returns (out, lse, residuals) from its forward;
-    autograd hands exactly those residuals to its backward, and the gradients are the
-    wrapped reference's."""
-    from nemo_msa import sparse_attention
+def test_a_backends_forward_state_reaches_its_backward_on_the_selection(monkeypatch):
+    """A backend's forward keeps state of the selection for its backward on the
+    :class:`~nemo_msa.q2k.Selection` the ops hand it (the Triton union lists): autograd hands
+    the backward that same object, and the gradients are the wrapped reference's."""
+    from nemo_msa import select, sparse_attention
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
     reference = get_backend("reference")
     handed = []
 
-    def forward(q, k, v, q2k, msa, scale):
-        out, lse = reference.attention_forward(q, k, v, q2k, msa, scale)
-        return out, lse, ("residual", q2k.data_ptr())
+    def forward(q, k, v, selection, view, scale, **kwargs):
+        selection.unions = ("state", selection.q2k.data_ptr())
+        return reference.attention_forward(q, k, v, selection, view, scale, **kwargs)
 
-    def backward(*args, residuals):
-        handed.append(residuals)
-        return reference.attention_backward(*args)
+    def backward(*args, **kwargs):
+        handed.append(args[6].unions)
+        return reference.attention_backward(*args, **kwargs)
 
     register_backend(MSABackend(
-        name="residual", select_blocks=reference.select_blocks, attention_forward=forward,
+        name="stateful", select_blocks=reference.select_blocks, attention_forward=forward,
         attention_backward=backward, unavailable_reason=lambda device: None,
         capabilities=reference.capabilities, description="test double",
-        forward_residuals=True,
     ))
     g = torch.Generator().manual_seed(3)
     msa = MSAMicrobatch.build(batch_size=1, seq_len=40, block_size=16)
     q = torch.randn(40, 2, 16, generator=g).bfloat16()
     k, v = (torch.randn(40, 1, 16, generator=g).bfloat16() for _ in range(2))
-    q2k = select_blocks(torch.randn(40, 1, 8, generator=g), torch.randn(40, 8, generator=g),
-                        msa, top_k=2, backend="reference")
+    selection = select(torch.randn(40, 1, 8, generator=g), torch.randn(40, 8, generator=g),
+                       msa, top_k=2, backend="reference")
     dout = torch.randn(40, 2, 16, generator=g).bfloat16()
     grads = {}
-    for name in ("residual", "reference"):
+    for name in ("stateful", "reference"):
         xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
-        out = sparse_attention(*xs, q2k, msa, backend=name)
+        out = sparse_attention(*xs, selection, msa, backend=name)
         grads[name] = (out, *torch.autograd.grad(out, xs, dout))
-    assert handed == [("residual", q2k.data_ptr())]
-    assert all(torch.equal(a, b) for a, b in zip(grads["residual"], grads["reference"],
+    assert handed == [("state", selection.q2k.data_ptr())]
+    assert all(torch.equal(a, b) for a, b in zip(grads["stateful"], grads["reference"],
                                                  strict=True))
+    selection.q2k[0, 0, 0] = 0  # an in-place write: what the selection claims no longer holds
+    with pytest.raises(ValueError, match="written in place"):
+        sparse_attention(q, k, v, selection, msa, backend="reference")
 
 
 @pytest.fixture
