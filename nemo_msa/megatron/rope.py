@@ -84,7 +84,7 @@ def _kernel_runs(t: torch.Tensor, cos: torch.Tensor, fused: bool | None) -> bool
     [T, H, dim] with [T, 1, rot] factors, where ``fused`` allows it (None: on CUDA or the host
     under the interpreter); it computes the same bits as the torch ops. fp16 keeps the torch
     ops: compiled on the H200 the kernel's fp16 results differed from torch's by one unit in
-    the last place (2026-12-04, benchmarks/results/2026-12-04-h200-layer-rows-ff484f3), and
+    the last place (2026-12-04, benchmarks/results/2026-12-04-h200-layer-rows-ff484f3.md), and
     bit equality is its contract."""
     return (
         (kernels_run_on(t) if fused is None else fused)
