@@ -1,15 +1,18 @@
 """The record a reader follows: results named by date, GPU, what and commit; no numbered run
 labels in any tracked file; no tooling copies in the results; every ADR indexed with a status.
 
-Results are named `benchmarks/results/YYYY-MM-DD-<gpu>-<what>[-<commit>]/` and each holds a
-README.md with the exact command, the commit, the card and the date (issue #61). Numbered labels
-of working runs (the words session or call followed by a number) mean nothing to a reader; git
-history keeps when each measurement ran. The samples below are built from pieces so that this
-file passes its own scan.
+Results are named `benchmarks/results/YYYY-MM-DD-<gpu>-<what>[-<commit>]/`, each a flat folder
+with a README.md that gives the exact command, the commit, the card and the date, or one such
+.md file where the outputs are quoted in it (issue #61). Every `benchmarks/results/...` path a
+tracked file names exists. The folder stays under 3 MB as `du` counts it (allocated blocks, so
+many small files cost more than their bytes). Numbered labels of working runs (the words
+session or call followed by a number) mean nothing to a reader; git history keeps when each
+measurement ran. The samples below are built from pieces so that this file passes its own scan.
 """
 
 from __future__ import annotations
 
+import glob
 import pathlib
 import re
 import subprocess
@@ -23,7 +26,11 @@ RUN_LABEL = re.compile(LABEL, re.IGNORECASE)
 RUN_LABEL_BYTES = re.compile(LABEL.encode(), re.IGNORECASE)
 GPUS = "h100|h200|b200|gb200|a100|cpu"
 RESULT_NAME = re.compile(rf"^\d{{4}}-\d{{2}}-\d{{2}}-(?:{GPUS})-[a-z0-9][a-z0-9.-]*$")
-RESULTS_LIMIT = 3 * 1024 * 1024
+RESULTS_LIMIT = 3 * 1024 * 1024  # bytes allocated on disk, what `du -s` reports
+RESULTS_PATH = re.compile(r"benchmarks/results/[A-Za-z0-9_.*<>/-]*")
+MD_LINK = re.compile(r"\]\(([^)#\s]+)\)")
+PLACEHOLDER = re.compile(r"<[^>]*>|YYYY-MM-DD")
+CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 ADR_ROW = re.compile(r"^\| (?:\[(\d{4})\]\(([^)]+)\)|(\d{4})) \| [^|]* \| ([^|]+?) \|", re.M)
 STATUS = re.compile(r"^(accepted|experiment-rejected|never used|superseded by (\d{4}))$")
 
@@ -82,15 +89,65 @@ def test_results_are_named_by_date_gpu_and_what_and_each_has_a_readme():
             bad.append(f"{entry.name}: not YYYY-MM-DD-<gpu>-<what>")
         elif entry.is_dir() and not (entry / "README.md").is_file():
             bad.append(f"{entry.name}: no README.md (command, commit, card, date)")
+        elif entry.is_dir():
+            bad += [f"{entry.name}/{sub.name}/: a subfolder (name the file <sub>-<file> instead)"
+                    for sub in sorted(entry.iterdir()) if sub.is_dir()]
     assert not bad, "\n".join(bad)
 
 
-def test_results_hold_no_tooling_copies_and_stay_small():
+def _allocated_bytes(root: pathlib.Path) -> int:
+    """Bytes on disk under root, directories included: what `du -s` counts (st_blocks of 512)."""
+    return sum(p.lstat().st_blocks * 512 for p in [root, *root.rglob("*")])
+
+
+def test_results_hold_no_tooling_copies_and_stay_under_3_mb_on_disk():
     files = [p for p in RESULTS.rglob("*") if p.is_file()]
     scripts = [p.relative_to(ROOT).as_posix() for p in files if p.suffix in (".sh", ".py")]
     assert not scripts, f"the commit has the tooling; results keep what it produced: {scripts}"
-    size = sum(p.stat().st_size for p in files)
-    assert size < RESULTS_LIMIT, f"benchmarks/results holds {size} bytes (limit {RESULTS_LIMIT})"
+    size = _allocated_bytes(RESULTS)
+    assert size >= sum(p.stat().st_size for p in files), "st_blocks undercounts the bytes"
+    assert size < RESULTS_LIMIT, (
+        f"benchmarks/results takes {size} bytes on disk as du counts it (limit {RESULTS_LIMIT}): "
+        f"{len(files)} files; merge small files, quote short outputs in the README")
+
+
+def _named_paths_exist(text: str) -> list[str]:
+    """The benchmarks/results paths a text names that match nothing (<...> is a placeholder)."""
+    missing = []
+    for match in RESULTS_PATH.finditer(text):
+        path = match.group(0).rstrip(".,")
+        pattern = PLACEHOLDER.sub("*", path)
+        if not glob.glob(str(ROOT / pattern)):
+            missing.append(path)
+    return missing
+
+
+def test_the_path_check_finds_a_moved_path_and_takes_placeholders():
+    here = "benchmarks/results/" + min(p.name for p in RESULTS.iterdir())
+    assert _named_paths_exist(f"see `{here}`.") == []
+    assert _named_paths_exist("`benchmarks/results/YYYY-MM-DD-<gpu>-<what>/`") == []
+    gone = "benchmarks/" + "results/2026-01-01-h100-nothing-0000000/sub/"
+    assert _named_paths_exist(f"in `{gone}`, and") == [gone]
+
+
+def test_every_results_path_a_tracked_file_names_exists():
+    missing = []
+    for path in _tracked_files():
+        text = _text(path)
+        if text is None or b"benchmarks/results/" not in text:
+            continue
+        rel = path.relative_to(ROOT).as_posix()
+        missing += [f"{rel}: {p}" for p in _named_paths_exist(text.decode(errors="replace"))]
+    assert not missing, "paths into benchmarks/results that do not exist:\n" + "\n".join(missing)
+
+
+def test_links_between_results_resolve():
+    broken = []
+    for path in sorted(RESULTS.rglob("*.md")):
+        for link in MD_LINK.findall(CODE.sub("", path.read_text())):
+            if "://" not in link and not (path.parent / link).exists():
+                broken.append(f"{path.relative_to(ROOT).as_posix()}: ({link})")
+    assert not broken, "links in benchmarks/results that resolve to nothing:\n" + "\n".join(broken)
 
 
 def test_the_adr_index_lists_every_adr_with_a_status():
