@@ -18,8 +18,10 @@ def test_each_call_has_its_bound_status_counts_and_last_test(tmp_path, monkeypat
     (tmp_path / "test_probe.py").write_text(PROBE)
     (tmp_path / "test_marked.py").write_text(MARKED)
     out = tmp_path / "out"
-    # The bound interrupts the first call in test_slow; the second ends inside its own.
-    status = run_stage(monkeypatch, "tests", "--out", out, "--paths", tmp_path / "test_probe.py",
+    # The bound interrupts the first call in test_slow; the second ends inside its own. No
+    # wheels to install (a checkout may hold .whl/), so the two pytest calls are the only steps.
+    status = run_stage(monkeypatch, "tests", "--out", out, "--wheels", tmp_path / "no_wheels",
+                       "--paths", tmp_path / "test_probe.py",
                        "--seconds", "10", "--marked-paths", tmp_path / "test_marked.py",
                        "--marked-seconds", "120")
     assert status == 1  # a call ended non-zero (its bound stopped it)
