@@ -57,6 +57,8 @@ def test_options_take_their_defaults():
         "8192,32768,32768:4096,131072:16384,131072", 270.0, [])
     assert rows.out.is_absolute() and rows.site == Path("/tmp/site")
     assert parse(["rows", "--args", "--tiny --cpu"]).args == ["--tiny", "--cpu"]
+    assert rows.regimes == ["fresh", "coherent"]
+    assert parse(["rows", "--regimes", "trained, fresh"]).regimes == ["trained", "fresh"]
     assert parse(["bench", "--run", "--sizes 8192", "--run=--profile"]).run == [
         ["--sizes", "8192"], ["--profile"]]
     assert parse(["sweep", "--variant", "", "--variant", "tree=.base"]).variant == [
@@ -69,6 +71,8 @@ def test_options_take_their_defaults():
 @pytest.mark.parametrize("argv, message", [
     (["rows", "--tokens", "8192,0"], "argument --tokens: '8192,0': expected comma-separated rows"),
     (["rows", "--seconds", "-5"], "argument --seconds: '-5': expected a positive number"),
+    (["rows", "--regimes", "fresh,hot"], "argument --regimes: 'fresh,hot': expected a "
+     "comma-separated list of fresh, coherent, trained"),
     (["peer", "--seconds", "90"], "argument --seconds: '90': expected more than 90 seconds"),
     (["quality_runs", "--regime", "8192"], "argument --regime: '8192': expected TRAINED:EVAL"),
     (["layer", "--args", "--steps 'x"], "argument --args: \"--steps 'x\": No closing quotation"),
