@@ -117,9 +117,9 @@ DRY_RUNS = {
            "{root}/.base NEMO_MSA_COMMIT='tree {root}/.base' timeout -k 30 200 {py} benchmarks/"
            "bench_msa.py --sizes 8192,32768 --packed 32768 --no-dense", "timeout -k 30 200 {py} "
            "benchmarks/bench_msa.py --sizes 8192,32768"],
-    "peer": ["{py} benchmarks/bench_flash_msa_peer.py --site /tmp/fm_site --site /tmp/site "
+    "peer": ["{py} benchmarks/bench_flash_msa_peer.py --site /tmp/fm_site --site {site} "
              "--budget-s 430 --json {out}/peer.json"],
-    "fla_peer": ["{py} benchmarks/bench_fla_nsa_peer.py --site /tmp/site --budget-s 480 --json "
+    "fla_peer": ["{py} benchmarks/bench_fla_nsa_peer.py --site {site} --budget-s 480 --json "
                  "{out}/fla_peer.json"],
     "pretrain": ["timeout -k 30 240 {py} scripts/pretrain.py model.bf16=true", "train.train_iters"
                  "=300 logger.output_dir={out}/pretrain >> {out}/pretrain.log"],
@@ -152,12 +152,15 @@ def _in_order(lines: list[str], expected: list[str]) -> None:
 
 @pytest.mark.parametrize("name", NAMES, ids=[f"stage_{name}" for name in NAMES])
 def test_a_dry_run_prints_the_stages_commands_and_writes_nothing(capsys, tmp_path, name):
-    out = tmp_path / "out"
-    lines = _printed(capsys, name, "--dry-run", "--out", str(out), "--wheels", str(tmp_path))
+    out, site = tmp_path / "out", tmp_path / "site"
+    # A site folder that does not exist, so that no earlier install on this machine changes
+    # the commands' PYTHONPATH.
+    lines = _printed(capsys, name, "--dry-run", "--out", str(out), "--wheels", str(tmp_path),
+                     "--site", str(site))
     assert lines[0] == f"# python -m benchmarks.device {name} --dry-run --out {out} --wheels " \
-                       f"{tmp_path}"
+                       f"{tmp_path} --site {site}"
     assert lines[-1].startswith(f"# then writes {out}/{name}.run.json")
-    fill = dict(py=sys.executable, root=runner.ROOT, out=out)
+    fill = dict(py=sys.executable, root=runner.ROOT, out=out, site=site)
     _in_order(lines, [part.format(**fill) for part in DRY_RUNS[name]])
     for line in lines:  # every command is one the shell runs as printed
         if not line.startswith("#") and line != "wait":
