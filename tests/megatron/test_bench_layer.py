@@ -166,9 +166,10 @@ def test_bad_row_arguments(tmp_path):
 
 def test_selection_split_and_coherent_index(tmp_path):
     # MSA rows say how their selections split between the Triton kernels; dense rows do not.
-    # Coherent index queries (shared per block) make tile unions close to the tokens' own blocks.
-    inflation = {}
-    for index in ("fresh", "coherent"):
+    # Coherent index queries (shared per block) make tile unions close to the tokens' own blocks;
+    # trained ones are calibrated to a trained indexer's unions, between the two.
+    inflation, union = {}, {}
+    for index in ("fresh", "coherent", "trained"):
         out = tmp_path / index
         out.mkdir()
         proc = _run(out, "--tokens", "256", "--cases", "dense,msa_sparse_loss",
@@ -182,8 +183,35 @@ def test_selection_split_and_coherent_index(tmp_path):
         # The tiny model: blocks of 16, top-4, so a union of 8 tokens holds 4..16 blocks.
         assert msa["union_qt"] == 8 and 4 <= msa["union_mean"] <= 16, msa
         assert 0 < msa["union_kernel_share"] <= 1 and msa["union_inflation"] >= 1, msa
-        inflation[index] = msa["union_inflation"]
+        inflation[index], union[index] = msa["union_inflation"], msa["union_mean"]
+        if index == "trained":
+            # top-4 on a 256-token row: 13.3 / 8 of the top-k, reached by the calibration.
+            assert math.isclose(msa["trained_union_target"], 4 * 13.3 / 8), msa
+            assert abs(msa["trained_union"] - msa["trained_union_target"]) < 0.5, msa
+            assert 0 < msa["trained_noise"] < 1e4 and "8192" in msa["trained_source"], msa
+        else:
+            assert not any(key.startswith("trained_") for key in msa), msa
     assert inflation["coherent"] < 1.3 < 1.6 < inflation["fresh"], inflation
+    assert union["coherent"] < union["trained"] < union["fresh"], union
+
+
+def test_kernel_parts_name_every_project_kernel_once():
+    from layer_bench.kernels import project_kernel_parts, split_by_part
+
+    parts = project_kernel_parts()
+    expected = {"_select_kernel": "selection", "_fwd_kernel": "sparse forward",
+                "_fwd_union_kernel": "sparse forward", "_dq_kernel": "sparse dq",
+                "_dq_union_kernel": "sparse dq", "_dkdv_kernel": "sparse dk/dv",
+                "_dkdv_sm90_kernel": "sparse dk/dv", "_sparse_kl_dq_kernel": "indexer loss",
+                "_block_scores_kernel": "indexer loss", "_recall_kernel": "recall",
+                "_rope_kernel": "norm/rope", "_rms_fwd_kernel": "norm/rope"}
+    assert {name: parts.get(name) for name in expected} == expected
+    split = split_by_part([("_dq_kernel", 4.0, 1), ("_dq_union_kernel", 1.0, 1),
+                           ("nvjet_sm90_tst_192x192", 10.0, 3), ("cudnn_generated_fort", 2.0, 1),
+                           ("void at::native::elementwise_kernel", 0.5, 7)], parts)
+    assert split["step_kernel_ms"] == {"sparse dq": 5.0, "dense attention": 2.0, "gemm": 10.0,
+                                       "other": 0.5}
+    assert [k["name"] for k in split["project_kernels"]] == ["_dq_kernel", "_dq_union_kernel"]
 
 
 def test_profile_traces_of_packed_and_one_document_rows_are_kept_apart(tmp_path):

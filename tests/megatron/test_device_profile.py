@@ -1,30 +1,23 @@
-"""benchmarks/device_validation.sh's "profile" stage on the CPU (bench_layer.py --tiny --cpu): dense
-and MSA rows are profiled with their traces in one process, every MSA trace is attributed
-minus the dense trace of its row, and the short rows' traces come back gzipped."""
+"""``python -m benchmarks.device profile`` on the CPU (bench_layer.py --tiny --cpu): dense and
+MSA rows are profiled with their traces in one process, every MSA trace is attributed minus the
+dense trace of its row, and the short rows' traces come back gzipped."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import tarfile
 
 import pytest
-from _device_validation import run_stages
+from _device import run_stage
 
 pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_profile_stage_attributes_each_msa_trace_against_its_dense_row(tmp_path):
+def test_profile_stage_attributes_each_msa_trace_against_its_dense_row(tmp_path, monkeypatch):
     out, traces = tmp_path / "out", tmp_path / "traces"
-    run_stages(
-        out,
-        STAGES="profile",
-        PROFILE_ROWS="64,128:32",
-        PROFILE_TRACE_DIR=str(traces),
-        PROFILE_ARGS="--tiny --cpu --steps 1 --warmup 1 --profile-top 3",
-        PROFILE_S="400",
-    )
+    assert run_stage(monkeypatch, "profile", "--out", out, "--rows", "64,128:32", "--trace-dir",
+                     traces, "--args", "--tiny --cpu --steps 1 --warmup 1 --profile-top 3",
+                     "--seconds", "400") == 0
     log = (out / "profile.log").read_text()
     assert "rc 0" in log, log[-3000:]
     rows = json.loads((out / "profile.json").read_text())["rows"]

@@ -1,31 +1,25 @@
-"""benchmarks/device_validation.sh's "sweep" stage on the CPU (bench_layer.py --tiny --cpu): the
-launch variants run in turn, each round in its own process, dense only in the first (or the
-cases SWEEP_CASES names in every process), and every process's rows land in one JSON keyed by
-round and variant."""
+"""``python -m benchmarks.device sweep`` on the CPU (bench_layer.py --tiny --cpu): the launch
+variants run in turn, each round in its own process, dense only in the first (or the cases
+--cases names in every process), and every process's rows land in one JSON keyed by round and
+variant."""
 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-from _device_validation import run_stages
+from _device import run_stage
 
 pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
 
+TINY = "--tiny --cpu --steps 1 --warmup 1"
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_sweep_stage_runs_every_variant_each_round(tmp_path):
+
+def test_sweep_stage_runs_every_variant_each_round(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    run_stages(
-        out,
-        STAGES="sweep",
-        SWEEP_ROWS="64,128:32",
-        SWEEP_SETS=";bwd.dq_tile_grid_tiles=1 fwd.union_max=8",
-        SWEEP_ROUNDS="2",
-        SWEEP_ARGS="--tiny --cpu --steps 1 --warmup 1",
-        SWEEP_S="300",
-    )
+    assert run_stage(monkeypatch, "sweep", "--out", out, "--rows", "64,128:32", "--variant",
+                     "defaults", "--variant", "bwd.dq_tile_grid_tiles=1 fwd.union_max=8",
+                     "--rounds", "2", "--args", TINY, "--seconds", "300") == 0
     log = (out / "sweep.log").read_text()
     assert log.count("== sweep ") == 4 and "== sweep 2 1: bwd.dq_tile_grid_tiles=1" in log, log
     assert "rc 124" not in log and log.count("rc 0") == 4, log
@@ -63,21 +57,14 @@ def _stub_tree(tmp_path):
     return base
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_sweep_stage_runs_a_variant_in_another_tree(tmp_path):
+def test_sweep_stage_runs_a_variant_in_another_tree(tmp_path, monkeypatch):
     # The variant naming the stub tree must run its script (from its own directory), the other
     # one this tree's.
     base = _stub_tree(tmp_path)
     out = tmp_path / "out"
-    run_stages(
-        out,
-        STAGES="sweep",
-        SWEEP_ROWS="64",
-        SWEEP_SETS=f";tree={base} fwd.union_max=8",
-        SWEEP_ROUNDS="1",
-        SWEEP_ARGS="--tiny --cpu --steps 1 --warmup 1",
-        SWEEP_S="300",
-    )
+    assert run_stage(monkeypatch, "sweep", "--out", out, "--rows", "64", "--variant", "",
+                     "--variant", f"tree={base} fwd.union_max=8", "--rounds", "1", "--args",
+                     TINY, "--seconds", "300") == 0
     log = (out / "sweep.log").read_text()
     assert log.count("rc 0") == 2 and "stub row" in log, log
     runs = json.loads((out / "sweep.json").read_text())
@@ -91,21 +78,13 @@ def test_sweep_stage_runs_a_variant_in_another_tree(tmp_path):
     assert argv[argv.index("--cases") + 1] == "msa_sparse_loss"
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_sweep_cases_run_in_every_process(tmp_path):
-    # A dense-layer change against a base tree: every process runs SWEEP_CASES, not MSA.
+def test_sweep_cases_run_in_every_process(tmp_path, monkeypatch):
+    # A dense-layer change against a base tree: every process runs --cases, not MSA.
     base = _stub_tree(tmp_path)
     out = tmp_path / "out"
-    run_stages(
-        out,
-        STAGES="sweep",
-        SWEEP_ROWS="64",
-        SWEEP_SETS=f";tree={base}",
-        SWEEP_CASES="dense",
-        SWEEP_ROUNDS="2",
-        SWEEP_ARGS="--tiny --cpu --steps 1 --warmup 1",
-        SWEEP_S="300",
-    )
+    assert run_stage(monkeypatch, "sweep", "--out", out, "--rows", "64", "--variant", "defaults",
+                     "--variant", f"tree={base}", "--cases", "dense", "--rounds", "2", "--args",
+                     TINY, "--seconds", "300") == 0
     runs = json.loads((out / "sweep.json").read_text())
     assert sorted(runs) == ["1/0", "1/1", "2/0", "2/1"]
     for key in ("1/0", "2/0"):
