@@ -73,10 +73,11 @@ so that the first MSA layer's 8-token tiles have the mean union a trained indexe
 fields); the default, ``fresh``, keeps the untrained indexer's random ones. On a GPU every MSA
 row also profiles one more step: ``step_kernel_ms`` sums its kernels by part (selection, sparse
 forward, dq, dk/dv, indexer loss, recall, norm/rope, layout, dense attention, GEMMs, other) and
-``project_kernels`` lists this project's kernels one by one (``layer_bench/kernels.py``). A row that runs out of memory or one of
-whose warm-up steps after the first (which compiles the kernels; the only one with
-``--warmup 1``) exceeds ``--max-step-s`` is reported as ``oom`` / ``too_slow`` and the run
-continues (larger sizes of that case are then skipped and reported as such).
+``project_kernels`` lists this project's kernels one by one (``layer_bench/kernels.py``). A
+row that runs out of memory or one of whose warm-up steps after the first (which compiles the
+kernels; the only one with ``--warmup 1``) exceeds ``--max-step-s`` is reported as ``oom`` /
+``too_slow`` and the run continues (larger sizes of that case are then skipped and reported as
+such).
 
 Usage::
 
