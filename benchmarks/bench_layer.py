@@ -123,6 +123,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 logging.getLogger("megatron").setLevel(logging.ERROR)
 
 import torch  # noqa: E402
+from layer_bench.bound import step_bound  # noqa: E402
 from layer_bench.kernels import profile_step_parts  # noqa: E402
 from layer_bench.model import (  # noqa: E402
     ATTENTION_ROWS,
@@ -195,6 +196,20 @@ def row_pair_rate(call, args: argparse.Namespace, on_gpu: bool) -> dict:
     except Exception as error:  # the step time stands without it
         free_memory(on_gpu)
         return {"pair_rate_note": f"{type(error).__name__}: {str(error)[:300]}"}
+
+
+def add_bounds(rows: list[dict], shape: Shape) -> None:
+    """Adds each MSA row's bound (:func:`layer_bench.bound.step_bound`) against the dense row of
+    its tokens, documents and layers, where both were measured."""
+    def key(r: dict) -> tuple:
+        return r["tokens"], r.get("doc_mean", 0), r.get("layers", 1)
+
+    dense = {key(r): r["step_ms"] for r in rows if r["case"] == "dense" and r["status"] == "ok"}
+    for row in rows:
+        if row["case"].startswith("msa") and row["status"] == "ok" and key(row) in dense:
+            row.update(step_bound(row, dense[key(row)], shape.heads, shape.head_dim,
+                                  shape.index_heads, shape.index_dim, shape.hidden,
+                                  row["tokens"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,13 +495,19 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
                     row["causal_pairs_vs_one_document"] = statistics.mean(stats["pairs"])
                 report(row)
 
+    add_bounds(rows, shape)
+    if args.json:
+        write_json(args.json, result)
     log_kernels(rows)
     log("\n" + fmt_table(rows))
     log("step_ms: median of one training step's forward+backward (optimizer excluded); "
          "x dense: dense step / this step; pair rate: the MSA layer's sparse attention's "
          "(query, key) pairs per ms over cuDNN's dense attention's on the same q/k/v and "
          "documents; fwdbwd_ms: attention alone; x cudnn: this / cuDNN; peak_gib: max "
-         "allocated during the row (model, grads and inputs included).")
+         "allocated during the row (model, grads and inputs included); of bound: the step "
+         "the row could reach (the dense step with its attention replaced by the MSA pairs, "
+         "the index scoring and projections at cuDNN's rate; layer_bench/bound.py) over "
+         "this step.")
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     return 0 if all(r["status"] in ("ok", "oom", "too_slow", "skipped") for r in rows) else 1

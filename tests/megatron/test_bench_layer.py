@@ -65,8 +65,14 @@ def test_tiny_run_reports_every_case_and_attention_row(tmp_path):
             assert math.isclose(row["tokens_per_s"], tokens / (value / 1e3)), row
         if case in SELECTING:
             _assert_pair_rate(row, tokens)
+            # Against the dense row of its tokens and layers.
+            dense = rows[(tokens, "dense")]["step_ms"]
+            assert 0 < row["bound_ms"] and math.isclose(row["bound_x_dense"],
+                                                        dense / row["bound_ms"]), row
+            assert math.isclose(row["fraction_of_bound"], row["bound_ms"] / value), row
         else:
             assert not set(PAIR_FIELDS) & set(row), row
+            assert "bound_ms" not in row, row
         if "_packed" in case:  # 2..13 documents of 10..40 tokens per row
             assert tokens / 40 <= row["documents_mean"] <= tokens / 10 + 1, row
             assert 0 < row["causal_pairs_vs_one_document"] < 1, row
@@ -193,6 +199,27 @@ def test_selection_split_and_coherent_index(tmp_path):
             assert not any(key.startswith("trained_") for key in msa), msa
     assert inflation["coherent"] < 1.3 < 1.6 < inflation["fresh"], inflation
     assert union["coherent"] < union["trained"] < union["fresh"], union
+
+
+def test_step_bound_counts_the_dense_step_with_msa_pairs_at_cudnn_rate():
+    from layer_bench.bound import step_bound
+
+    # cuDNN: 1000 pairs per query head in 10 ms; the MSA layer attends 100 of them.
+    row = {"pairs_msa": 100, "pairs_dense": 1000, "cudnn_attention_ms": 10.0, "step_ms": 8.0}
+    heads, head_dim, index_heads, index_dim, hidden, tokens = 4, 8, 2, 8, 16, 50
+    rate = 1000 * 14 * heads * head_dim / 10.0  # FLOP per ms
+    scoring = 1000 * 2 * index_heads * index_dim / rate
+    projection = 2 * 2 * tokens * hidden * (index_heads + 1) * index_dim / rate
+    bound = step_bound(row, 20.0, heads, head_dim, index_heads, index_dim, hidden, tokens)
+    expected = 20.0 - 10.0 + 1.0 + scoring + projection
+    assert math.isclose(bound["bound_ms"], expected)
+    assert math.isclose(bound["bound_x_dense"], 20.0 / expected)
+    assert math.isclose(bound["fraction_of_bound"], expected / 8.0)
+    two = step_bound({**row, "layers": 2}, 40.0, heads, head_dim, index_heads, index_dim,
+                     hidden, tokens)
+    assert math.isclose(two["bound_ms"], 40.0 - 2 * (10.0 - 1.0 - scoring - projection))
+    assert step_bound({**row, "pairs_msa": None}, 20.0, heads, head_dim, index_heads,
+                      index_dim, hidden, tokens) == {}
 
 
 def test_kernel_parts_name_every_project_kernel_once():
