@@ -204,12 +204,14 @@ def add_bounds(rows: list[dict], shape: Shape) -> None:
     def key(r: dict) -> tuple:
         return r["tokens"], r.get("doc_mean", 0), r.get("layers", 1)
 
-    dense = {key(r): r["step_ms"] for r in rows if r["case"] == "dense" and r["status"] == "ok"}
+    dense = {key(r): r for r in rows if r["case"] == "dense" and r["status"] == "ok"}
     for row in rows:
         if row["case"].startswith("msa") and row["status"] == "ok" and key(row) in dense:
-            row.update(step_bound(row, dense[key(row)], shape.heads, shape.head_dim,
+            base = dense[key(row)]
+            row.update(step_bound(row, base["step_ms"], shape.heads, shape.head_dim,
                                   shape.index_heads, shape.index_dim, shape.hidden,
-                                  row["tokens"]))
+                                  row["tokens"],
+                                  base.get("step_kernel_ms", {}).get("dense attention")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -446,6 +448,9 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
                 free_memory(on_gpu)
             if stats.get("documents"):
                 row["docs"] = statistics.mean(stats["documents"])
+            if case == "dense" and row["status"] == "ok":
+                # Its kernels by part (GPU only): the attention time the MSA rows' bound takes.
+                row.update(profile_step_parts(step))
             if case != "dense" and row["status"] == "ok":
                 # One more, untimed step; its first MSA core-attention call tells how the
                 # selections split between the kernels and, timed alone against cuDNN, the

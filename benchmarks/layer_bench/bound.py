@@ -1,8 +1,10 @@
 """The step an MSA layer could reach, counted from its own row and the dense row beside it.
 
 Issue #60 counts the bound of one MSA layer's step as the dense layer's step with its attention
-replaced by work done at cuDNN's dense rate: the dense step minus cuDNN's attention (forward +
-backward on the same q/k/v and documents, ``cudnn_attention_ms``), plus
+replaced by work done at cuDNN's dense rate: the dense step minus its attention (the dense
+step's own attention kernels where the dense row was profiled, ``step_kernel_ms["dense
+attention"]``; else cuDNN's forward + backward timed alone on the MSA row's q/k/v and documents,
+``cudnn_attention_ms``), plus
 
 - the MSA layer's attended pairs at cuDNN's rate per pair (``pairs_msa`` of ``pairs_dense``),
 - the indexer's scoring (``2 * index_heads * index_dim`` FLOPs per causal pair of the
@@ -23,13 +25,16 @@ from layer_bench.pairs import FLOPS_PER_PAIR_CHANNEL
 
 
 def step_bound(msa: dict, dense_step_ms: float, heads: int, head_dim: int, index_heads: int,
-               index_dim: int, hidden: int, tokens: int) -> dict:
+               index_dim: int, hidden: int, tokens: int,
+               dense_attention_ms: float | None = None) -> dict:
     """The bound of an MSA row's step (see the module docstring).
 
     Args:
         msa: the MSA row (``pairs_msa``, ``pairs_dense``, ``cudnn_attention_ms``, ``step_ms``;
             its ``layers`` multiplies the per-layer terms).
         dense_step_ms: the dense row's step on the same tokens and documents.
+        dense_attention_ms: the dense step's own attention kernels (all its layers), where
+            profiled; None takes ``layers`` times the MSA row's ``cudnn_attention_ms``.
         heads, head_dim: query heads and their dim.
         index_heads, index_dim: the indexer's heads and dim.
         hidden: the hidden size.
@@ -43,13 +48,16 @@ def step_bound(msa: dict, dense_step_ms: float, heads: int, head_dim: int, index
     if any(not isinstance(msa.get(k), (int, float)) or msa[k] <= 0 for k in need):
         return {}
     layers = msa.get("layers", 1)
-    # cuDNN's rate in FLOP per ms on this row's documents (pairs_* count per query head).
+    attention = (dense_attention_ms / layers if dense_attention_ms
+                 else msa["cudnn_attention_ms"])
+    # The dense attention's rate in FLOP per ms on this row's documents (pairs_* count per
+    # query head).
     attention_flops = FLOPS_PER_PAIR_CHANNEL * heads * head_dim
-    rate = msa["pairs_dense"] * attention_flops / msa["cudnn_attention_ms"]
+    rate = msa["pairs_dense"] * attention_flops / attention
     sparse_ms = msa["pairs_msa"] * attention_flops / rate
     scoring_ms = msa["pairs_dense"] * 2 * index_heads * index_dim / rate
     projection_ms = 2 * 2 * tokens * hidden * (index_heads + 1) * index_dim / rate
-    bound = dense_step_ms + layers * (sparse_ms + scoring_ms + projection_ms
-                                      - msa["cudnn_attention_ms"])
+    bound = dense_step_ms + layers * (sparse_ms + scoring_ms + projection_ms - attention)
     return {"bound_ms": bound, "bound_x_dense": dense_step_ms / bound,
-            "fraction_of_bound": bound / msa["step_ms"]}
+            "fraction_of_bound": bound / msa["step_ms"],
+            "bound_attention_from": "dense step" if dense_attention_ms else "cudnn alone"}

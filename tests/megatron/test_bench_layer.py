@@ -220,6 +220,10 @@ def test_step_bound_counts_the_dense_step_with_msa_pairs_at_cudnn_rate():
     assert math.isclose(two["bound_ms"], 40.0 - 2 * (10.0 - 1.0 - scoring - projection))
     assert step_bound({**row, "pairs_msa": None}, 20.0, heads, head_dim, index_heads,
                       index_dim, hidden, tokens) == {}
+    # The dense step's own attention (profiled) in place of cuDNN timed alone.
+    own = step_bound(row, 20.0, heads, head_dim, index_heads, index_dim, hidden, tokens, 5.0)
+    assert math.isclose(own["bound_ms"], 20.0 - 5.0 + 0.5 + (scoring + projection) / 2)
+    assert own["bound_attention_from"] == "dense step"
 
 
 def test_kernel_parts_name_every_project_kernel_once():
