@@ -283,6 +283,10 @@ def build_training(recipe: Recipe, ctx: RunContext) -> TrainingObjects:
     hooks = msa_hooks.hooks_for(config)
     if hooks.msa:
         check_msa_layers(config)
+    elif recipe.dataset.packed_format == "thd":
+        raise RecipeError("recipe key 'dataset.packed_format' = 'thd': expected 'bshd' for a "
+                          "model without MSA layers (Megatron's local attention takes [b, s] "
+                          "rows, not THD packs)")
     chunks = wrap_ddp(recipe, config, build_model(recipe, config, hooks), ctx.device)
     optimizer, scheduler = build_optimizer(recipe, config, chunks, ctx)
     connect_schedule_hooks(config, chunks, optimizer)
@@ -307,6 +311,7 @@ def build_microbatch_source(recipe: Recipe, ctx: RunContext, dp: int,
         device=ctx.device, consumed_samples=consumed_samples,
         reset_position_ids=recipe.dataset.reset_position_ids,
         cp_size=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+        packed_format=recipe.dataset.packed_format,
     )
 
 

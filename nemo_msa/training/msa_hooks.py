@@ -7,7 +7,8 @@ how the Megatron integration provides them. Whether a config is MSA is decided o
 - the decoder spec of a model chunk (``nemo_msa.megatron.layer_specs``);
 - how a microbatch's document map reaches the attention: ``packed_seq_ids`` is passed to
   ``GPTModel.forward`` as ``attention_mask`` (source 2 of the contract), which Megatron hands
-  unchanged to every layer (``model_forward_kwargs``);
+  unchanged to every layer (``model_forward_kwargs``); THD microbatches pass
+  ``packed_seq_params`` instead (``forward_arguments``, every argument of the forward);
 - the dense warm-up switch, set before each step (``set_training_phase``), and which
   optimizer parameters are the indexer's, so that only the indexer learns in the warm-up
   (``indexer_param_ids``);
@@ -74,6 +75,35 @@ class DenseGPTHooks:
         """GPTModel.forward keywords: no mask (causal over the whole row)."""
         del packed_seq_ids
         return {"attention_mask": None}
+
+    def forward_arguments(self, mb: Any, *, labels: bool = True) -> dict[str, Any]:
+        """Every GPTModel.forward argument of one microbatch (a
+        :class:`nemo_msa.training.data.Microbatch`).
+
+        Document-id (BSHD) microbatches pass their [b, s] tensors and
+        :meth:`model_forward_kwargs`; THD ones (``mb.packed_seq_params``) the rows end to end,
+        [1, b * s], with ``packed_seq_params`` and no mask. ``loss_mask`` goes along (Megatron
+        reads it only for a multi-token-prediction loss).
+
+        Raises:
+            ValueError: THD input to a model without MSA layers (the recipe refuses it first).
+        """
+        thd = getattr(mb, "packed_seq_params", None) is not None
+        if thd and not self.msa:
+            raise ValueError("THD microbatches (dataset.packed_format='thd') need MSA layers; "
+                             "Megatron's local attention takes [b, s] rows")
+
+        def shaped(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(1, -1) if thd else x
+
+        args = {"input_ids": shaped(mb.tokens), "position_ids": shaped(mb.position_ids),
+                "labels": shaped(mb.labels) if labels else None,
+                "loss_mask": shaped(mb.loss_mask)}
+        if thd:
+            args.update(attention_mask=None, packed_seq_params=mb.packed_seq_params)
+        else:
+            args.update(self.model_forward_kwargs(mb.packed_seq_ids))
+        return args
 
     def set_training_phase(self, iteration: int) -> str:
         """The phase of the iteration about to run, for the log."""

@@ -27,6 +27,7 @@ from nemo_msa.support import precision_refusal
 from nemo_msa.training.probes import check_probe_settings
 from nemo_msa.training.recipe_fields import RecipeError, require
 from nemo_msa.training.recipe_schema import (
+    PACKED_FORMATS,
     SECTION_DATACLASSES,
     SECTIONS,
     GPTModelArgs,
@@ -290,6 +291,7 @@ def _check_values(r: Recipe) -> None:
             f"a positive multiple of train.micro_batch_size ({t.micro_batch_size})")
     require(r.gpt.seq_length > 0, "model.seq_length", r.gpt.seq_length, "a positive integer")
     _check_context_parallel(r)
+    _check_packed_format(r)
     # GPTModel takes others (mrope, yarn) that apply row positions, not per-document ones.
     require(r.gpt.position_embedding_type in POSITION_EMBEDDINGS, "model.position_embedding_type",
             r.gpt.position_embedding_type,
@@ -381,6 +383,21 @@ def _check_context_parallel(r: Recipe) -> None:
         require((r.gpt.seq_length // cp) % tp == 0, "model.seq_length", r.gpt.seq_length,
                 f"a multiple of model.context_parallel_size x tensor_model_parallel_size = "
                 f"{cp * tp} with sequence_parallel (each CP rank's share splits over TP)")
+
+
+def _check_packed_format(r: Recipe) -> None:
+    """``dataset.packed_format``: a known format, and THD only where its data path runs."""
+    fmt = r.dataset.packed_format
+    require(fmt in PACKED_FORMATS, "dataset.packed_format", fmt,
+            "'bshd' ([b, S] rows with document ids) or 'thd' (Megatron's PackedSeqParams)")
+    cp = int(r.model.get("context_parallel_size", 1) or 1)
+    if fmt == "thd":
+        # The layer takes THD under CP, but only with every document padded to a multiple of
+        # 2 x CP and split per document (cu_seqlens_q_padded); the data path does not do that.
+        require(cp == 1, "dataset.packed_format", fmt,
+                f"'bshd' with model.context_parallel_size = {cp} (the THD data path does not "
+                "pad and split documents for context parallelism; the document-id path does "
+                "CP)")
 
 
 def check_parallel_layout(model: dict[str, Any], world_size: int, global_batch_size: int,
