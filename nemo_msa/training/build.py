@@ -114,7 +114,8 @@ def check_msa_layers(config) -> None:
 
 def build_model(recipe: Recipe, config, hooks: msa_hooks.TrainingHooks) -> list:
     """Build this rank's model chunks (one per virtual pipeline stage), not yet wrapped, with
-    the decoder spec of ``hooks`` (MSA or Megatron's dense GPT)."""
+    the decoder spec of ``hooks`` (MSA or Megatron's dense GPT) and, with ``mtp_num_layers``,
+    Megatron's multi-token-prediction block on the last stage (ADR 0053)."""
     vpp = config.virtual_pipeline_model_parallel_size
     pp_rank = ps.get_pipeline_model_parallel_rank()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -136,6 +137,7 @@ def build_model(recipe: Recipe, config, hooks: msa_hooks.TrainingHooks) -> list:
                 position_embedding_type=recipe.gpt.position_embedding_type,
                 rotary_percent=recipe.gpt.rotary_percent,
                 rotary_base=recipe.gpt.rotary_base,
+                mtp_block_spec=hooks.mtp_block_spec(stage, pp_rank),
                 vp_stage=stage,
             )
         chunks.append(model)

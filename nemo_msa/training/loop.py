@@ -206,7 +206,7 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
         state.consumed_samples = source.consumed_samples
         dt = timer.lap()
         metrics = _reduce_step_losses(losses, ctx.device)
-        metrics.update(hooks.pop_step_metrics())
+        metrics.update(hooks.pop_step_metrics(source.num_microbatches, ctx.device))
         if builds_before is not None:
             # This rank's MSA layouts per microbatch: 1.0 when every layer and every virtual
             # pipeline chunk shared the microbatch's layout (the per-microbatch cache works).
@@ -236,8 +236,8 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
             metrics.update(last_eval)
             timer.lap()  # the evaluation is not the next step's time
         state.history.append({k: v for k, v in metrics.items()
-                              if k in ("iteration", "loss", "indexer_loss", "recall", "lr",
-                                       "val_loss")})
+                              if k in ("iteration", "loss", "mtp_loss", "indexer_loss",
+                                       "recall", "lr", "val_loss")})
         if is_rank0:
             metrics_log.write(metrics)
         progress.update(metrics)

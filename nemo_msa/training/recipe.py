@@ -227,6 +227,8 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "model.tensor_model_parallel_size": (1, True, None, False),
     "model.pipeline_model_parallel_size": (1, True, None, False),
     "model.context_parallel_size": (1, True, None, False),
+    "model.mtp_num_layers": (0, False, None, False),
+    "model.mtp_loss_scaling_factor": (0, True, None, False),
     "optimizer.lr": (0, True, None, False),
     "optimizer.min_lr": (0, True, None, False),
     "optimizer.weight_decay": (0, True, None, False),
@@ -292,6 +294,7 @@ def _check_values(r: Recipe) -> None:
     require(r.gpt.seq_length > 0, "model.seq_length", r.gpt.seq_length, "a positive integer")
     _check_context_parallel(r)
     _check_packed_format(r)
+    _check_mtp(r)
     # GPTModel takes others (mrope, yarn) that apply row positions, not per-document ones.
     require(r.gpt.position_embedding_type in POSITION_EMBEDDINGS, "model.position_embedding_type",
             r.gpt.position_embedding_type,
@@ -398,6 +401,26 @@ def _check_packed_format(r: Recipe) -> None:
                 f"'bshd' with model.context_parallel_size = {cp} (the THD data path does not "
                 "pad and split documents for context parallelism; the document-id path does "
                 "CP)")
+
+
+def _check_mtp(r: Recipe) -> None:
+    """Multi-token prediction: what Megatron's MTP block runs with in this trainer."""
+    model = r.model
+    if model.get("mtp_hybrid_override_pattern") is not None:
+        require(False, "model.mtp_hybrid_override_pattern", model["mtp_hybrid_override_pattern"],
+                "null (it patterns the MTP layers of Megatron's hybrid Mamba models; a GPT's "
+                "MTP layer is its last decoder layer's kind)")
+    if not model.get("mtp_num_layers"):
+        for key in ("mtp_use_repeated_layer", "mtp_detach_heads"):
+            if model.get(key):
+                require(False, f"model.{key}", model[key], "false without model.mtp_num_layers")
+        return
+    if model.get("recompute_granularity") == "full" and model.get("recompute_method") == "uniform":
+        # MultiTokenPredictionLayer asserts it in its first recomputed forward.
+        require(int(model.get("recompute_num_layers") or 0) == 1, "model.recompute_num_layers",
+                model.get("recompute_num_layers"),
+                "1 with model.mtp_num_layers and recompute_method 'uniform' (Megatron recomputes "
+                "each MTP layer on its own)")
 
 
 def check_parallel_layout(model: dict[str, Any], world_size: int, global_batch_size: int,
