@@ -60,8 +60,8 @@ def build_config(recipe: Recipe, ctx: RunContext):
     """Build the (MSA) TransformerConfig from the model section plus platform settings.
 
     Raises:
-        RecipeError: half precision or a shim-incompatible value on the CPU, or a model section
-            that the config class refuses.
+        RecipeError: half precision or a shim-incompatible value on the CPU (an MoE dispatcher
+            other than all-gather among them), or a model section that the config class refuses.
     """
     cls = transformer_config_class()
     # The YAML spellings of dtypes, activations and enums become the objects they name.
@@ -91,7 +91,10 @@ def build_config(recipe: Recipe, ctx: RunContext):
     except (TypeError, ValueError, AssertionError) as err:
         raise RecipeError(f"the model section does not make a valid {cls.__name__}: {err}") from err
     if ctx.on_cpu:
-        cpu_shim.check_cpu_config(config)
+        try:
+            cpu_shim.check_cpu_config(config)
+        except ValueError as err:
+            raise RecipeError(f"the model section cannot run on the CPU: {err}") from None
     return config
 
 

@@ -295,6 +295,7 @@ def _check_values(r: Recipe) -> None:
     _check_context_parallel(r)
     _check_packed_format(r)
     _check_mtp(r)
+    _check_megatron_features(r)
     # GPTModel takes others (mrope, yarn) that apply row positions, not per-document ones.
     require(r.gpt.position_embedding_type in POSITION_EMBEDDINGS, "model.position_embedding_type",
             r.gpt.position_embedding_type,
@@ -421,6 +422,27 @@ def _check_mtp(r: Recipe) -> None:
                 model.get("recompute_num_layers"),
                 "1 with model.mtp_num_layers and recompute_method 'uniform' (Megatron recomputes "
                 "each MTP layer on its own)")
+
+
+def _check_megatron_features(r: Recipe) -> None:
+    """Megatron fields the config accepts but this trainer's model cannot run, refused here
+    rather than as a traceback at the first step (or silently ignored)."""
+    model = r.model
+    variant = model.get("experimental_attention_variant")
+    require(variant is None, "model.experimental_attention_variant", variant,
+            "null (the MSA spec builds every attention layer: MSA or dense by "
+            "model.msa_layer_pattern)")
+    tp = int(model.get("tensor_model_parallel_size", 1) or 1)
+    sp = bool(model.get("sequence_parallel"))
+    if model.get("num_moe_experts") is not None and tp > 1:
+        # Megatron's MoELayer raises this in its first training forward.
+        require(sp, "model.sequence_parallel", sp,
+                f"true with model.num_moe_experts and tensor_model_parallel_size = {tp} "
+                "(Megatron's MoE layer does not train with TP but without sequence parallelism)")
+    if sp and tp > 1:
+        require(model.get("transformer_impl") == "transformer_engine", "model.sequence_parallel",
+                sp, "false with model.transformer_impl = 'local' (Megatron's local norms do not "
+                "support sequence parallelism; use transformer_engine)")
 
 
 def check_parallel_layout(model: dict[str, Any], world_size: int, global_batch_size: int,
