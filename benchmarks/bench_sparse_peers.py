@@ -11,7 +11,8 @@ d = 128, 128-token blocks, top-16, one document):
   ``fa4`` (FlashAttention-4's SM90 block-sparse attention on the 128-token tiles' unions with a
   per-token membership ``mask_mod``: MSA's function), ``fa4_union`` (the unions without the
   mask: another function, a rate bound only), ``cudnn_flex`` (cuDNN-FE's flex attention with
-  an interval mask per token: MSA's function) and ``cudnn_dense`` (cuDNN SDPA, causal);
+  an interval mask per token: MSA's function), ``cudnn_bsa`` (cuDNN-FE's block-sparse attention
+  on the unions, non-causal: a bound only) and ``cudnn_dense`` (cuDNN SDPA, causal);
 - before any timing, each exact peer's output and dq / dk / dv against ours on the same q, k,
   v and output gradient (relative norm error <= ``--tol``, NaN fails; a peer that fails is not
   timed), and ours against float64 on a query subset;
@@ -20,7 +21,8 @@ d = 128, 128-token blocks, top-16, one document):
 - pairs: the (query, key) pairs the selection attends per query head (``pairs_msa``,
   ``layer_bench.pairs.selected_pairs``), dense causal pairs (``pairs_dense``), and for FA4 the
   pairs its union blocks make it multiply (``fa4_computed_pairs``); each side's ``pair rate``
-  is its pairs per ms over cuDNN's (``fa4_union``'s counts the pairs of its own function).
+  is its pairs per ms over cuDNN's (the bounds ``fa4_union`` and ``cudnn_bsa`` count the pairs
+  of their own functions).
 
 Every step is caught and its error stored (an out-of-memory row included) and the run goes on;
 ``--budget-s`` skips the steps after it; the JSON is written after every case.
@@ -28,7 +30,8 @@ Every step is caught and its error stored (an out-of-memory row included) and th
 Usage (on the GPU; the peers installed with pip --target, ``benchmarks/peer_wheels.sh``)::
 
     python benchmarks/bench_sparse_peers.py --site DIR [--tokens 8192,32768,131072]
-        [--regimes fresh,coherent,trained] [--peers fa4,fa4_union,cudnn_flex] [--json out.json]
+        [--regimes fresh,coherent,trained] [--peers fa4,fa4_union,cudnn_flex,cudnn_bsa]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -64,12 +67,13 @@ from msa_bench.timing import log, warm_up_gpu  # noqa: E402
 
 PACKAGES = ("flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cudnn-frontend", "quack-kernels",
             "apache-tvm-ffi", "torch", "triton")
-PEERS = ("fa4", "fa4_union", "cudnn_flex")
+PEERS = ("fa4", "fa4_union", "cudnn_flex", "cudnn_bsa")
 REGIMES = ("fresh", "coherent", "trained")
 NOTES = [
     "pair rate: the side's (query, key) pairs per ms over cuDNN dense's; ours, fa4 and "
-    "cudnn_flex count the pairs MSA attends (pairs_msa), fa4_union those of its own function "
-    "(every key of each 128-token tile's union, causal), which is not MSA's: a bound only.",
+    "cudnn_flex count the pairs MSA attends (pairs_msa), fa4_union and cudnn_bsa those of their "
+    "own functions (every key of each 128-token tile's union, causal for fa4_union, not for "
+    "cudnn_bsa), which are not MSA's: bounds only.",
     "fa4 computed / useful: the pairs FA4 multiplies (every row of a tile against every key of "
     "its union blocks) over those MSA attends.",
     f"peers checked against ours before timing (out, dq, dk, dv relative norm error <= tol); "
@@ -151,6 +155,8 @@ def build_side(name: str, mods: dict, x: dict, q2k, msa, args, scale: float):
         return sp.fa4_side(mod, q2k, msa, args.heads, scale, bound=name == "fa4_union")
     if name == "cudnn_flex":
         return sp.cudnn_flex_side(mod, q2k, msa, x["q"], x["k"], x["v"], scale)
+    if name == "cudnn_bsa":
+        return sp.cudnn_bsa_side(mod, q2k, msa, args.heads, scale)
     raise ValueError(f"peer {name!r}: expected one of {', '.join(PEERS)}")
 
 
@@ -188,8 +194,10 @@ def run_case(tokens: int, regime: str, args, mods: dict, deadline: float, dense_
     r.update(f64 or {})
     sides = [ours]
     for name in args.peers:
+        t0 = time.perf_counter()
         side = steps(f"{name}_build", lambda name=name: build_side(name, mods, x, q2k, msa,
                                                                     args, scale))
+        r[f"{name}_build_s"] = time.perf_counter() - t0  # its conversion or plan, untimed
         if side is None:
             continue
         r.update({f"{name}_{k}": v for k, v in side.info.items()})
@@ -300,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="8192,32768,131072", help="tokens per case (one doc)")
     ap.add_argument("--regimes", default=",".join(REGIMES), help="selection regimes, in order")
-    ap.add_argument("--peers", default=",".join(PEERS), help="peers to run ('' for none)")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help="peers to run, comma-separated ('none': ours and cuDNN dense only)")
     ap.add_argument("--site", action="append", default=None,
                     help="a pip --target directory holding the peers (repeatable; default "
                     "$SPARSE_PEERS_SITE, ':'-separated)")
@@ -328,7 +337,7 @@ def parse(argv=None):
     args = build_parser().parse_args(argv)
     args.tokens = [int(x) for x in args.tokens.split(",") if x]
     args.regimes = [x for x in args.regimes.split(",") if x]
-    args.peers = [x for x in args.peers.split(",") if x]
+    args.peers = [x for x in args.peers.split(",") if x and x != "none"]
     for name in args.peers:
         if name not in PEERS:
             raise SystemExit(f"--peers {name!r}: expected names from {', '.join(PEERS)}")

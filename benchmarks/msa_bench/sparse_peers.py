@@ -12,6 +12,13 @@ and output gradients the same way, so all sides run forward and backward under o
 - ``cudnn_flex``: cuDNN-FE 1.32's ``cudnn.flex_attention.flex_attn_func`` with an interval mask
   per KV head (one call per KV head: a plan's bitmask payload is per mask head and tile pair, so
   a 64-head mask would be 16 times larger): MSA's function.
+- ``cudnn_bsa``: cuDNN-FE 1.32's block-sparse attention (``cudnn.block_sparse_attention``, SM90
+  128-token blocks) on the same unions. It takes per query tile a list of key blocks and nothing
+  finer: no causal mask and no per-token mask (``_interface.bsa_attn_fwd``: "non-causal,
+  non-varlen"), and its backward takes no GQA (``bsa_attn_bwd``: "bwd does not support
+  GQA/MQA"), so K/V are repeated over the query heads for it and dK/dV summed back, inside its
+  timing. Each tile attends every key of its union, the own block's later keys included:
+  another function, a rate bound only.
 - ``cudnn_dense``: cuDNN SDPA, causal, GQA, over the document: the pair rate's baseline.
 
 The formats are built by :mod:`msa_bench.sparse_formats` (CPU-tested); this module needs the
@@ -39,11 +46,12 @@ PEER_MODULES = {
     "fa4": ("cutlass", "cutlass.cute", "flash_attn.cute.interface",
             "flash_attn.cute.block_sparsity", "flash_attn.cute.utils"),
     "cudnn_flex": ("cutlass", "cudnn.flex_attention"),
+    "cudnn_bsa": ("cutlass", "cudnn.block_sparse_attention.api"),
 }
 PEER_MODULES["fa4_union"] = PEER_MODULES["fa4"]
 #: Which sides compute MSA's function (checked against ours before timing).
 EXACT = {"ours": True, "fa4": True, "fa4_union": False, "cudnn_flex": True,
-         "cudnn_dense": False}
+         "cudnn_bsa": False, "cudnn_dense": False}
 
 
 class PeerImportError(RuntimeError):
@@ -57,7 +65,8 @@ class PeerImportError(RuntimeError):
 
 
 def import_peers(names, site_dirs=()) -> dict:
-    """The modules of the peers ``names`` (``fa4``, ``fa4_union``, ``cudnn_flex``) after adding
+    """The modules of the peers ``names`` (``fa4``, ``fa4_union``, ``cudnn_flex``,
+    ``cudnn_bsa``) after adding
     ``site_dirs`` with ``site.addsitedir``.
 
     Returns:
@@ -80,10 +89,14 @@ def import_peers(names, site_dirs=()) -> dict:
             found[name] = SimpleNamespace(cutlass=cutlass, cute=cute, utils=utils,
                                           BlockSparseTensorsTorch=BlockSparseTensorsTorch,
                                           flash_attn_func=flash_attn_func)
-        else:
+        elif name == "cudnn_flex":
             from cudnn.flex_attention import create_mask_plan, flex_attn_func
             found[name] = SimpleNamespace(create_mask_plan=create_mask_plan,
                                           flex_attn_func=flex_attn_func)
+        else:
+            from cudnn.block_sparse_attention import api
+            found[name] = SimpleNamespace(forward=api.block_sparse_attention_forward,
+                                          backward=api.block_sparse_attention_backward)
     return found
 
 
@@ -244,7 +257,10 @@ def cudnn_flex_side(cudnn, q2k, msa, q, k, v, scale: float) -> Side:
     parts = per_kv_head(q.shape[1], k.shape[1])
     plans = []
     for g, (qs, ks) in enumerate(parts):
-        sample = [x[:, s][None] for x, s in ((q, qs), (k, ks), (v, ks))]
+        # A plan reads its inputs' geometry, dtype and device only: contiguous stand-ins shaped
+        # like a part's leaves.
+        sample = [torch.empty_like(x[:, s][None], memory_format=torch.contiguous_format)
+                  for x, s in ((q, qs), (k, ks), (v, ks))]
         plans.append(cudnn.create_mask_plan(func[g:g + 1].contiguous(), *sample,
                                             build_backward=True))
 
@@ -253,3 +269,49 @@ def cudnn_flex_side(cudnn, q2k, msa, q, k, v, scale: float) -> Side:
 
     return Side("cudnn_flex", call, parts, batched=True, exact=True,
                 info={"nfunc": int(func.shape[1])})
+
+
+class _BlockSparseFunction(torch.autograd.Function):
+    """cuDNN-FE's block-sparse attention with autograd: its forward with GQA; its backward on
+    K/V repeated over the query heads (it takes no GQA), dK/dV summed over each group."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bsa, index, counts, scale):
+        out, lse = bsa.forward(q, k, v, index, q2k_block_nums=counts, sparse_block_size=TILE,
+                               softmax_scale=scale, layout="bshd")
+        ctx.save_for_backward(q, k, v, out, lse, index, counts)
+        ctx.bsa, ctx.scale = bsa, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, index, counts = ctx.saved_tensors
+        group = q.shape[2] // k.shape[2]
+        kx, vx = (x.repeat_interleave(group, dim=2) for x in (k, v))
+        dq, dk, dv = ctx.bsa.backward(dout.contiguous(), q, kx, vx, out, lse, index,
+                                      q2k_block_nums=counts, sparse_block_size=TILE,
+                                      softmax_scale=ctx.scale, layout="bshd")
+        b, t, hkv, d = k.shape
+        dk, dv = (x.view(b, t, hkv, group, d).sum(3) for x in (dk, dv))
+        return dq, dk, dv, None, None, None, None
+
+
+def cudnn_bsa_side(bsa, q2k, msa, hq: int, scale: float) -> Side:
+    """cuDNN-FE's block-sparse attention over each 128-token tile's union (non-causal: a bound,
+    not MSA's function)."""
+    t = sf.one_document_tokens(msa)
+    if msa.block_size != TILE:
+        raise ValueError(f"block_size={msa.block_size}: the cuDNN-FE path runs 128-token "
+                         f"blocks ({TILE})")
+    group = hq // q2k.shape[0]
+    lists = sf.tile_block_lists(q2k, msa, TILE)
+    count, index = sf.pack_lists(lists["union"])
+    count, index = (x.repeat_interleave(group, dim=0).unsqueeze(0).contiguous()
+                    for x in (count, index))
+
+    def call(_part, q, k, v):
+        return _BlockSparseFunction.apply(q, k, v, bsa, index, count, scale)
+
+    pairs = sf.union_pairs(lists, t, TILE, TILE)["computed"]
+    return Side("cudnn_bsa", call, WHOLE, batched=True, exact=False,
+                info={"computed_pairs": pairs, "bound_pairs": pairs})

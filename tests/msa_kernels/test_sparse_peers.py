@@ -190,10 +190,11 @@ def test_cases_with_standin_peers(tmp_path):
     bound is not checked and rates with its own pairs; a wrong exact peer fails its check and is
     not timed; the JSON and the table carry it all."""
     cli = _cli()
-    args = cli.parse(["--tokens", "96", "--regimes", "fresh,trained", "--device", "cpu", "--backend", "reference",
-                      "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--index-heads",
-                      "2", "--block", str(BS), "--top-k", "3", "--warmup", "1", "--steps", "1",
-                      "--subset", "8", "--json", str(tmp_path / "peers.json")])
+    args = cli.parse(["--tokens", "96", "--regimes", "fresh,trained", "--device", "cpu",
+                      "--backend", "reference", "--heads", "4", "--kv-heads", "2",
+                      "--head-dim", "16", "--index-heads", "2", "--block", str(BS),
+                      "--top-k", "3", "--warmup", "1", "--steps", "1", "--subset", "8",
+                      "--json", str(tmp_path / "peers.json")])
     args.peers = ["fa4", "fa4_union", "cudnn_flex", "wrong"]
     payload = cli.run(args, _standins(args), [])
     assert [r["case"] for r in payload["results"]] == ["fresh96", "trained96"]
