@@ -233,10 +233,10 @@ def _peer_site() -> str | None:
                     reason="set SPARSE_PEERS_SITE to a pip --target directory holding "
                     "flash-attn-4 4.0.0b40 and nvidia-cutlass-dsl 4.8.1 (peer_wheels.sh)")
 def test_fa4_kernels_compile_for_sm90_on_the_cpu():
-    """FA4's block-sparse forward and backward with this mask_mod compile for sm_90a under
-    torch's fake tensors (FA4's cross-compilation path: FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH,
-    FLASH_ATTENTION_NUM_SMS), at the M3 head shape; in a subprocess, so the arch settings are
-    read before anything caches them."""
+    """FA4's block-sparse forward and backward with this mask_mod, and causal without it (the
+    union bound), compile for sm_90a under torch's fake tensors (FA4's cross-compilation path:
+    FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH, FLASH_ATTENTION_NUM_SMS), at the M3 head shape; in a
+    subprocess, so the arch settings are read before anything caches them."""
     script = f"""
 import os, site, sys
 sys.path[:0] = [{str(ROOT / 'benchmarks')!r}, {str(ROOT)!r}]
@@ -263,6 +263,12 @@ with FakeTensorMode():
     grads = _flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, D ** -0.5, False,
         mask_mod=mask_mod, aux_tensors=[bits], block_sparse_tensors=bst)
     print("compiled", tuple(out.shape), [tuple(g.shape) for g in grads])
+    # The union bound: the same lists, causal, no mask_mod.
+    out, lse, *_ = _flash_attn_fwd(q, k, v, softmax_scale=D ** -0.5, causal=True,
+        block_sparse_tensors=bst, return_lse=True, pack_gqa=False)
+    grads = _flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, D ** -0.5, True,
+        block_sparse_tensors=bst)
+    print("bound compiled", tuple(out.shape), [tuple(g.shape) for g in grads])
 """
     env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_90a", CUTE_DSL_ARCH="sm_90a",
                FLASH_ATTENTION_NUM_SMS="132", CUDA_VISIBLE_DEVICES="")
@@ -270,6 +276,7 @@ with FakeTensorMode():
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compiled (1, 1024, 64, 128)" in done.stdout
+    assert "bound compiled (1, 1024, 64, 128)" in done.stdout
 
 
 @pytest.mark.gpu
