@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-
 from msa_bench import sparse_formats as sf
 from msa_bench.peer_steps import import_site_modules
 

@@ -121,6 +121,16 @@ DRY_RUNS = {
              "--budget-s 430 --json {out}/peer.json"],
     "fla_peer": ["{py} benchmarks/bench_fla_nsa_peer.py --site {site} --budget-s 480 --json "
                  "{out}/fla_peer.json"],
+    "peer_part": ["# copy {root}/.peers/part*/* to /tmp/peer_parts/"],
+    "sparse_peers": [
+        "# when /tmp/peer_site/.installed is missing and /tmp/peer_parts/cu13.tar.xz.sha256 has "
+        "come:", "{py} -m pip install -q --no-index --no-deps --no-compile --target "
+        "/tmp/peer_site", "# join /tmp/peer_parts/cu13.tar.xz.part* into /tmp/peer_parts/"
+        "cu13.tar.xz", "cd /tmp/peer_parts && sha256sum -c cu13.tar.xz.sha256",
+        "# extract /tmp/peer_parts/cu13.tar.xz into /tmp/peer_site",
+        "# mark /tmp/peer_site/.installed", "timeout -k 30 500 {py} benchmarks/"
+        "bench_sparse_peers.py --site /tmp/peer_site --budget-s 440 --json "
+        "{out}/sparse_peers.json >> {out}/sparse_peers.log"],
     "pretrain": ["timeout -k 30 240 {py} scripts/pretrain.py model.bf16=true", "train.train_iters"
                  "=300 logger.output_dir={out}/pretrain >> {out}/pretrain.log"],
     "pp1": ["timeout -k 30 90 {py} scripts/pretrain.py --recipe recipes/msa_pp2_vpp2_tp2.yaml",
