@@ -274,14 +274,18 @@ def union_pairs(lists: dict, t: int, tile: int, block: int) -> dict:
     """
     union = lists["union"]
     heads, m, nb = union.shape
-    rows = torch.arange(t, device=union.device)
-    tile_of = rows // tile
-    cols = torch.clamp(t - torch.arange(nb, device=union.device) * block, max=block)
-    computed = (union.sum(0).double() * lists["rows"].double()[:, None] * cols.double()).sum()
-    # Per query token, the keys of union block b at or before it: min(block, p - b * block + 1).
+    per_tile = union.sum(0).double()  # [M, NB]: KV heads whose union holds the block
     starts = torch.arange(nb, device=union.device) * block
-    visible = (rows[:, None] - starts[None, :] + 1).clamp(0, block).double()  # [T, NB]
-    causal = (union.sum(0).double()[tile_of] * visible).sum()
+    cols = torch.clamp(t - starts, max=block)
+    computed = (per_tile * lists["rows"].double()[:, None] * cols.double()).sum()
+    # A token p sees min(block, p - b * block + 1) keys of block b (none past it): summed over
+    # each tile's tokens, one row offset at a time (no [T, NB] temporary).
+    visible = torch.zeros((m, nb), dtype=torch.float64, device=union.device)
+    for r in range(tile):
+        p = torch.arange(m, device=union.device) * tile + r
+        keys = (p[:, None] - starts[None, :] + 1).clamp(0, block).double()
+        visible += torch.where((p < t)[:, None], keys, 0.0)
+    causal = (per_tile * visible).sum()
     return {"computed": computed.item() / heads, "causal": causal.item() / heads}
 
 
