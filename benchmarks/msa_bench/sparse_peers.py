@@ -208,6 +208,24 @@ def dense_side(msa, scale: float) -> Side:
     return Side("cudnn_dense", call, WHOLE, batched=False, exact=False)
 
 
+def fa4_kwargs(fa4, tensors: dict, bits, group: int, block: int, scale: float) -> dict:
+    """``flash_attn_func``'s keyword arguments for the lists ``tensors``
+    (:func:`msa_bench.sparse_formats.fa4_block_sparse`): with the membership bitmask ``bits``
+    the ``mask_mod`` (MSA's function), without it ``causal=True`` (the union bound)."""
+    make = fa4.BlockSparseTensorsTorch
+    fwd, bwd = (make(mask_block_cnt=x[0], mask_block_idx=x[1], full_block_cnt=x[2],
+                     full_block_idx=x[3], block_size=(TILE, block))
+                for x in (tensors["fwd"], tensors["bwd"]))
+    kwargs = dict(softmax_scale=scale, pack_gqa=False, block_sparse_tensors=fwd,
+                  block_sparse_tensors_bwd=bwd)
+    if bits is None:
+        kwargs["causal"] = True
+    else:
+        bits.__leading_dim__ = 2  # its word axis is contiguous (FA4's aux-tensor convention)
+        kwargs.update(mask_mod=fa4_mask_mod(fa4, group, block), aux_tensors=[bits])
+    return kwargs
+
+
 def fa4_side(fa4, q2k, msa, hq: int, scale: float, bound: bool) -> Side:
     """FA4's block-sparse attention on the selection's tile unions: with the membership
     ``mask_mod`` (``bound=False``, MSA's function) or over the whole union (``bound=True``)."""
@@ -221,18 +239,8 @@ def fa4_side(fa4, q2k, msa, hq: int, scale: float, bound: bool) -> Side:
     if bound:
         lists = sf.union_bound_lists(lists, TILE, block)
     tensors = sf.fa4_block_sparse(lists, group)
-    make = fa4.BlockSparseTensorsTorch
-    fwd, bwd = (make(mask_block_cnt=x[0], mask_block_idx=x[1], full_block_cnt=x[2],
-                     full_block_idx=x[3], block_size=(TILE, block))
-                for x in (tensors["fwd"], tensors["bwd"]))
-    kwargs = dict(softmax_scale=scale, pack_gqa=False, block_sparse_tensors=fwd,
-                  block_sparse_tensors_bwd=bwd)
-    if bound:
-        kwargs["causal"] = True
-    else:
-        bits = sf.membership_bits(q2k, msa)
-        bits.__leading_dim__ = 2  # its word axis is contiguous (FA4's aux-tensor convention)
-        kwargs.update(mask_mod=fa4_mask_mod(fa4, group, block), aux_tensors=[bits])
+    bits = None if bound else sf.membership_bits(q2k, msa)
+    kwargs = fa4_kwargs(fa4, tensors, bits, group, block, scale)
 
     def call(_part, q, k, v):
         return fa4.flash_attn_func(q, k, v, **kwargs)[0]

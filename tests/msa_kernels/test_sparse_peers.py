@@ -233,49 +233,45 @@ def _peer_site() -> str | None:
                     reason="set SPARSE_PEERS_SITE to a pip --target directory holding "
                     "flash-attn-4 4.0.0b40 and nvidia-cutlass-dsl 4.8.1 (peer_wheels.sh)")
 def test_fa4_kernels_compile_for_sm90_on_the_cpu():
-    """FA4's block-sparse forward and backward with this mask_mod, and causal without it (the
-    union bound), compile for sm_90a under torch's fake tensors (FA4's cross-compilation path:
-    FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH, FLASH_ATTENTION_NUM_SMS), at the M3 head shape; in a
-    subprocess, so the arch settings are read before anything caches them."""
+    """FA4's block-sparse forward and backward, called as ``fa4_side`` calls them
+    (``flash_attn_func`` with ``fa4_kwargs``, then its autograd function's backward), with the
+    mask_mod and causal without it (the union bound), compile for sm_90a under torch's fake
+    tensors (FA4's cross-compilation path: FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH,
+    FLASH_ATTENTION_NUM_SMS), at the M3 head shape; in a subprocess, so the arch settings are
+    read before anything caches them."""
     script = f"""
-import os, site, sys
+import sys
 sys.path[:0] = [{str(ROOT / 'benchmarks')!r}, {str(ROOT)!r}]
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from msa_bench import sparse_peers as sp
-mods = sp.import_peers(["fa4"], [{_peer_site()!r}])
-fa4 = mods["fa4"]
-from flash_attn.cute.interface import _flash_attn_bwd
-T, HQ, HKV, D = 1024, 64, 4, 128
+fa4 = sp.import_peers(["fa4"], [{_peer_site()!r}])["fa4"]
+T, HQ, HKV, D, M = 1024, 64, 4, 128, 8
 with FakeTensorMode():
-    q = torch.empty(1, T, HQ, D, dtype=torch.bfloat16, device="cuda")
-    k, v = (torch.empty(1, T, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in "kv")
-    bits = torch.empty(HKV, T, 1, dtype=torch.int32, device="cuda")
-    bits.__leading_dim__ = 2
-    cnt = torch.empty(1, HQ, T // 128, dtype=torch.int32, device="cuda")
-    idx = torch.empty(1, HQ, T // 128, 4, dtype=torch.int32, device="cuda")
-    bst = fa4.BlockSparseTensorsTorch(mask_block_cnt=cnt, mask_block_idx=idx,
-        full_block_cnt=cnt, full_block_idx=idx, block_size=(128, 128))
-    mask_mod = sp.fa4_mask_mod(fa4, HQ // HKV, 128)
-    from flash_attn.cute.interface import _flash_attn_fwd
-    out, lse, *_ = _flash_attn_fwd(q, k, v, softmax_scale=D ** -0.5, mask_mod=mask_mod,
-        block_sparse_tensors=bst, aux_tensors=[bits], return_lse=True, pack_gqa=False)
-    grads = _flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, D ** -0.5, False,
-        mask_mod=mask_mod, aux_tensors=[bits], block_sparse_tensors=bst)
-    print("compiled", tuple(out.shape), [tuple(g.shape) for g in grads])
-    # The union bound: the same lists, causal, no mask_mod.
-    out, lse, *_ = _flash_attn_fwd(q, k, v, softmax_scale=D ** -0.5, causal=True,
-        block_sparse_tensors=bst, return_lse=True, pack_gqa=False)
-    grads = _flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, D ** -0.5, True,
-        block_sparse_tensors=bst)
-    print("bound compiled", tuple(out.shape), [tuple(g.shape) for g in grads])
+    def empty(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, dtype=dtype, device="cuda")
+    lists = tuple(empty(1, HQ, M, dtype=torch.int32) if i % 2 == 0
+                  else empty(1, HQ, M, 4, dtype=torch.int32) for i in range(4))
+    tensors = {{"fwd": lists, "bwd": lists}}
+    for bits in (empty(HKV, T, 1, dtype=torch.int32), None):
+        # flash_attn_func as fa4_side calls it, forward and backward.
+        kwargs = sp.fa4_kwargs(fa4, tensors, bits, HQ // HKV, 128, D ** -0.5)
+        q = empty(1, T, HQ, D).requires_grad_()
+        k, v = (empty(1, T, HKV, D).requires_grad_() for _ in "kv")
+        out = fa4.flash_attn_func(q, k, v, **kwargs)[0]
+        # The function's own backward, called directly: the autograd engine needs a CUDA
+        # device for CUDA tensors, fake ones included.
+        dq, dk, *_ = out.grad_fn.apply(torch.empty_like(out), None)
+        print("bound" if bits is None else "mask_mod", "compiled", tuple(out.shape),
+              tuple(dq.shape), tuple(dk.shape))
 """
     env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_90a", CUTE_DSL_ARCH="sm_90a",
                FLASH_ATTENTION_NUM_SMS="132", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled (1, 1024, 64, 128)" in done.stdout
+    assert "mask_mod compiled (1, 1024, 64, 128) (1, 1024, 64, 128) (1, 1024, 4, 128)" in \
+        done.stdout
     assert "bound compiled (1, 1024, 64, 128)" in done.stdout
 
 
