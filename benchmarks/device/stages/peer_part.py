@@ -17,32 +17,15 @@ Prints the parts the destination holds.
 
 from __future__ import annotations
 
-import shutil
-
-from .. import options
+from . import _parts
 
 NAME = "peer_part"
 HELP = "copy the carried block-sparse peers' wheel part (.peers/part*) to /tmp/peer_parts"
 
 
 def add_arguments(group) -> None:
-    group.add_argument("--parts", type=options.path, default=".peers",
-                       help="the folder holding the carried part<N> folders")
-    group.add_argument("--dest", type=options.path, default="/tmp/peer_parts",
-                       help="where the parts gather across the calls of one warm machine")
+    _parts.add_arguments(group, ".peers", "/tmp/peer_parts")
 
 
 def run(args, ctx) -> dict | None:
-    parts = ctx.glob(args.parts, "part*/*")
-
-    def copy() -> None:
-        args.dest.mkdir(parents=True, exist_ok=True)
-        for part in parts:
-            shutil.copy(part, args.dest / part.name)
-
-    ctx.do(f"copy {args.parts}/part*/* to {args.dest}/", copy)
-    if ctx.dry:
-        return None
-    held = {p.name: p.stat().st_size for p in sorted(args.dest.iterdir())}
-    print("\n".join(f"{size:>12} {name}" for name, size in held.items()))
-    return {"copied": [p.name for p in parts], "held": held}
+    return _parts.gather(args, ctx)
