@@ -20,10 +20,10 @@ import argparse
 import math
 
 import torch
-
 from layer_bench.selection import CoreAttentionCall
 from layer_bench.steps import cudnn_document_attention
 from layer_bench.timing import run_timed
+
 from nemo_msa.q2k import Selection, canonical_q2k
 from nemo_msa.query_view import QueryView
 

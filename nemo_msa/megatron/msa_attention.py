@@ -141,6 +141,10 @@ class MSASelfAttention(SelfAttention):
         pg_collection: process groups (``tp``, ``cp``).
         pp_layer_offset: Megatron's pipeline layer offset.
         name: module name.
+        mtp_layer: the attention of a multi-token-prediction layer, whose ``layer_number`` is
+            its depth (1, 2, ...): its indexer metrics are logged as layer
+            ``num_layers + depth``, after the decoder's (Megatron's router numbers MTP layers
+            so too).
     """
 
     def __init__(
@@ -153,6 +157,7 @@ class MSASelfAttention(SelfAttention):
         pg_collection: ProcessGroupCollection | None = None,
         pp_layer_offset: int | None = None,
         name: str | None = None,
+        mtp_layer: bool = False,
     ) -> None:
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
@@ -178,6 +183,8 @@ class MSASelfAttention(SelfAttention):
             name=name,
         )
         self.is_msa_layer = sparse
+        #: The layer number the indexer metrics are recorded under (MTP layers after the decoder).
+        self.metrics_layer_number = layer_number + (config.num_layers if mtp_layer else 0)
         #: What this layer runs, resolved once (backend, kernels, indexer-loss route, topology);
         #: read per step.
         self.msa_plan = plan
@@ -350,7 +357,7 @@ class MSASelfAttention(SelfAttention):
                 key=key, selection=selected, block_mass=block_mass, view=view,
                 softmax_scale=self.core_attention.softmax_scale,
             )
-            MSAIndexerMetrics.record(self.layer_number, stats)
+            MSAIndexerMetrics.record(self.metrics_layer_number, stats)
             core = MSAIndexerLossAutoScaler.apply(core, loss)
 
         # compact [T, heads, dim] -> [s, b, heads * dim], zeros at padding

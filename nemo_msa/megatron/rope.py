@@ -88,8 +88,8 @@ def _kernel_runs(t: torch.Tensor, cos: torch.Tensor, fused: bool | None) -> bool
     input). It takes [T, H, dim] in the dtypes of its record
     (:data:`~nemo_msa.backends.capabilities.TRITON_HELPERS`' ``rope``: bf16; fp16 keeps the
     torch ops, whose bits its compiled fp16 results missed by one unit in the last place on an
-    H200, and bit equality is its contract) with [T, 1, rot] factors, and computes the same bits
-    as the torch ops.
+    H200, 2026-12-04, benchmarks/results/2026-12-04-h200-layer-rows-ff484f3.md, and bit equality
+    is its contract) with [T, 1, rot] factors, and computes the same bits as the torch ops.
 
     Raises:
         ValueError: ``fused`` on an input the kernel does not take, naming
