@@ -108,7 +108,7 @@ class MSAPlan:
             The plan.
 
         Raises:
-            NotImplementedError: a feature MSA does not run (FP8, fused RoPE;
+            NotImplementedError: a feature MSA does not run (FP8, fused single-QKV RoPE;
                 :func:`~nemo_msa.support.require_msa_support`).
             ValueError: a topology MSA cannot run, or one the backend cannot (from its
                 capability record, naming the field and its value: context parallelism with a

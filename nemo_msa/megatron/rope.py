@@ -17,17 +17,29 @@ and ``(-a) * b == a * (-b)`` exactly in IEEE arithmetic. The backward is the tra
 ``g * c + swap(g * cat(-s1, s2))``, which is what autograd computes for Megatron's graph (the
 two contributions added once; a sum is order-independent for two terms).
 Interleaved RoPE (``config.rotary_interleaved``) keeps Megatron's function.
+
+``config.apply_rope_fusion`` (ADR 0054) runs Transformer Engine's fused RoPE instead, through
+Megatron's ``fused_apply_rotary_pos_emb`` (TE's ``FusedRoPEFunc``, one kernel each way), at the
+same per-token angles: the compact tensor [T, heads, dim] is TE's ``sbhd`` with s = T tokens and
+b = 1, and the angle rows [T, 1, 1, rot] are those tokens' document positions, so every packed
+document restarts at 0 under any layout (BSHD or THD input, context parallelism). TE computes
+in fp32 and rounds once, so its bf16 result differs from the unfused one by bf16 rounding, not
+more. :func:`check_rope_fusion` is the construction gate: TE must import and the layer must run
+on a CUDA device.
 """
 
 from __future__ import annotations
 
 import torch
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rope_utils import (
+    apply_rotary_pos_emb,
+    fused_apply_rotary_pos_emb,
+)
 
 from nemo_msa.triton.kernel_layout import kernels_run_on
 from nemo_msa.triton.rope import rope_triton
 
-__all__ = ["RopeFactors", "apply_rope", "rope_factors"]
+__all__ = ["RopeFactors", "apply_rope", "check_rope_fusion", "rope_factors"]
 
 
 class RopeFactors:
@@ -40,14 +52,20 @@ class RopeFactors:
         fused: whether the one-kernel RoPE may run (where the input allows it); None decides
             per call from the device. The layer passes its plan's
             :attr:`~nemo_msa.plan.MSAPlan.fused_helpers`.
+        te_fused: ``config.apply_rope_fusion``: Transformer Engine's fused RoPE runs (checked
+            when the layer is built, :func:`check_rope_fusion`).
     """
 
-    def __init__(self, freqs: torch.Tensor, interleaved: bool, fused: bool | None = None) -> None:
+    def __init__(
+        self, freqs: torch.Tensor, interleaved: bool, fused: bool | None = None,
+        te_fused: bool = False,
+    ) -> None:
         if freqs.shape[-1] % 2:
             raise ValueError(f"rotary dim {freqs.shape[-1]} is odd; RoPE rotates halves")
         self.freqs = freqs
         self.interleaved = interleaved
         self.fused = fused
+        self.te_fused = te_fused
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,10 +86,38 @@ def rope_factors(
     freqs: torch.Tensor | None, config, fused: bool | None = None
 ) -> RopeFactors | None:
     """The layer call's :class:`RopeFactors` of ``freqs`` (None for None); ``fused`` as
-    :class:`RopeFactors` takes it."""
+    :class:`RopeFactors` takes it; ``config.apply_rope_fusion`` picks TE's fused RoPE."""
     if freqs is None:
         return None
-    return RopeFactors(freqs, bool(getattr(config, "rotary_interleaved", False)), fused)
+    return RopeFactors(freqs, bool(getattr(config, "rotary_interleaved", False)), fused,
+                       te_fused=bool(getattr(config, "apply_rope_fusion", False)))
+
+
+def check_rope_fusion(config, device: torch.device) -> None:
+    """The construction gate of ``config.apply_rope_fusion`` for an MSA or dense-document layer.
+
+    Args:
+        config: the layer's config.
+        device: where the layer runs (TE's fused RoPE is a CUDA kernel).
+
+    Raises:
+        ImportError: ``apply_rope_fusion=True`` where Transformer Engine's fused RoPE does not
+            import.
+        ValueError: ``apply_rope_fusion=True`` on a device other than CUDA.
+    """
+    if not getattr(config, "apply_rope_fusion", False):
+        return
+    if fused_apply_rotary_pos_emb is None:
+        raise ImportError(
+            "config.apply_rope_fusion=True needs Transformer Engine's fused RoPE "
+            "(megatron.core.extensions.transformer_engine.fused_apply_rotary_pos_emb), which "
+            "does not import here; install transformer-engine or set apply_rope_fusion=False"
+        )
+    if torch.device(device).type != "cuda":
+        raise ValueError(
+            f"config.apply_rope_fusion=True on device {torch.device(device).type!r}: Transformer "
+            "Engine's fused RoPE is a CUDA kernel; set apply_rope_fusion=False off the GPU"
+        )
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:
@@ -131,8 +177,16 @@ def apply_rope(t: torch.Tensor, factors: RopeFactors, config, cp_group=None) -> 
 
     Returns:
         [Tq, heads, dim] in t's dtype: Megatron's ``apply_rotary_pos_emb(t, freqs)`` (bshd,
-        unfused), the same bits.
+        unfused), the same bits; with ``factors.te_fused`` TE's fused RoPE at the same angles
+        (fp32 arithmetic, one rounding).
     """
+    if factors.te_fused:
+        # TE's sbhd with s = tokens, b = 1: row i of t at angle row i (its document position).
+        rotated = fused_apply_rotary_pos_emb(
+            t.unsqueeze(1), factors.freqs.view(t.shape[0], 1, 1, -1),
+            interleaved=factors.interleaved,
+        )
+        return rotated.squeeze(1)
     if factors.interleaved:
         return apply_rotary_pos_emb(t, factors.freqs, config=config, cp_group=cp_group)
     cos, sin_signed = factors.tables(t.dtype)
