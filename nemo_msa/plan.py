@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -64,6 +64,10 @@ class MSAKernels:
         rms_norm: the layer's own RMSNorms (index q/k, and q/k where the spec builds
             :class:`nemo_msa.megatron.norms.RMSNorm`) run the one-kernel RMSNorm.
         rope: RoPE of q, k, index_q and index_k runs the one-kernel RoPE.
+        te_rope: RoPE of q, k, index_q and index_k runs Transformer Engine's fused RoPE at the
+            tokens' document positions (``config.apply_rope_fusion``, ADR 0054; the layer's
+            construction gate checks that it imports and that the layer is on CUDA); it takes
+            precedence over ``rope``.
         loss_passes: the sparse loss's passes over the selected slots run in Triton.
         recall: the sampled selection recall runs the Triton kernel.
         dense_attention: the dense path (dense layers, the warm-up): ``"per_document"``
@@ -76,6 +80,7 @@ class MSAKernels:
     dkdv: str
     rms_norm: bool = False
     rope: bool = False
+    te_rope: bool = False
     loss_passes: bool = False
     recall: bool = False
     dense_attention: str = "rows"
@@ -248,7 +253,7 @@ class MSAPlan:
             The plan.
 
         Raises:
-            NotImplementedError: a feature MSA does not run (FP8, fused RoPE;
+            NotImplementedError: a feature MSA does not run (FP8, fused single-QKV RoPE;
                 :func:`~nemo_msa.support.require_msa_support`).
             ValueError: a topology MSA cannot run, or one the backend cannot (from its
                 capability record, naming the field and its value: context parallelism with a
@@ -274,6 +279,8 @@ class MSAPlan:
                                 else _compute_capability(device)),
             dkdv_requested=current_launch("bwd").kv_kernel, triton_version=_triton_version(),
         )
+        if getattr(config, "apply_rope_fusion", False):
+            kernels = replace(kernels, te_rope=True)
         sparse_loss = getattr(config, "msa_indexer_loss_type",
                               DEFAULT_INDEXER_LOSS_TYPE) == "sparse"
         byproducts = sparse_loss and topology.score_type == "max" and caps.block_mass

@@ -49,7 +49,7 @@ from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler, MSAIndexerM
 from nemo_msa.megatron.indexer_step import IndexerStep, indexer_loss
 from nemo_msa.megatron.microbatch import context_parallel_layout_for_layer, full_rotary_table
 from nemo_msa.megatron.norms import planned_norm
-from nemo_msa.megatron.rope import apply_rope, rope_factors
+from nemo_msa.megatron.rope import apply_rope, check_rope_fusion, rope_factors
 from nemo_msa.megatron.selection_replay import (
     RECORD,
     REPLAY,
@@ -96,10 +96,11 @@ def check_msa_layer_config(config: TransformerConfig, tp_size: int, cp_size: int
             f"config is a {type(config).__name__} without the msa_* fields; build MSA layers "
             "from nemo_msa.megatron.MSATransformerConfig"
         )
-    # FP8/FP4, fused RoPE, CP (the layer's process group), topology, score type, and the
-    # backend that will run: on the GPU where there is one, in the parameters' dtype.
+    # FP8/FP4, fused single-QKV RoPE, CP (the layer's process group), topology, score type,
+    # and the backend that will run: on the GPU where there is one, in the parameters' dtype.
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     plan = MSAPlan.build(config, device, cp_size=cp_size)
+    check_rope_fusion(config, device)  # TE's fused RoPE at document positions (ADR 0054)
     if getattr(config, "attention_output_gate", False):
         raise NotImplementedError("MSA attention does not support attention_output_gate=True")
     if getattr(config, "multi_latent_attention", False):
@@ -325,7 +326,8 @@ class MSASelfAttention(SelfAttention):
             rotary_pos_emb, msa, cp, sliced=packed_seq_params is None
         )
         # cos/sin of the angles once for q, k, index_q and index_k (same bits as Megatron's).
-        rope = rope_factors(freqs, self.config, fused=plan.kernels.rope)
+        rope = rope_factors(freqs, self.config, fused=plan.kernels.rope,
+                            te_fused=plan.kernels.te_rope)
         if rope is not None:
             query = apply_rope(query, rope, self.config, self.pg_collection.cp)
             key = apply_rope(key, rope, self.config, self.pg_collection.cp)

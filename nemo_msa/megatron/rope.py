@@ -10,6 +10,15 @@ dtype; :func:`apply_rope` applies them in one autograd function: one Triton kern
 for bf16 where the layer's plan names it (:attr:`nemo_msa.plan.MSAKernels.rope`,
 :func:`nemo_msa.triton.rope.rope_triton`), else 4-5 torch kernels.
 
+``config.apply_rope_fusion`` (ADR 0054; the plan's :attr:`~nemo_msa.plan.MSAKernels.te_rope`)
+runs Transformer Engine's fused RoPE instead, through Megatron's ``fused_apply_rotary_pos_emb``
+(TE's ``FusedRoPEFunc``, one kernel each way), at the same per-token angles: the compact tensor
+[T, heads, dim] is TE's ``sbhd`` with s = T tokens and b = 1, and the angle rows [T, 1, 1, rot]
+are those tokens' document positions, so every packed document restarts at 0 under any layout
+(BSHD or THD input, context parallelism). TE computes in fp32 and rounds once, so its bf16
+result differs from the unfused one by bf16 rounding, not more. :func:`check_rope_fusion` is the
+construction gate: TE must import and the layer must run on a CUDA device.
+
 The arithmetic is Megatron's, operation for operation, so the result is the same bits: with
 ``x = t[..., :rot]`` in halves ``x1, x2`` and ``c = cos(f).to(dtype)``, ``s = sin(f).to(dtype)``,
 Megatron computes ``x * c + cat(-x2, x1) * s``; here ``x * c + cat(x2, x1) * cat(-s1, s2)``,
@@ -22,14 +31,17 @@ Interleaved RoPE (``config.rotary_interleaved``) keeps Megatron's function.
 from __future__ import annotations
 
 import torch
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rope_utils import (
+    apply_rotary_pos_emb,
+    fused_apply_rotary_pos_emb,
+)
 
 from nemo_msa import unplanned
 from nemo_msa.backends.capabilities import TRITON_HELPERS
 from nemo_msa.triton.kernel_layout import kernels_run_on
 from nemo_msa.triton.rope import rope_triton
 
-__all__ = ["RopeFactors", "apply_rope", "rope_factors"]
+__all__ = ["RopeFactors", "apply_rope", "check_rope_fusion", "rope_factors"]
 
 
 class RopeFactors:
@@ -43,14 +55,21 @@ class RopeFactors:
             :attr:`~nemo_msa.plan.MSAKernels.rope`; an input it does not take is then refused);
             None chooses per call from the device and the input (a direct caller, counted by
             :mod:`nemo_msa.unplanned`).
+        te_fused: Transformer Engine's fused RoPE runs (the plan's
+            :attr:`~nemo_msa.plan.MSAKernels.te_rope`, ``config.apply_rope_fusion``, checked
+            when the layer is built, :func:`check_rope_fusion`).
     """
 
-    def __init__(self, freqs: torch.Tensor, interleaved: bool, fused: bool | None = None) -> None:
+    def __init__(
+        self, freqs: torch.Tensor, interleaved: bool, fused: bool | None = None,
+        te_fused: bool = False,
+    ) -> None:
         if freqs.shape[-1] % 2:
             raise ValueError(f"rotary dim {freqs.shape[-1]} is odd; RoPE rotates halves")
         self.freqs = freqs
         self.interleaved = interleaved
         self.fused = fused
+        self.te_fused = te_fused
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,13 +87,47 @@ class RopeFactors:
 
 
 def rope_factors(
-    freqs: torch.Tensor | None, config, fused: bool | None = None
+    freqs: torch.Tensor | None, config, fused: bool | None = None,
+    te_fused: bool | None = None,
 ) -> RopeFactors | None:
-    """The layer call's :class:`RopeFactors` of ``freqs`` (None for None); ``fused`` as
-    :class:`RopeFactors` takes it."""
+    """The layer call's :class:`RopeFactors` of ``freqs`` (None for None); ``fused`` and
+    ``te_fused`` as :class:`RopeFactors` takes them (the layer passes its plan's
+    :attr:`~nemo_msa.plan.MSAKernels.rope` / ``te_rope``); ``te_fused`` None reads
+    ``config.apply_rope_fusion`` (a direct caller, counted by :mod:`nemo_msa.unplanned`)."""
     if freqs is None:
         return None
-    return RopeFactors(freqs, bool(getattr(config, "rotary_interleaved", False)), fused)
+    if te_fused is None:
+        unplanned.record("te_rope")
+        te_fused = bool(getattr(config, "apply_rope_fusion", False))
+    return RopeFactors(freqs, bool(getattr(config, "rotary_interleaved", False)), fused,
+                       te_fused=te_fused)
+
+
+def check_rope_fusion(config, device: torch.device) -> None:
+    """The construction gate of ``config.apply_rope_fusion`` for an MSA or dense-document layer.
+
+    Args:
+        config: the layer's config.
+        device: where the layer runs (TE's fused RoPE is a CUDA kernel).
+
+    Raises:
+        ImportError: ``apply_rope_fusion=True`` where Transformer Engine's fused RoPE does not
+            import.
+        ValueError: ``apply_rope_fusion=True`` on a device other than CUDA.
+    """
+    if not getattr(config, "apply_rope_fusion", False):
+        return
+    if fused_apply_rotary_pos_emb is None:
+        raise ImportError(
+            "config.apply_rope_fusion=True needs Transformer Engine's fused RoPE "
+            "(megatron.core.extensions.transformer_engine.fused_apply_rotary_pos_emb), which "
+            "does not import here; install transformer-engine or set apply_rope_fusion=False"
+        )
+    if torch.device(device).type != "cuda":
+        raise ValueError(
+            f"config.apply_rope_fusion=True on device {torch.device(device).type!r}: Transformer "
+            "Engine's fused RoPE is a CUDA kernel; set apply_rope_fusion=False off the GPU"
+        )
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:
@@ -142,8 +195,16 @@ def apply_rope(t: torch.Tensor, factors: RopeFactors, config, cp_group=None) -> 
 
     Returns:
         [Tq, heads, dim] in t's dtype: Megatron's ``apply_rotary_pos_emb(t, freqs)`` (bshd,
-        unfused), the same bits.
+        unfused), the same bits; with ``factors.te_fused`` TE's fused RoPE at the same angles
+        (fp32 arithmetic, one rounding).
     """
+    if factors.te_fused:
+        # TE's sbhd with s = tokens, b = 1: row i of t at angle row i (its document position).
+        rotated = fused_apply_rotary_pos_emb(
+            t.unsqueeze(1), factors.freqs.view(t.shape[0], 1, 1, -1),
+            interleaved=factors.interleaved,
+        )
+        return rotated.squeeze(1)
     if factors.interleaved:
         return apply_rotary_pos_emb(t, factors.freqs, config=config, cp_group=cp_group)
     cos, sin_signed = factors.tables(t.dtype)

@@ -58,6 +58,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # The layer specs assemble the MSA modules with Megatron's backend spec providers.
     ("specs", ("nemo_msa.megatron.layer_specs",)),
     ("training", ("nemo_msa.training",)),
+    # Megatron-Bridge support builds on the YAML recipes and the training data helpers.
+    ("bridge", ("nemo_msa.bridge",)),
 )
 
 #: Top-level names an import inside a function may name, and why: optional heavy dependencies

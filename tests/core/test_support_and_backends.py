@@ -45,13 +45,20 @@ def test_production_topology_passes_the_gate():
         ({"fp8": "hybrid", "fp8_dot_product_attention": True}, "fp8_dot_product_attention"),
         ({"fp8": "e4m3", "fp8_multi_head_attention": True}, "fp8_multi_head_attention"),
         ({"fp4": "nvfp4"}, "FP4"),
-        ({"apply_rope_fusion": True}, "apply_rope_fusion=True"),
-        ({"fused_single_qkv_rope": True}, "fused_single_qkv_rope=True"),
+        ({"fused_single_qkv_rope": True}, "fused_single_qkv_rope=True: .* one start position "
+                                          "per row and no cu_seqlens"),
     ],
 )
 def test_unsupported_features_raise_not_implemented(changes, match):
     with pytest.raises(NotImplementedError, match=match):
         require_msa_support(production_config(**changes))
+
+
+def test_fused_rope_is_the_megatron_layers_gate():
+    """apply_rope_fusion runs TE's fused RoPE at document positions (ADR 0054); its gate needs TE
+    and the layer's device, so the Megatron layer checks it (nemo_msa.megatron.rope), not the
+    core."""
+    assert require_msa_support(production_config(apply_rope_fusion=True)).top_k == 16
 
 
 def test_fp8_gemms_pass_the_gate_with_transformer_engine_layers_only():

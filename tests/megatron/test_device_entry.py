@@ -97,6 +97,13 @@ DRY_RUNS = {
            "bash {root}/.te/kit/install_te.sh /tmp/te {py} >> {out}/te_install.log",
            "FP8_CURVES_OUT={out}/fp8_curves.json timeout -s INT -k 30 420 {py} -m pytest -v -s "
            "tests/megatron/test_te_spec.py"],
+    "bridge": ["{py} -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "
+               "--upgrade --target /tmp/bsite",
+               "PYTHONPATH=/tmp/bsite:{root} timeout -s INT -k 30 240 {py} -m pytest -q "
+               "tests/megatron/test_bridge.py",
+               "-m torch.distributed.run --nproc-per-node 1 benchmarks/bridge_msa.py pretrain "
+               "--iters 40",
+               "benchmarks/bridge_msa.py roundtrip"],
     "rows": ["timeout -k 30 270 {py} benchmarks/bench_layer.py --tokens 8192,32768,32768:4096,"
              "131072:16384,131072 --cases dense,msa_sparse_loss --index fresh", "--index coherent"
              " --no-attention-rows --steps 3 --warmup 2 --json {out}/rows_coherent.json"],

@@ -5,6 +5,7 @@ its docstring is its ``--help``."""
 from . import (
     ab,
     bench,
+    bridge,
     fla_peer,
     layer,
     peer,
@@ -26,6 +27,7 @@ STAGES = (
     tests,
     te_part,
     te,
+    bridge,
     rows,
     layer,
     sweep,
