@@ -117,6 +117,10 @@ def test_the_plan_names_each_helpers_kernel(kernel_backends_on_the_cpu):
     assert fp16.rms_norm and not fp16.rope  # the one-kernel RoPE is bf16's only
     cp = MSAPlan.build(config(), "cpu", torch.bfloat16, backend="triton", cp_size=2).kernels
     assert not cp.recall and cp.dense_attention == "queries"  # no query subset in the recall
+    # apply_rope_fusion: the plan names TE's fused RoPE (the layer's gate checks TE and CUDA).
+    assert not kernels.te_rope
+    te = MSAPlan.build(config(apply_rope_fusion=True), "cpu", torch.bfloat16, backend="triton")
+    assert te.kernels.te_rope and te.kernels.rope
     plan = MSAPlan.build(config(), "cpu", torch.bfloat16, backend="triton")
     assert plan.sparse_loss and plan.loss_route == "byproducts"
     assert plan.warmup_loss_route == "fused_dense"
