@@ -20,6 +20,15 @@ cuDNN has planned every padded document length. The issue's five rows, dense and
 
 ``--layers L`` builds L transformer layers of the case's kind (one by default).
 
+``--grow-to MAX`` searches, per case after its ``--tokens`` rows, the longest one-document row
+that fits (issue 63): it doubles the longest row that ran, up to MAX tokens, until a row runs out
+of memory (or time, ``--max-step-s``), then halves the gap down to ``--grow-step`` tokens. Every
+row tried is a row of the table; the JSON's ``longest`` gives per case the longest that ran with
+its ``peak_gib`` and step time, and the shortest that failed. Long rows, on one GPU::
+
+    --tokens 262144 --cases msa_sparse_loss --no-attention-rows --no-pair-rate \
+        --grow-to 1048576 --steps 2 --warmup 1
+
 A step is the forward and backward of the mean LM loss (and of the indexer loss where the case
 has one), with fresh random tokens and a fresh document map per step (so the layout is built
 inside the step, as in training). The optimizer step is EXCLUDED: gradients land in bf16
@@ -140,7 +149,7 @@ from layer_bench.model import (  # noqa: E402
 )
 from layer_bench.pairs import pair_rate  # noqa: E402
 from layer_bench.report import commit_id, fmt_table, log, log_kernels, write_json  # noqa: E402
-from layer_bench.rows import parse_rows  # noqa: E402
+from layer_bench.rows import next_length, parse_rows  # noqa: E402
 from layer_bench.selection import (  # noqa: E402
     NOISE,
     calibrate_row,
@@ -214,6 +223,101 @@ def add_bounds(rows: list[dict], shape: Shape) -> None:
                                   base.get("step_kernel_ms", {}).get("dense attention")))
 
 
+def measure_row(args: argparse.Namespace, model, shape: Shape, case: str, tokens: int,
+                doc_mean: int, doc_min: int, device, on_gpu: bool, noise: dict) -> dict:
+    """Times one row of ``case`` (``tokens`` tokens, documents of mean ``doc_mean``, 0 for one)
+    on ``model``: its step, peak memory and, for a row that ran, its kernels by part and, for
+    an MSA row, the selection statistics and the pair rate. ``noise``: the coherent index
+    hooks' share of a token's own index query (a trained row calibrates it).
+
+    Returns:
+        The row; ``status`` is ``ok``, ``oom``, ``too_slow`` or ``error``.
+    """
+    row = {"tokens": tokens, "case": case, "docs": None, "doc_mean": doc_mean,
+           "layers": args.layers, "step_ms": None, "peak_gib": None}
+    stats: dict = {}
+    step = layer_step(model, shape, tokens, device, doc_mean, doc_min, args.seed, stats,
+                      args.doc_maps)
+    if args.index == "trained" and case not in ("dense", "msa_warmup"):
+        try:
+            row.update(calibrate_row(model, step, noise, doc_mean or tokens))
+        except Exception as error:  # out of memory, say: the row cannot run
+            free_memory(on_gpu)
+            row.update(status="oom" if is_oom(error) else "error",
+                       note=f"trained-regime calibration: "
+                       f"{type(error).__name__}: {str(error)[:300]}")
+            return row
+    row_args = args
+    if doc_mean:
+        row["doc_maps"] = args.doc_maps
+        row_args = argparse.Namespace(**{**vars(args), "warmup": max(args.warmup, args.doc_maps)})
+    if run_row(step, row_args, on_gpu, row, "step_ms"):
+        row["peak_gib"] = peak_gib(on_gpu)
+        model.zero_grad(set_to_none=True)
+        free_memory(on_gpu)
+    if stats.get("documents"):
+        row["docs"] = statistics.mean(stats["documents"])
+    if case == "dense" and row["status"] == "ok":
+        # Its kernels by part (GPU only): the attention time the MSA rows' bound takes.
+        row.update(profile_step_parts(step))
+    if case != "dense" and row["status"] == "ok":
+        # One more, untimed step; its first MSA core-attention call tells how the selections
+        # split between the kernels and, timed alone against cuDNN, the attention's rate per
+        # attended pair.
+        call = capture_core_attention(model, step)
+        row.update(selection_stats(call))
+        # One more step under the profiler: every sparse kernel's time and the rest by part
+        # (GPU only).
+        row.update(profile_step_parts(step))
+        if call is not None and not args.no_pair_rate:
+            row.update(row_pair_rate(call, args, on_gpu))
+        del call
+        free_memory(on_gpu)
+    if row["status"] == "ok":
+        row["tokens_per_s"] = tokens / (row["step_ms"] / 1e3)
+    return row
+
+
+def grow(args: argparse.Namespace, model, shape: Shape, case: str, doc_min: int, device,
+         on_gpu: bool, noise: dict, done: list[dict], report) -> dict:
+    """``--grow-to``: the search for the longest one-document row of ``case`` that runs
+    (:func:`layer_bench.rows.next_length`), each row tried reported with ``report``.
+
+    Args:
+        done: the case's rows so far (its ``--tokens`` rows; the one-document ones count).
+
+    Returns:
+        ``{"tokens", "peak_gib", "step_ms"}`` of the longest row that ran (None where none
+        did), ``first_failure`` (the shortest row that ran out of memory or time, None where
+        none did) and its ``failure`` status.
+    """
+    one_doc = [r for r in done if not r["doc_mean"]]
+    ran = [r for r in one_doc if r["status"] == "ok"]
+    failed = [r for r in one_doc if r["status"] in ("oom", "too_slow")]
+    best = max(ran, key=lambda r: r["tokens"], default=None)
+    worst = min(failed, key=lambda r: r["tokens"], default=None)
+    nxt = None if best is None else next_length(best["tokens"], worst and worst["tokens"],
+                                                args.grow_to, args.grow_step)
+    while nxt is not None:
+        row = measure_row(args, model, shape, case, nxt, 0, doc_min, device, on_gpu, noise)
+        row["search"] = "grow-to"
+        report(row)
+        if row["status"] == "ok":
+            best = row
+        elif row["status"] in ("oom", "too_slow"):
+            worst = row
+        else:
+            break  # an error is not a length limit: the search stops there
+        nxt = next_length(best["tokens"], worst and worst["tokens"], args.grow_to,
+                          args.grow_step)
+    longest = {"tokens": None, "peak_gib": None, "step_ms": None} if best is None else {
+        "tokens": best["tokens"], "peak_gib": best["peak_gib"], "step_ms": best["step_ms"]}
+    longest.update(first_failure=worst and worst["tokens"], failure=worst and worst["status"])
+    log(f"{case}: longest row that ran {longest['tokens']} tokens (peak {longest['peak_gib']} "
+        f"GiB); shortest that failed {longest['first_failure']} ({longest['failure']})")
+    return longest
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parses the arguments, times every row and prints the table (see the module docstring).
 
@@ -280,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny model (runs on the CPU in seconds)")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA exists")
     ap.add_argument("--json", default=None, help="write the results to this file")
+    ap.add_argument("--grow-to", type=int, default=None, metavar="MAX",
+                    help="per case, after the --tokens rows, search the longest one-document "
+                    "row that fits, up to MAX tokens (see the module docstring)")
+    ap.add_argument("--grow-step", type=int, default=16384,
+                    help="the resolution of --grow-to's search once a row failed (tokens)")
     ap.add_argument("--set", action="append", default=[], metavar="KERNEL.KEY=VALUE",
                     help="Triton launch parameter for every row (nemo_msa.triton.launch; "
                     "repeatable), e.g. bwd.dq_union_max=64")
@@ -359,6 +468,13 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
     bad = [n for n in sizes if n % shape.block]
     if bad:
         raise SystemExit(f"--tokens {bad}: expected multiples of the block size {shape.block}")
+    if args.grow_to is not None:
+        if args.grow_to <= max(sizes) or args.grow_to % shape.block:
+            raise SystemExit(f"--grow-to={args.grow_to}: expected a multiple of the block size "
+                             f"{shape.block} above the longest --tokens row {max(sizes)}")
+        if args.grow_step < 1 or args.grow_step % shape.block:
+            raise SystemExit(f"--grow-step={args.grow_step}: expected a positive multiple of "
+                             f"the block size {shape.block}")
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     init_single_rank(on_gpu)
@@ -397,6 +513,8 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
         "turn, a new map tensor every step, warm-up >= the maps",
         "rows": rows,
     }
+    if args.grow_to is not None:
+        result["longest"] = {}
 
     def report(row: dict) -> None:
         # Written after every row, so a run stopped by a time limit keeps what it measured.
@@ -409,7 +527,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
         config = case_config(case, shape, on_gpu, block, args.layers, args.transformer_impl,
                              args.fp8, args.fp8_recipe)
         set_training_iteration(0)
-        model = build_model(config, shape, max(sizes), on_gpu)
+        model = build_model(config, shape, max(sizes + [args.grow_to or 0]), on_gpu)
         layer = getattr(model, "module", model).decoder.layers[0]
         # The coherent hooks' share of a token's own index query; a trained row calibrates it.
         noise = {"noise": NOISE}
@@ -418,57 +536,20 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
         log(f"{case}: {type(layer.self_attention).__name__}, {type(layer.mlp).__name__}")
         blocked = None
         for tokens, doc_mean in row_specs:
-            row = {"tokens": tokens, "case": case, "docs": None, "doc_mean": doc_mean,
-                   "layers": args.layers, "step_ms": None, "peak_gib": None}
             if blocked is not None and tokens >= blocked[0]:
-                row.update(status="skipped", note=f"{blocked[1]} at {blocked[0]} tokens")
-                report(row)
+                report({"tokens": tokens, "case": case, "docs": None, "doc_mean": doc_mean,
+                        "layers": args.layers, "step_ms": None, "peak_gib": None,
+                        "status": "skipped", "note": f"{blocked[1]} at {blocked[0]} tokens"})
                 continue
-            stats: dict = {}
-            step = layer_step(model, shape, tokens, device, doc_mean, doc_min, args.seed, stats,
-                              args.doc_maps)
-            if args.index == "trained" and case not in ("dense", "msa_warmup"):
-                try:
-                    row.update(calibrate_row(model, step, noise, doc_mean or tokens))
-                except Exception as error:  # out of memory, say: the row cannot run
-                    free_memory(on_gpu)
-                    row.update(status="oom" if is_oom(error) else "error",
-                               note=f"trained-regime calibration: "
-                               f"{type(error).__name__}: {str(error)[:300]}")
-                    report(row)
-                    continue
-            row_args = args
-            if doc_mean:
-                row["doc_maps"] = args.doc_maps
-                row_args = argparse.Namespace(**{**vars(args),
-                                                 "warmup": max(args.warmup, args.doc_maps)})
-            if run_row(step, row_args, on_gpu, row, "step_ms"):
-                row["peak_gib"] = peak_gib(on_gpu)
-                model.zero_grad(set_to_none=True)
-                free_memory(on_gpu)
-            if stats.get("documents"):
-                row["docs"] = statistics.mean(stats["documents"])
-            if case == "dense" and row["status"] == "ok":
-                # Its kernels by part (GPU only): the attention time the MSA rows' bound takes.
-                row.update(profile_step_parts(step))
-            if case != "dense" and row["status"] == "ok":
-                # One more, untimed step; its first MSA core-attention call tells how the
-                # selections split between the kernels and, timed alone against cuDNN, the
-                # attention's rate per attended pair.
-                call = capture_core_attention(model, step)
-                row.update(selection_stats(call))
-                # One more step under the profiler: every sparse kernel's time and the rest by
-                # part (GPU only).
-                row.update(profile_step_parts(step))
-                if call is not None and not args.no_pair_rate:
-                    row.update(row_pair_rate(call, args, on_gpu))
-                del call
-                free_memory(on_gpu)
+            row = measure_row(args, model, shape, case, tokens, doc_mean, doc_min, device,
+                              on_gpu, noise)
             if row["status"] in ("oom", "too_slow"):
                 blocked = (tokens, row["status"])
-            if row["status"] == "ok":
-                row["tokens_per_s"] = tokens / (row["step_ms"] / 1e3)
             report(row)
+        if args.grow_to is not None:
+            result["longest"][case] = grow(args, model, shape, case, doc_min, device, on_gpu,
+                                           noise, [r for r in rows if r["case"] == case],
+                                           report)
         del model
         MSAIndexerLossAutoScaler.reset()
         free_memory(on_gpu)

@@ -33,3 +33,26 @@ def parse_rows(text: str, means: list[int], name: str) -> list[tuple[int, int]]:
     if not rows:
         raise SystemExit(f"{name}={text!r}: expected a comma-separated list")
     return rows
+
+
+def next_length(ok: int, failed: int | None, limit: int, step: int) -> int | None:
+    """The next row length of a search for the longest row that fits (``--grow-to``).
+
+    Doubles ``ok`` (the longest row that ran) while no row failed, up to ``limit``; once one
+    did (``failed``, the shortest row that ran out of memory or time), halves the gap: the
+    midpoint, rounded down to a multiple of ``step``, while it lies strictly between the two.
+
+    Args:
+        ok: the longest row length that ran.
+        failed: the shortest row length that failed, or None.
+        limit: the longest length to try.
+        step: the resolution of the search once a row failed (a multiple of the block).
+
+    Returns:
+        The next length, or None when the search is over.
+    """
+    if failed is None:
+        nxt = min(2 * ok, limit)
+        return nxt if nxt > ok else None
+    mid = (ok + failed) // 2 // step * step
+    return mid if ok < mid < failed else None

@@ -163,6 +163,35 @@ def test_rows_parse_n_and_n_mean():
         parse_rows("0", [0], "--tokens")
 
 
+def test_longest_row_search_doubles_then_halves_the_gap():
+    from layer_bench.rows import next_length
+
+    # A GPU where rows up to 300000 tokens fit, searched from 262144 at 16384-token resolution.
+    ok, failed, tried = 262144, None, []
+    while (n := next_length(ok, failed, 1048576, 16384)) is not None:
+        tried.append(n)
+        ok, failed = (n, failed) if n <= 300000 else (ok, n)
+    assert tried == [524288, 393216, 327680, 294912, 311296]
+    assert (ok, failed) == (294912, 311296)
+    assert next_length(786432, None, 1048576, 16384) == 1048576  # the limit itself, then stop
+    assert next_length(1048576, None, 1048576, 16384) is None
+
+
+def test_grow_to_reports_the_longest_row(tmp_path):
+    proc = _run(tmp_path, "--tokens", "64", "--grow-to", "256", "--cases", "msa_loss_off",
+                "--no-attention-rows", "--no-pair-rate")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "layer.json").read_text())
+    assert [(r["tokens"], r["status"], r.get("search")) for r in result["rows"]] == [
+        (64, "ok", None), (128, "ok", "grow-to"), (256, "ok", "grow-to")]
+    longest = result["longest"]["msa_loss_off"]
+    assert longest["tokens"] == 256 and longest["first_failure"] is None
+    assert longest["step_ms"] == result["rows"][-1]["step_ms"] > 0
+    assert "msa_loss_off: longest row that ran 256 tokens" in proc.stdout
+    proc = _run(tmp_path, "--tokens", "64", "--grow-to", "48")
+    assert proc.returncode != 0 and "--grow-to=48: expected a multiple" in proc.stderr
+
+
 def test_bad_row_arguments(tmp_path):
     proc = _run(tmp_path, "--tokens", "128:x")
     assert proc.returncode != 0 and "'128:x' is not N or N:MEAN" in proc.stderr
