@@ -63,6 +63,7 @@ from nemo_msa.triton.launch import BackwardLaunch, current_launch
 from nemo_msa.triton.tiles import (
     LOG2E,
     LOG2E_C,
+    advance,
     csr_entry_rows,
     doc_block,
     dq_tile,
@@ -156,8 +157,9 @@ def _dq_token(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, q2
                                       D, FP32_DOT)
     dq = tl.zeros((GP, D), tl.float32)
     kn = tl.arange(0, BN)
+    q2k_row = advance(q2k_ptr, g, stride_sg) + t64 * stride_st
     for s in range(TOPK):
-        b = tl.load(q2k_ptr + g * stride_sg + t64 * stride_st + s)
+        b = tl.load(q2k_row + s)
         for c in tl.static_range(0, BS, BN):
             j = b * BS + c + kn
             kmask = (j <= p) & (b >= 0)
@@ -202,7 +204,7 @@ def _dq_union_kernel(
         return
     start, length, pos, rmask, tok, heads, own = union_tile_rows(tile, g, doc, cu_ptr,
                                                                  block_local_ptr, G, GP, QT, BS)
-    urow = union_ptr + g * stride_ug + slot * stride_ut
+    urow = advance(advance(union_ptr, g, stride_ug), slot, stride_ut)
     full = union_full_blocks(urow, count, own, UW)
     # Before any row load (and delta's store): half of the two launches' programs exit here.
     if union_rows_finite(nonfinite_ptr, g, stride_ng, urow, count, start, length, BS,
@@ -260,13 +262,19 @@ def _dq_whole_blocks(q, do, lse2, delta, dq, k_ptr, v_ptr, k_desc, v_desc, urow,
 
 
 @triton.jit
-def _dkdv_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, tok, heads, rmask, stride_qt, stride_qh,
-               stride_dot, stride_doh, stride_lh, D: tl.constexpr, FP32_DOT: tl.constexpr):
-    """One step's rows for dk/dv: q, dO [M, D], LSE (log2 domain) and delta fp32 [M]."""
+def _dkdv_rows(q_ptr, do_ptr, lse_group, delta_group, tok, heads, r_head, rmask, stride_qt,
+               stride_qh, stride_dot, stride_doh, stride_lh, D: tl.constexpr,
+               FP32_DOT: tl.constexpr):
+    """One step's rows for dk/dv: q, dO [M, D], LSE (log2 domain) and delta fp32 [M].
+
+    ``lse_group`` / ``delta_group`` point at the group's first head (an int64 base per
+    program), ``r_head`` is each row's head in the group: ``r_head * stride_lh`` stays int32,
+    below 2^31 for a real row unless G T passes 2^31, where q, O, dO and dq alone would hold
+    2^37 elements (256 GiB). A [M] int64 head offset held over the loop spilled (ADR 0051)."""
     q = load_rows(q_ptr, tok, heads, rmask, stride_qt, stride_qh, D)
     do = load_rows(do_ptr, tok, heads, rmask, stride_dot, stride_doh, D)
-    lse2 = tl.load(lse_ptr + heads * stride_lh + tok, mask=rmask, other=0.0) * LOG2E_C
-    delta = tl.load(delta_ptr + heads * stride_lh + tok, mask=rmask, other=0.0)
+    lse2 = tl.load(lse_group + r_head * stride_lh + tok, mask=rmask, other=0.0) * LOG2E_C
+    delta = tl.load(delta_group + r_head * stride_lh + tok, mask=rmask, other=0.0)
     if FP32_DOT:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -318,11 +326,13 @@ def _dkdv_kernel(
     r_tok = r // GP
     r_head = r % GP
     heads = g * G + r_head
+    lse_group = advance(lse_ptr, g * G, stride_lh)
+    delta_group = advance(delta_ptr, g * G, stride_lh)
     for e in range(lo, hi, QT):
         _, rmask, tok, pos = csr_entry_rows(list_ptr, tok_pos_ptr, e, hi, r_tok, r_head, G)
-        q, do, lse2, delta = _dkdv_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, tok, heads, rmask,
-                                        stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
-                                        D, FP32_DOT)
+        q, do, lse2, delta = _dkdv_rows(q_ptr, do_ptr, lse_group, delta_group, tok, heads,
+                                        r_head, rmask, stride_qt, stride_qh, stride_dot,
+                                        stride_doh, stride_lh, D, FP32_DOT)
         vis = (j[None, :] <= pos[:, None]) & rmask[:, None]
         sc = tl.dot(q, tl.trans(k)) * scale_log2
         pr = tl.where(vis, tl.exp2(sc - lse2[:, None]), 0.0)

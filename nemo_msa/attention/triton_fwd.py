@@ -44,6 +44,7 @@ from nemo_msa.triton.kernel_layout import (
 from nemo_msa.triton.launch import ForwardLaunch, current_launch
 from nemo_msa.triton.tiles import (
     LOG2E,
+    advance,
     finish_block_mass,
     finish_softmax,
     fold_block_mass,
@@ -145,8 +146,9 @@ def _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
     kk = tl.arange(0, KP)
     mass = tl.zeros((GP, KP), tl.float32)
     kn = tl.arange(0, BN)
+    q2k_row = advance(q2k_ptr, g, stride_sg) + t64 * stride_st
     for s in range(TOPK):
-        b = tl.load(q2k_ptr + g * stride_sg + t64 * stride_st + s)
+        b = tl.load(q2k_row + s)
         for c in tl.static_range(0, BS, BN):
             j = b * BS + c + kn
             kmask = (j <= p) & (b >= 0)
@@ -160,12 +162,12 @@ def _fwd_token(q_ptr, k_ptr, v_ptr, q2k_ptr, out_ptr, lse_ptr, t, g, start, p,
     out, lse = finish_softmax(m_i, l_i, acc)
     tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + dd[None, :],
              out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-    tl.store(lse_ptr + heads * stride_lh + t, lse, mask=hmask)
+    tl.store(advance(lse_ptr, heads, stride_lh) + t64, lse, mask=hmask)
     if EMIT:
         # Padded head rows hold q = 0: their mass is real softmax mass and must be left out.
         head_mass = tl.where(hmask[:, None], finish_block_mass(mass, l_i), 0.0)
-        tl.store(mass_ptr + g * stride_mg + t64 * stride_mt + kk, tl.sum(head_mass, axis=0) / G,
-                 mask=kk < TOPK)
+        tl.store(advance(mass_ptr, g, stride_mg) + t64 * stride_mt + kk,
+                 tl.sum(head_mass, axis=0) / G, mask=kk < TOPK)
 
 
 @triton.jit
@@ -210,7 +212,7 @@ def _fwd_union_kernel(
         return
     start, length, pos, rmask, tok, heads, own = union_tile_rows(tile, g, doc, cu_ptr,
                                                                  block_local_ptr, G, GP, QT, BS)
-    urow = union_ptr + g * stride_ug + slot * stride_ut
+    urow = advance(advance(union_ptr, g, stride_ug), slot, stride_ut)
     full = union_full_blocks(urow, count, own, UW)
     last = union_masked_end(urow, count, own, UW, OWN_TMA)
     # Before any Q load: every program of the two launches gets here, half of them to exit.
@@ -258,7 +260,7 @@ def _fwd_union_kernel(
     out = poison_rows(out, poisoned)
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + dd[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
-    tl.store(lse_ptr + heads * stride_lh + tok, lse, mask=rmask)
+    tl.store(advance(lse_ptr, heads, stride_lh) + tok, lse, mask=rmask)
     if EMIT:
         # Rows are token-major (row = i * GP + head): sum each token's heads.
         row_mass = tl.where(rmask[:, None], finish_block_mass(mass, l_i), 0.0)
@@ -267,8 +269,8 @@ def _fwd_union_kernel(
         p0 = own * BS + (tile % (BS // QT)) * QT
         kk = tl.arange(0, KP)
         mrow, mok = subset_rows(start + p0 + i, (p0 + i) < length, qrow_ptr, SUBSET)
-        tl.store(mass_ptr + g * stride_mg + mrow[:, None] * stride_mt + kk[None, :], tok_mass,
-                 mask=mok[:, None] & (kk < TOPK)[None, :])
+        tl.store(advance(mass_ptr, g, stride_mg) + mrow[:, None] * stride_mt + kk[None, :],
+                 tok_mass, mask=mok[:, None] & (kk < TOPK)[None, :])
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from nemo_msa.triton.kernel_layout import KernelLayout, QuerySubset
-from nemo_msa.triton.tiles import next_pow2, subset_rows, union_tile_span
+from nemo_msa.triton.tiles import advance, next_pow2, subset_rows, union_tile_span
 
 #: The most rows (tokens x padded heads) of one union program: 256-row tiles (16 tokens of 16
 #: heads) need more shared memory than an SM has at d = 128 (262 KB > 227 KB, forward and dq).
@@ -59,10 +59,10 @@ def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, blo
     pos = p0[:, None] + (i // TOPK)[None, :]
     valid = ((live & (doc >= 0))[:, None] & (i < WIDTH)[None, :]) & (pos < length[:, None])
     rows, valid = subset_rows(start[:, None] + pos, valid, qrow_ptr, SUBSET)
-    ids = tl.load(q2k_ptr + g * stride_sg + rows * stride_st + (i % TOPK)[None, :], mask=valid,
-                  other=-1)
+    ids = tl.load(advance(q2k_ptr, g, stride_sg) + rows * stride_st + (i % TOPK)[None, :],
+                  mask=valid, other=-1)
     key = tl.where(ids >= 0, ids, BIG)
-    dst = union_ptr + g * stride_ug + tiles[:, None] * stride_ut
+    dst = advance(advance(union_ptr, g, stride_ug), tiles[:, None], stride_ut)
     key = tl.sort(key)
     n, prev, _ = tl.associative_scan((tl.full((TP, W), 1, tl.int32), key, key), 1,
                                      _previous_of_segment)
@@ -73,7 +73,7 @@ def _tile_union_kernel(q2k_ptr, union_ptr, count_ptr, cu_ptr, block_doc_ptr, blo
     tl.store(dst + place, key, mask=live[:, None] & kept)
     tl.store(dst + i[None, :], tl.zeros((TP, W), tl.int32),
              mask=(live[:, None] & (i < WIDTH)[None, :]) & (i[None, :] >= count[:, None]))
-    tl.store(count_ptr + g * num_tiles + tiles, count, mask=live)
+    tl.store(advance(count_ptr, g, num_tiles) + tiles, count, mask=live)
 
 
 def tile_unions(q2k: torch.Tensor, view: KernelLayout, qt: int, *, tiles_per_program: int = 1,

@@ -305,7 +305,7 @@ def _sparse_kl_dq_kernel(
     t64 = t.to(tl.int64)
     de = tl.arange(0, DI)
     acc = tl.zeros([BT, DI], tl.float32)
-    base = h * stride_sh + t64 * stride_st
+    base = h.to(tl.int64) * stride_sh + t64 * stride_st  # [H, T, K]: int64 (ADR 0051)
     factor = 1.0
     if FACTOR:
         factor = tl.load(factor_ptr).to(tl.float32)

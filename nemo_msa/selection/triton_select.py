@@ -36,6 +36,7 @@ from nemo_msa.triton.kernel_layout import (
 )
 from nemo_msa.triton.launch import SelectLaunch, current_launch
 from nemo_msa.triton.tiles import (
+    advance,
     doc_block,
     max_keep_nan,
     next_pow2,
@@ -174,12 +175,12 @@ def _select_kernel(
     big = 0x7FFFFFFF
     valid = (cur >= 0) & (cur != unused)
     low = tl.full((BM, KP), _LOW_MASK, tl.int64)
-    row_off = h * stride_oh + qrow[:, None] * stride_ot + cols[None, :]
+    row_off = qrow[:, None] * stride_ot + cols[None, :]
     store_mask = row_ok[:, None] & (cols[None, :] < top_k)
     ids = tl.where(valid, (low - (cur & low)).to(tl.int32), big)
     ids = tl.sort(ids, dim=1)
     ids = tl.where(ids == big, -1, ids)
-    tl.store(out_ptr + row_off, ids, mask=store_mask)
+    tl.store(advance(out_ptr, h, stride_oh) + row_off, ids, mask=store_mask)
 
 
 def triton_select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, msa, *, top_k: int,

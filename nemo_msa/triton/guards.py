@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nemo_msa.triton.tiles import advance
+
 
 @triton.jit
 def finite_rows(x):
@@ -95,7 +97,7 @@ def _nonfinite_rows_kernel(k_ptr, v_ptr, flag_ptr, T, stride_kt, stride_kh, stri
                 other=0.0)
     # In fp32: the interpreter compares bf16 by its bits, where NaN == NaN.
     bad = (finite_rows(k.to(tl.float32)) & finite_rows(v.to(tl.float32))) == 0
-    tl.store(flag_ptr + g * stride_fg + t, bad.to(tl.int32), mask=inside)
+    tl.store(advance(flag_ptr, g, stride_fg) + t64, bad.to(tl.int32), mask=inside)
 
 
 def nonfinite_row_counts(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -132,7 +134,7 @@ def union_rows_finite(counts_ptr, g, stride_cg, union_row_ptr, n, start, length,
     b = tl.load(union_row_ptr + uu, mask=inside, other=0)
     first = start + b * BS
     last = start + tl.minimum(b * BS + BS, length) - 1
-    row = counts_ptr + g * stride_cg
+    row = advance(counts_ptr, g, stride_cg)
     at_last = tl.load(row + last, mask=inside, other=0)
     before = tl.load(row + first - 1, mask=inside & (first > 0), other=0)
     return tl.sum(at_last - before) == 0

@@ -29,6 +29,15 @@ def next_pow2(x: int) -> int:
 
 
 @triton.jit
+def advance(ptr, index, stride):
+    """``ptr + index * stride`` with the product in int64: the base of row (or head) ``index``
+    of a tensor whose elements can pass 2^31 (``index`` a scalar or a vector). Triton types an
+    integer argument below 2^31 as int32, and an int32 index times an int32 stride wraps there
+    (ADR 0051); the cast costs one conversion per program where ``index`` is per program."""
+    return ptr + index.to(tl.int64) * stride
+
+
+@triton.jit
 def max_keep_nan(a, b):
     """max(a, b) that returns NaN when either is NaN (``tl.max`` drops NaN: it lowers to the
     IEEE maxNum; ``max.NaN.f32`` keeps it at the same instruction cost)."""
@@ -372,7 +381,7 @@ def load_selection_rows(q2k_ptr, g, tok, rmask, stride_sg, stride_st, TOPK: tl.c
                         KP: tl.constexpr):
     """q2k[g, tok, :] as an int32 [M, KP] tile, -1 past TOPK and on masked rows."""
     kk = tl.arange(0, KP)
-    return tl.load(q2k_ptr + g * stride_sg + tok[:, None] * stride_st + kk[None, :],
+    return tl.load(advance(q2k_ptr, g, stride_sg) + tok[:, None] * stride_st + kk[None, :],
                    mask=rmask[:, None] & (kk[None, :] < TOPK), other=-1)
 
 
@@ -384,7 +393,7 @@ def load_do_and_delta(do_ptr, o_ptr, delta_ptr, tok, heads, mask, stride_dot, st
     do = load_rows(do_ptr, tok, heads, mask, stride_dot, stride_doh, D)
     o = load_rows(o_ptr, tok, heads, mask, stride_ot, stride_oh, D)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
-    tl.store(delta_ptr + heads * stride_lh + tok, delta, mask=mask)
+    tl.store(advance(delta_ptr, heads, stride_lh) + tok, delta, mask=mask)
     return do, delta
 
 
@@ -402,7 +411,7 @@ def load_dq_rows(q_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, tok, heads, mask,
     q = load_rows(q_ptr, tok, heads, mask, stride_qt, stride_qh, D)
     do, delta = load_do_and_delta(do_ptr, o_ptr, delta_ptr, tok, heads, mask, stride_dot,
                                   stride_doh, stride_ot, stride_oh, stride_lh, D)
-    lse2 = tl.load(lse_ptr + heads * stride_lh + tok, mask=mask, other=0.0) * LOG2E_C
+    lse2 = tl.load(advance(lse_ptr, heads, stride_lh) + tok, mask=mask, other=0.0) * LOG2E_C
     if FP32_DOT:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -460,7 +469,7 @@ def subset_union_tile_skipped(slot, g, count_ptr, num_tiles, max_count, block_do
     :func:`subset_tile_tokens_left`)."""
     tile = subset_tile(slot, tiles_ptr, SUBSET)
     doc = tl.load(block_doc_ptr + tile // (BS // QT))
-    count = tl.load(count_ptr + g * num_tiles + slot)
+    count = tl.load(advance(count_ptr, g, num_tiles) + slot)
     return tile, doc, count, (doc < 0) | (count > max_count)
 
 
@@ -481,6 +490,6 @@ def subset_tile_tokens_left(slot, g, count_ptr, num_tiles, max_count, block_doc_
     tile = subset_tile(slot, tiles_ptr, SUBSET)
     doc, start, length, p0 = union_tile_span(tile, block_doc_ptr, block_local_ptr, cu_ptr, QT,
                                              BS)
-    count = tl.load(count_ptr + g * num_tiles + slot)
+    count = tl.load(advance(count_ptr, g, num_tiles) + slot)
     n = tl.minimum(length - p0, QT)
     return tl.where((doc < 0) | (count <= max_count) | (~live), 0, n), start, p0
