@@ -40,7 +40,7 @@ from nemo_msa.triton.kernel_layout import (
     query_subset,
     subset_pointers,
 )
-from nemo_msa.triton.tiles import LOG2E, subset_rows, subset_tile, union_tile_span
+from nemo_msa.triton.tiles import LOG2E, advance, subset_rows, subset_tile, union_tile_span
 
 __all__ = ["dense_indexer_loss_triton"]
 
@@ -136,7 +136,9 @@ def _dense_kl_fwd_kernel(
     tsum = tl.zeros([QT], tl.float32)  # sum_b P
     mi = tl.full([QT], -float("inf"), tl.float32)
     li = tl.zeros([QT], tl.float32)
-    out_off = g * stride_pg + trow * stride_pt
+    # target / argkey are [H, T, blocks]: with 4 heads and one document, head 3's offset
+    # passes 2^31 from 302676 tokens, so it is int64 (ADR 0051). One offset, both tensors.
+    out_off = g.to(tl.int64) * stride_pg + trow * stride_pt
     for j in range(0, own + 1):
         kpos = j * BS + cols
         k_ok = kpos < length
@@ -167,10 +169,9 @@ def _dense_kl_fwd_kernel(
         tl.store(target_ptr + out_off + j, mass, mask=tok_ok)
         tl.store(argkey_ptr + out_off + j, (start + j * BS + arg).to(tl.int32), mask=tok_ok)
     lse_i = mi + tl.log(li)
-    stat = g * stride_sg + trow
-    tl.store(kl_ptr + stat, ent - cross + tsum * lse_i, mask=tok_ok)
-    tl.store(lse_ptr + stat, lse_i, mask=tok_ok)
-    tl.store(tsum_ptr + stat, tsum, mask=tok_ok)
+    tl.store(advance(kl_ptr, g, stride_sg) + trow, ent - cross + tsum * lse_i, mask=tok_ok)
+    tl.store(advance(lse_ptr, g, stride_sg) + trow, lse_i, mask=tok_ok)
+    tl.store(advance(tsum_ptr, g, stride_sg) + trow, tsum, mask=tok_ok)
 
 
 @triton.jit
@@ -189,12 +190,11 @@ def _dense_kl_dq_kernel(
     own = tl.load(pos_ptr + t, mask=ok, other=0) // BS
     iq = tl.load(iq_ptr + t64[:, None] * stride_iqt + g * stride_iqh + de[None, :],
                  mask=ok[:, None], other=0.0).to(tl.float32)
-    stat = g * stride_sg + t64
-    lse_i = tl.load(lse_ptr + stat, mask=ok, other=0.0)
-    tsum = tl.load(tsum_ptr + stat, mask=ok, other=0.0)
+    lse_i = tl.load(advance(lse_ptr, g, stride_sg) + t64, mask=ok, other=0.0)
+    tsum = tl.load(advance(tsum_ptr, g, stride_sg) + t64, mask=ok, other=0.0)
     coef = tl.load(grad_ptr).to(tl.float32) * index_scale * inv_denominator
     acc = tl.zeros([BT, DI], tl.float32)
-    off = g * stride_pg + t64 * stride_pt
+    off = g.to(tl.int64) * stride_pg + t64 * stride_pt  # one offset, both tensors (ADR 0051)
     for j in range(0, tl.max(own, axis=0) + 1):
         live = ok & (j <= own)
         key = tl.load(argkey_ptr + off + j, mask=live, other=0).to(tl.int64)
@@ -216,7 +216,7 @@ def _dk_step(iq_ptr, dscore_ptr, argkey_ptr, trow, ok, krow, local, g, stride_iq
     """One step of d index_k for a key block (rows ``krow``): the one-hot [block, BT] x
     index_q product over the query rows ``trow`` (``ok`` the real ones), fp32 [block, DI]."""
     de = tl.arange(0, DI)
-    off = g * stride_pg + trow * stride_pt + local
+    off = g.to(tl.int64) * stride_pg + trow * stride_pt + local
     key = tl.load(argkey_ptr + off, mask=ok, other=-1).to(tl.int64)
     ds = tl.load(dscore_ptr + off, mask=ok, other=0.0)
     iq = tl.load(iq_ptr + trow[:, None] * stride_iqt + g * stride_iqh + de[None, :],
@@ -264,7 +264,7 @@ def _dense_kl_dk_kernel(
             acc += _dk_step(iq_ptr, dscore_ptr, argkey_ptr, trow, ok, krow, local, g,
                             stride_iqt, stride_iqh, stride_pg, stride_pt, BT, DI, FP32_DOT)
     de = tl.arange(0, DI)
-    tl.store(dk_ptr + g * stride_dkg + krow[:, None] * stride_dkt + de[None, :], acc,
+    tl.store(advance(dk_ptr, g, stride_dkg) + krow[:, None] * stride_dkt + de[None, :], acc,
              mask=(kpos < length)[:, None])
 
 
