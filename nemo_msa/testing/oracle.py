@@ -3,7 +3,8 @@
 Written from MSA_SPEC.md, not from the package's kernels or reference backend:
 
 - :func:`select_rows_f64` / :func:`attention_rows_f64`: float64 selection and attention (with
-  dq) for a subset of query tokens, on any device (the benchmark checks large cases with them);
+  dq, and the rows' share of dk / dv) for a subset of query tokens, on any device (the benchmark
+  and the long-sequence GPU tests check large cases with them);
 - :func:`block_scores_f64`, :func:`select_f64`, :func:`attention_f64`,
   :func:`attention_grads_f64`: whole-layout float64 references for small cases;
 - :func:`tile_unions_reference`: the union lists of the hybrid kernels by torch sorts.
@@ -126,8 +127,16 @@ def attention_grads_f64(q, k, v, q2k, msa, scale, block_size, dout):
 # ----------------------------------------------------------------------------- query subsets
 
 
-def select_rows_f64(iq, ik, msa, rows, *, top_k, init_blocks, local_blocks, block_size):
-    """float64 canonical selection for the query tokens ``rows`` (int64 [S]) -> [H, S, top_k]."""
+def select_rows_f64(iq, ik, msa, rows, *, top_k, init_blocks, local_blocks, block_size,
+                    local=None):
+    """float64 canonical selection for the query tokens ``rows`` -> int32 [H, S, top_k].
+
+    Args:
+        iq: [Tq, H, d] index queries; ik: [T, d] the index keys of every token of ``msa``.
+        rows: int64 [S] the tokens' global compact rows (the layout's).
+        local: int64 [S] their rows of ``iq`` (a query subset's local rows); None: ``rows``.
+    """
+    local = rows if local is None else local
     cu = msa.cu_seqlens.long()
     doc = msa.token_documents.long()[rows]
     pos = msa.document_positions.long()[rows]
@@ -138,7 +147,7 @@ def select_rows_f64(iq, ik, msa, rows, *, top_k, init_blocks, local_blocks, bloc
         s, p = int(cu[doc[i]]), int(pos[i])
         o = p // bs
         keys = ik[s:s + p + 1].double()
-        sc = iq[rows[i]].double() @ keys.t()  # [H, p+1]
+        sc = iq[local[i]].double() @ keys.t()  # [H, p+1]
         nblk = o + 1
         padded = torch.full((h, nblk * bs), float("-inf"), dtype=torch.float64,
                             device=iq.device)
@@ -154,31 +163,67 @@ def select_rows_f64(iq, ik, msa, rows, *, top_k, init_blocks, local_blocks, bloc
     return out
 
 
-def attention_rows_f64(q, k, v, do, q2k, msa, rows, scale, block_size):
-    """float64 out [S, Hq, d], lse [Hq, S], dq [S, Hq, d] for the query tokens ``rows``."""
-    bs = block_size
+def attention_rows_f64(q, k, v, do, q2k, msa, rows, scale, block_size, *, local=None,
+                       kv_grads=False, chunk=None):
+    """float64 out [S, Hq, d], lse [Hq, S], dq [S, Hq, d] for the query tokens ``rows``.
+
+    Args:
+        q, do: [Tq, Hq, d]; k, v: [T, Hkv, d] (every token of ``msa``); q2k: int32
+            [Hkv, Tq, top_k].
+        rows: int64 [S] the tokens' global compact rows (the layout's).
+        local: int64 [S] their rows of q, do and q2k (a query subset's local rows); None:
+            ``rows``.
+        kv_grads: also return ``(dk, dv)``, float64 [T, Hkv, d]: the gradient of
+            ``sum(out * do)`` over these rows only, so a key block's whole dk / dv where
+            ``rows`` holds every query that selected the block.
+        chunk: query tokens per float64 product (None: all at once); each gathers
+            Hkv x chunk x top_k x block_size x d doubles of K and of V.
+
+    Returns:
+        ``(out, lse, dq)``, then ``dk, dv`` with ``kv_grads``.
+    """
+    local = rows if local is None else local
+    chunk = max(1, rows.numel()) if chunk is None else int(chunk)
+    dkv = (torch.zeros(k.shape, dtype=torch.float64, device=k.device),
+           torch.zeros(v.shape, dtype=torch.float64, device=v.device)) if kv_grads else None
+    parts = [_attention_rows_part(q, k, v, do, q2k, msa, rows[lo:lo + chunk],
+                                  local[lo:lo + chunk], scale, block_size, dkv)
+             for lo in range(0, rows.numel(), chunk)]
+    out, lse, dq = (torch.cat([part[i] for part in parts], dim) for i, dim in
+                    ((0, 0), (1, 1), (2, 0)))
+    return (out, lse, dq) + (dkv if kv_grads else ())
+
+
+def _attention_rows_part(q, k, v, do, q2k, msa, rows, local, scale, bs, dkv):
+    """:func:`attention_rows_f64` for one chunk of rows; adds the chunk's dk / dv to ``dkv``
+    (a pair of float64 [T, Hkv, d] tensors) unless it is None."""
     cu = msa.cu_seqlens.long()
     doc = msa.token_documents.long()[rows]
     pos = msa.document_positions.long()[rows]
-    hq, hkv = q.shape[1], k.shape[1]
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     grp = hq // hkv
-    sel = q2k[:, rows].long()  # [Hkv, S, K]
+    sel = q2k[:, local].long()  # [Hkv, S, K]
     j = sel[..., None] * bs + torch.arange(bs, device=q.device)  # [Hkv, S, K, bs]
     vis = (sel[..., None] >= 0) & (j <= pos[None, :, None, None])
-    krow = (cu[doc][None, :, None, None] + j).clamp(0, q.shape[0] - 1)
+    krow = (cu[doc][None, :, None, None] + j).clamp(0, k.shape[0] - 1)
     gidx = torch.arange(hkv, device=q.device)[:, None, None, None]
-    kk = k[krow, gidx].double().flatten(2, 3)  # [Hkv, S, K*bs, d]
-    vv = v[krow, gidx].double().flatten(2, 3)
+    kk = k[krow, gidx].double().flatten(2, 3).requires_grad_(dkv is not None)  # [Hkv, S, K*bs, d]
+    vv = v[krow, gidx].double().flatten(2, 3).requires_grad_(dkv is not None)
     vis = vis.flatten(2, 3)
-    qs = q[rows].double().view(-1, hkv, grp, q.shape[2]).permute(1, 0, 2, 3)
+    qs = q[local].double().view(-1, hkv, grp, d).permute(1, 0, 2, 3)
     qs = qs.detach().requires_grad_(True)  # [Hkv, S, G, d]
     sc = torch.einsum("hsgd,hsjd->hsgj", qs, kk) * scale
     sc = sc.masked_fill(~vis[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(sc, -1)
     pr = torch.exp(sc - lse[..., None])
     o = torch.einsum("hsgj,hsjd->hsgd", pr, vv)
-    dos = do[rows].double().view(-1, hkv, grp, q.shape[2]).permute(1, 0, 2, 3)
+    dos = do[local].double().view(-1, hkv, grp, d).permute(1, 0, 2, 3)
     (o * dos).sum().backward()
+    if dkv is not None:
+        # The gathered keys' gradients, added to their (token, KV head) rows.
+        flat = (krow * hkv + gidx).reshape(-1)
+        for grad, gathered in zip(dkv, (kk, vv), strict=True):
+            grad.view(-1, d).index_add_(0, flat, gathered.grad.reshape(-1, d))
     out = o.detach().permute(1, 0, 2, 3).reshape(rows.numel(), hq, -1)
     dq = qs.grad.permute(1, 0, 2, 3).reshape(rows.numel(), hq, -1)
     lse = lse.detach().permute(0, 2, 1).reshape(hq, rows.numel())
