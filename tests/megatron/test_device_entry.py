@@ -90,7 +90,8 @@ def test_bad_options_are_refused_by_name(capsys, argv, message):
 #: What each stage's dry run must print (one string per command or file operation, in order).
 DRY_RUNS = {
     "tests": ["NEMO_MSA_BENCH_TESTS=1 timeout -s INT -k 30 400 {py} -m pytest -v -m 'gpu or not "
-              "slow' tests/core tests/msa_kernels", "timeout -s INT -k 30 120 {py} -m pytest -q "
+              "slow' tests/core tests/msa_kernels --ignore tests/msa_kernels/"
+              "test_long_sequences_gpu.py", "timeout -s INT -k 30 120 {py} -m pytest -q "
               "-m gpu tests/megatron tests/training"],
     "te_part": ["# copy {root}/.te/part*/* to /tmp/te/"],
     "te": ["# when transformer_engine does not import yet:",
@@ -118,6 +119,11 @@ DRY_RUNS = {
                 " 45 --against '/tmp/msa_profile_traces/dense_<each>.json'", "# gzip the traces"],
     "te_rows": ["--transformer-impl transformer_engine --tokens", "--transformer-impl "
                 "transformer_engine --fp8 hybrid --tokens"],
+    "long_tests": ["timeout -s INT -k 30 400 {py} -m pytest -v --durations=0 tests/msa_kernels/"
+                   "test_long_sequences_gpu.py"],
+    "long_rows": ["timeout -k 30 400 {py} benchmarks/bench_layer.py --tokens 262144 --cases "
+                  "msa_sparse_loss --no-attention-rows --no-pair-rate --grow-to 1048576 --steps 2 "
+                  "--warmup 1 --json {out}/long.json >> {out}/long.log"],
     "bench": ["timeout -k 30 300 {py} benchmarks/bench_msa.py --sizes 131072 --packed 0 >> "
               "{out}/bench.log"],
     "ab": ["# when {root}/.base/benchmarks/bench_msa.py exists:", "cd {root}/.base && PYTHONPATH="

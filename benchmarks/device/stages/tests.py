@@ -20,6 +20,8 @@ from ..runner import Command, python
 NAME = "tests"
 HELP = "the GPU tests: tests/core and tests/msa_kernels compiled, then the gpu-marked ones"
 
+#: The long-sequence tests (the long_tests stage's).
+LONG = "tests/msa_kernels/test_long_sequences_gpu.py"
 _COUNTS = re.compile(r"^(=+ )?[0-9]+ (passed|failed|skipped|error)|^(FAILED|ERROR) |^rc ")
 _ENDED = re.compile(r"::.* (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
 
@@ -46,7 +48,9 @@ def run(args, ctx) -> dict | None:
     ctx.note("", log, new=True)
     env = {"NEMO_MSA_BENCH_TESTS": "1"}
     statuses = []
-    for call in (pytest("-v", "-m", "gpu or not slow", *args.paths, log=log,
+    # The long-sequence tests have their own stage (long_tests): 36 GiB and minutes.
+    long = () if any(LONG in str(path) for path in args.paths) else ("--ignore", LONG)
+    for call in (pytest("-v", "-m", "gpu or not slow", *args.paths, *long, log=log,
                         seconds=args.seconds, interrupt=True, env=env),
                  pytest("-q", "-m", "gpu", *args.marked_paths, log=log,
                         seconds=args.marked_seconds, interrupt=True, env=env)):
