@@ -106,7 +106,7 @@ def test_an_int32_row_offset_wraps_here():
 
 def test_attention_reads_rows_past_2_31_elements(set_launch):
     set_launch(MIXED)
-    hq, hkv, d = 4, 2, 16
+    hq, hkv, d = 2, 1, 16
     gen = torch.Generator().manual_seed(0)
     msa_h = make_layout([DOCS], TOKENS, BS)
     msa = layout_on_kernel_device(msa_h)
