@@ -23,6 +23,7 @@ import io
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,10 @@ def content_digests(path: str | os.PathLike) -> dict[str, str]:
             state[key] = torch.empty(item.size, dtype=item.properties.dtype)
         else:
             state[key] = io.BytesIO()
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():
+        # "torch.distributed is disabled ...: assuming ... a single process": as asked.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
     digests = {}
     for key, value in state.items():
         if isinstance(value, io.BytesIO):  # torch hands some objects back unread
