@@ -20,11 +20,15 @@ With ``--cost-tokens`` it then times the one-layer rows of ``benchmarks/bench_la
 (``--cost-cases``) with and without ``--deterministic``, each in a process of its own (the mode
 is a process setting), and prints the cost per row: the mode's step time over the default's.
 
-Everything lands in ``--out``: the runs' directories and logs, ``layer_default.json`` and
-``layer_deterministic.json``, and ``determinism.json`` (the checks, the cost rows, the GPU,
-torch and the commit). Usage on one GPU::
+The runs' directories go to ``--work`` (a new temporary directory by default, removed at the
+end unless ``--keep-work``); ``--out`` gets four files: ``determinism.json`` (the checks, each
+run's per-step metrics, the content digests of run a's checkpoints, the cost rows, the GPU,
+torch and the commit), ``determinism.log`` (every run's output under a header), and
+``layer_default.json`` / ``layer_deterministic.json`` with ``--cost-tokens``. Usage on one
+GPU (the checks and the cost fit one 10-minute call each on an H100)::
 
-    python benchmarks/determinism_check.py --out runs/determinism --cost-tokens 8192,32768
+    python benchmarks/determinism_check.py --out OUT/checks
+    python benchmarks/determinism_check.py --out OUT/cost --skip-checks --cost-tokens 8192,32768
     python benchmarks/determinism_check.py --out /tmp/det --cpu --steps 4 --interrupt-at 2 \\
         -- model.num_layers=2 model.hidden_size=64 ...   # CPU smoke run (tests)
 """
@@ -34,8 +38,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -102,41 +108,56 @@ def check(name: str, problems: list[str | None]) -> dict:
     return {"check": name, "passed": not found, "problems": found, "line": line}
 
 
-def pretrain(out: Path, name: str, overrides: list[str]) -> None:
-    """One ``scripts/pretrain.py`` run in its own process; its log in ``out/name.log``."""
-    cmd = [sys.executable, str(ROOT / "scripts" / "pretrain.py"), *overrides]
-    with open(out / f"{name}.log", "w") as log:
-        print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+def run(log: Path, name: str, cmd: list[str]) -> None:
+    """One process (``scripts/pretrain.py`` or ``bench_layer.py``), its output appended to
+    ``log`` under a header; a failure stops the check, quoting the output's end."""
+    header = f"== {name}: {' '.join(cmd[1:])}"
+    print(header, flush=True)
+    with open(log, "a") as fh:
+        fh.write(header + "\n")
+        fh.flush()
+        start = fh.tell()
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
     if proc.returncode:
-        tail = (out / f"{name}.log").read_text()[-3000:]
-        raise SystemExit(f"error: run {name} exited with {proc.returncode}:\n{tail}")
+        with open(log) as fh:
+            fh.seek(start)
+            tail = fh.read()[-3000:]
+        raise SystemExit(f"error: {name} exited with {proc.returncode}:\n{tail}")
 
 
-def run_checks(args: argparse.Namespace, overrides: list[str]) -> list[dict]:
-    """The three runs and their comparisons (see the module docstring)."""
-    out = args.out
+def pretrain(args: argparse.Namespace, name: str, overrides: list[str]) -> None:
+    """One ``scripts/pretrain.py`` run in its own process."""
+    run(args.out / "determinism.log", name,
+        [sys.executable, str(ROOT / "scripts" / "pretrain.py"), *overrides])
+
+
+def run_checks(args: argparse.Namespace, work: Path, report: dict) -> list[dict]:
+    """The three runs and their comparisons (see the module docstring); each run's per-step
+    metrics and run a's checkpoint digests go into ``report``."""
     base = [*(CPU_OVERRIDES if args.cpu else GPU_OVERRIDES),
             f"train.train_iters={args.steps}", f"checkpoint.save_interval={args.interrupt_at}",
-            "logger.plot=false", "logger.progress_bar=false", *overrides]
+            "logger.plot=false", "logger.progress_bar=false", *args.overrides]
     for name in ("a", "b"):
-        pretrain(out, name, [*base, f"checkpoint.save={out / name}"])
-    pretrain(out, "c_interrupted", [*base, f"checkpoint.save={out / 'c'}",
-                                    f"train.exit_interval={args.interrupt_at}"])
-    pretrain(out, "c_resumed", [*base, f"checkpoint.save={out / 'c'}"])
-    metrics = {n: read_metrics(out / n / "metrics.jsonl") for n in ("a", "b", "c")}
+        pretrain(args, name, [*base, f"checkpoint.save={work / name}"])
+    pretrain(args, "c_interrupted", [*base, f"checkpoint.save={work / 'c'}",
+                                     f"train.exit_interval={args.interrupt_at}"])
+    pretrain(args, "c_resumed", [*base, f"checkpoint.save={work / 'c'}"])
+    metrics = {n: read_metrics(work / n / "metrics.jsonl") for n in ("a", "b", "c")}
+    report["runs"] = {n: {it: {k: row.get(k) for k in COMPARED} for it, row in rows.items()}
+                      for n, rows in metrics.items()}
     last, cut = f"iter_{args.steps:07d}", f"iter_{args.interrupt_at:07d}"
+    report["digests_a"] = {it: content_digests(work / "a" / it) for it in (cut, last)}
     return [
         check(f"two runs, {args.steps} steps: per-step metrics",
               [first_difference(metrics["a"], metrics["b"])]),
         check("two runs: checkpoints",
-              [compare_checkpoints(out / "a" / cut, out / "b" / cut),
-               compare_checkpoints(out / "a" / last, out / "b" / last)]),
+              [compare_checkpoints(work / "a" / cut, work / "b" / cut),
+               compare_checkpoints(work / "a" / last, work / "b" / last)]),
         check(f"interrupted at {args.interrupt_at} and resumed: per-step metrics",
               [first_difference(metrics["a"], metrics["c"])]),
         check("interrupted and resumed: checkpoints",
-              [compare_checkpoints(out / "a" / cut, out / "c" / cut),
-               compare_checkpoints(out / "a" / last, out / "c" / last)]),
+              [compare_checkpoints(work / "a" / cut, work / "c" / cut),
+               compare_checkpoints(work / "a" / last, work / "c" / last)]),
     ]
 
 
@@ -145,16 +166,11 @@ def run_cost(args: argparse.Namespace) -> list[dict]:
     results = {}
     for mode in ("default", "deterministic"):
         path = args.out / f"layer_{mode}.json"
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_layer.py"), "--tokens",
-               args.cost_tokens, "--cases", args.cost_cases, "--no-attention-rows",
-               "--no-pair-rate", "--json", str(path), *(["--deterministic"] * (mode != "default")),
-               *(["--tiny", "--cpu", "--steps", "1", "--warmup", "1"] if args.cpu else [])]
-        print(f"== cost, {mode}: {' '.join(cmd[1:])}", flush=True)
-        with open(args.out / f"layer_{mode}.log", "w") as log:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        if proc.returncode:
-            raise SystemExit(f"error: bench_layer.py ({mode}) exited with {proc.returncode}; "
-                             f"see {args.out / f'layer_{mode}.log'}")
+        run(args.out / "determinism.log", f"cost, {mode}",
+            [sys.executable, str(ROOT / "benchmarks" / "bench_layer.py"), "--tokens",
+             args.cost_tokens, "--cases", args.cost_cases, "--no-attention-rows",
+             "--no-pair-rate", "--json", str(path), *(["--deterministic"] * (mode != "default")),
+             *(["--tiny", "--cpu", "--steps", "1", "--warmup", "1"] if args.cpu else [])])
         results[mode] = {(r["tokens"], r["case"]): r for r in json.loads(path.read_text())["rows"]}
     rows = []
     print(f"{'tokens':>8} {'case':<18} {'default ms':>11} {'determ. ms':>11} {'cost':>7}")
@@ -173,7 +189,12 @@ def run_cost(args: argparse.Namespace) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     """Runs the checks (and the cost rows); returns 0 when every check passes."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="directory for the runs and results")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="a new directory for the results (four files at most)")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="where the runs write their checkpoints (default: a new temporary "
+                    "directory)")
+    ap.add_argument("--keep-work", action="store_true", help="keep --work's runs at the end")
     ap.add_argument("--steps", type=int, default=40, help="steps of every run")
     ap.add_argument("--interrupt-at", type=int, default=20, help="where run c is interrupted")
     ap.add_argument("--cpu", action="store_true",
@@ -189,14 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.interrupt_at < args.steps:
         raise SystemExit(f"error: --interrupt-at={args.interrupt_at} --steps={args.steps}: "
                          "expected 0 < interrupt-at < steps")
-    if args.out.exists() and any(args.out.iterdir()):
-        raise SystemExit(f"error: --out {args.out} is not empty; expected a new directory")
+    for name, path in (("--out", args.out), ("--work", args.work)):
+        if path is not None and path.exists() and any(path.iterdir()):
+            raise SystemExit(f"error: {name} {path} is not empty; expected a new directory")
     args.out.mkdir(parents=True, exist_ok=True)
     import torch  # after the argument checks: a bad command line fails fast
 
     started = time.time()
-    checks = [] if args.skip_checks else run_checks(args, args.overrides)
-    cost = run_cost(args) if args.cost_tokens else []
     report = {
         "commit": commit_id(), "torch": torch.__version__,
         "gpu": "cpu" if args.cpu or not torch.cuda.is_available()
@@ -205,8 +225,16 @@ def main(argv: list[str] | None = None) -> int:
                                                        else sys.argv[1:])]),
         "steps": args.steps, "interrupt_at": args.interrupt_at,
         "overrides": [*(CPU_OVERRIDES if args.cpu else GPU_OVERRIDES), *args.overrides],
-        "checks": checks, "cost": cost, "seconds": time.time() - started,
     }
+    work = args.work or Path(tempfile.mkdtemp(prefix="determinism_"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        checks = [] if args.skip_checks else run_checks(args, work, report)
+    finally:
+        if not args.keep_work:
+            shutil.rmtree(work, ignore_errors=True)
+    cost = run_cost(args) if args.cost_tokens else []
+    report.update(checks=checks, cost=cost, seconds=time.time() - started)
     (args.out / "determinism.json").write_text(json.dumps(report, indent=1))
     passed = all(c["passed"] for c in checks)
     print(f"determinism check: {'PASS' if passed else 'FAIL'} ({len(checks)} checks)")

@@ -197,7 +197,9 @@ def _judge(record: dict, stale_s: float | None) -> _Verdict:
         stale_s, _MIN_MISSED_HEARTBEATS * float(record.get("heartbeat_s") or 0.0))
     age = _heartbeat_age(record)
     if "unreadable" in record:
-        if limit is not None and age is not None and age > limit:
+        if age is None:  # not even its modification time: nothing proves the holder gone
+            return _Verdict("live", "the lock file cannot be read")
+        if limit is not None and age > limit:
             return _Verdict("gone", f"the lock file holds no record and has not changed for "
                                     f"{age:.0f} s (checkpoint.lock_stale_s = {stale_s:g})")
         return _Verdict("undecided", "the lock file holds no record yet")
@@ -220,11 +222,11 @@ def _judge(record: dict, stale_s: float | None) -> _Verdict:
                 return _Verdict("gone", f"pid {pid} now runs another process (started at "
                                         "another time)")
             return _Verdict("live", "it runs on this host")
-    if limit is not None and age is not None and age > limit:
+    if age is None:  # nothing proves the holder gone
+        return _Verdict("live", "it runs on another host and its heartbeat cannot be read")
+    if limit is not None and age > limit:
         return _Verdict("gone", f"its heartbeat stopped {age:.0f} s ago "
                                 f"(checkpoint.lock_stale_s = {stale_s:g})")
-    if age is None:
-        return _Verdict("undecided", "its heartbeat cannot be read")
     return _Verdict("undecided", f"its last heartbeat was {max(age, 0.0):.0f} s ago")
 
 

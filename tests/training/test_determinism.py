@@ -118,7 +118,11 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     verdicts = [line for line in proc.stdout.splitlines() if line.endswith(": PASS")]
     assert len(verdicts) == 4 and "determinism check: PASS (4 checks)" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "determinism.json", "determinism.log", "layer_default.json", "layer_deterministic.json"]
     report = json.loads((tmp_path / "out" / "determinism.json").read_text())
     assert all(c["passed"] for c in report["checks"]) and report["gpu"] == "cpu"
+    assert sorted(report["runs"]) == ["a", "b", "c"] and len(report["runs"]["c"]) == 3
+    assert report["digests_a"]["iter_0000003"] and report["digests_a"]["iter_0000002"]
     (row,) = report["cost"]
     assert row["case"] == "dense" and row["cost"] > 0
