@@ -373,7 +373,7 @@ def acquire(root: str | os.PathLike, stale_s: float | None = 120.0,
                         else f"the lock of a run that is gone ({_holder(found)})")
                 taken_over = (f"warning: checkpoint directory {root}: took over {what}: "
                               f"{verdict.why}; the run resumes from the newest verified "
-                              "checkpoint")
+                              "checkpoint there, if any")
             continue
         break
     try:

@@ -202,7 +202,8 @@ def _takes_over(root: Path, why: str, stale_s: float | None = 0.5) -> float:
     try:
         assert line is not None and re.search(why, line), line
         assert line.startswith(f"warning: checkpoint directory {root}: took over ")
-        assert line.endswith("; the run resumes from the newest verified checkpoint")
+        assert line.endswith("; the run resumes from the newest verified checkpoint there, "
+                             "if any")
         assert json.loads(lock.path.read_text())["token"] == lock.token
         assert not list(root.glob(f"{LOCK_NAME}.stale-*"))  # the old file is gone
     finally:

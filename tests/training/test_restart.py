@@ -74,7 +74,7 @@ def _takeover_lines(text: str, root: Path, pid: int) -> list[str]:
     pattern = (rf"warning: checkpoint directory {re.escape(str(root))}: took over the lock of a "
                rf"run that is gone \(host {re.escape(socket.gethostname())}, pid {pid}, started "
                rf"[\d\-T:+]+\): pid {pid} is no longer running on this host; the run resumes "
-               r"from the newest verified checkpoint")
+               r"from the newest verified checkpoint there, if any")
     lines = [line for line in text.splitlines() if "took over" in line]
     assert len(lines) == 1 and re.fullmatch(pattern, lines[0]), lines
     return lines
