@@ -66,12 +66,18 @@ the documents select every visible block (MSA is exactly dense there) the same s
 query subsets: ``prefix_tokens``, ``msa_prefix_ms`` / ``msa_rest_ms``, ``cudnn_prefix_ms`` and
 ``prefix_pair_rate_vs_cudnn`` / ``rest_pair_rate_vs_cudnn`` (what cuDNN serving those rows
 could save; issue #50). ``--no-pair-rate`` skips them. ``--index coherent`` makes the MSA
-layers' index queries coherent within each 128-token block, as a trained indexer's selections
-are (``layer_bench/selection.py``); the default,
-``fresh``, keeps the untrained indexer's random ones. A row that runs out of memory or one of
-whose warm-up steps after the first (which compiles the kernels; the only one with
-``--warmup 1``) exceeds ``--max-step-s`` is reported as ``oom`` / ``too_slow`` and the run
-continues (larger sizes of that case are then skipped and reported as such).
+layers' index queries coherent within each 128-token block (``layer_bench/selection.py``);
+``--index trained`` keeps a calibrated share of each token's own index query beside its block's,
+so that the first MSA layer's 8-token tiles have the mean union a trained indexer's have
+(``benchmarks/indexer_regime.py``'s measurement scaled to the top-k; the row's ``trained_*``
+fields); the default, ``fresh``, keeps the untrained indexer's random ones. On a GPU every MSA
+row also profiles one more step: ``step_kernel_ms`` sums its kernels by part (selection, sparse
+forward, dq, dk/dv, indexer loss, recall, norm/rope, layout, dense attention, GEMMs, other) and
+``project_kernels`` lists this project's kernels one by one (``layer_bench/kernels.py``). A
+row that runs out of memory or one of whose warm-up steps after the first (which compiles the
+kernels; the only one with ``--warmup 1``) exceeds ``--max-step-s`` is reported as ``oom`` /
+``too_slow`` and the run continues (larger sizes of that case are then skipped and reported as
+such).
 
 Usage::
 
@@ -124,6 +130,8 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 logging.getLogger("megatron").setLevel(logging.ERROR)
 
 import torch  # noqa: E402
+from layer_bench.bound import step_bound  # noqa: E402
+from layer_bench.kernels import profile_step_parts  # noqa: E402
 from layer_bench.model import (  # noqa: E402
     ATTENTION_ROWS,
     CASES,
@@ -141,12 +149,14 @@ from layer_bench.pairs import pair_rate  # noqa: E402
 from layer_bench.report import commit_id, fmt_table, log, log_kernels, write_json  # noqa: E402
 from layer_bench.rows import parse_rows  # noqa: E402
 from layer_bench.selection import (  # noqa: E402
+    NOISE,
+    calibrate_row,
     capture_core_attention,
     coherent_index_hooks,
     selection_stats,
 )
 from layer_bench.steps import attention_step, layer_step, packed_attention_step  # noqa: E402
-from layer_bench.timing import free_memory, peak_gib, run_row  # noqa: E402
+from layer_bench.timing import free_memory, is_oom, peak_gib, run_row  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from nemo_msa.megatron import MSAIndexerLossAutoScaler, set_training_iteration  # noqa: E402
@@ -197,6 +207,22 @@ def row_pair_rate(call, args: argparse.Namespace, on_gpu: bool) -> dict:
         return {"pair_rate_note": f"{type(error).__name__}: {str(error)[:300]}"}
 
 
+def add_bounds(rows: list[dict], shape: Shape) -> None:
+    """Adds each MSA row's bound (:func:`layer_bench.bound.step_bound`) against the dense row of
+    its tokens, documents and layers, where both were measured."""
+    def key(r: dict) -> tuple:
+        return r["tokens"], r.get("doc_mean", 0), r.get("layers", 1)
+
+    dense = {key(r): r for r in rows if r["case"] == "dense" and r["status"] == "ok"}
+    for row in rows:
+        if row["case"].startswith("msa") and row["status"] == "ok" and key(row) in dense:
+            base = dense[key(row)]
+            row.update(step_bound(row, base["step_ms"], shape.heads, shape.head_dim,
+                                  shape.index_heads, shape.index_dim, shape.hidden,
+                                  row["tokens"],
+                                  base.get("step_kernel_ms", {}).get("dense attention")))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parses the arguments, times every row and prints the table (see the module docstring).
 
@@ -240,10 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel table (torch.profiler) of one more step per row")
     ap.add_argument("--profile-top", type=int, default=12)
-    ap.add_argument("--index", choices=("fresh", "coherent"), default="fresh",
+    ap.add_argument("--index", choices=("fresh", "coherent", "trained"), default="fresh",
                     help="index queries of the MSA layers: as the freshly initialized indexer "
-                    "makes them (random selections), or coherent within each 128-token block "
-                    "(selections like a trained indexer's; layer_bench/selection.py)")
+                    "makes them (random selections), coherent within each 128-token block, or "
+                    "with a trained indexer's 8-token-tile unions (a calibrated share of each "
+                    "token's own query; layer_bench/selection.py)")
     ap.add_argument("--host-profile", action="store_true",
                     help="per row, the time the host takes to issue one step (host_issue_ms) "
                     "and the top Python functions of another step under cProfile")
@@ -407,8 +434,10 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
         set_training_iteration(0)
         model = build_model(config, shape, max(sizes), on_gpu)
         layer = getattr(model, "module", model).decoder.layers[0]
-        if args.index == "coherent":
-            coherent_index_hooks(model, shape.block)
+        # The coherent hooks' share of a token's own index query; a trained row calibrates it.
+        noise = {"noise": NOISE}
+        if args.index in ("coherent", "trained"):
+            coherent_index_hooks(model, shape.block, noise)
         log(f"{case}: {type(layer.self_attention).__name__}, {type(layer.mlp).__name__}")
         blocked = None
         for tokens, doc_mean in row_specs:
@@ -421,6 +450,16 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
             stats: dict = {}
             step = layer_step(model, shape, tokens, device, doc_mean, doc_min, args.seed, stats,
                               args.doc_maps)
+            if args.index == "trained" and case not in ("dense", "msa_warmup"):
+                try:
+                    row.update(calibrate_row(model, step, noise, doc_mean or tokens))
+                except Exception as error:  # out of memory, say: the row cannot run
+                    free_memory(on_gpu)
+                    row.update(status="oom" if is_oom(error) else "error",
+                               note=f"trained-regime calibration: "
+                               f"{type(error).__name__}: {str(error)[:300]}")
+                    report(row)
+                    continue
             row_args = args
             if doc_mean:
                 row["doc_maps"] = args.doc_maps
@@ -432,12 +471,18 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
                 free_memory(on_gpu)
             if stats.get("documents"):
                 row["docs"] = statistics.mean(stats["documents"])
+            if case == "dense" and row["status"] == "ok":
+                # Its kernels by part (GPU only): the attention time the MSA rows' bound takes.
+                row.update(profile_step_parts(step))
             if case != "dense" and row["status"] == "ok":
                 # One more, untimed step; its first MSA core-attention call tells how the
                 # selections split between the kernels and, timed alone against cuDNN, the
                 # attention's rate per attended pair.
                 call = capture_core_attention(model, step)
                 row.update(selection_stats(call))
+                # One more step under the profiler: every sparse kernel's time and the rest by
+                # part (GPU only).
+                row.update(profile_step_parts(step))
                 if call is not None and not args.no_pair_rate:
                     row.update(row_pair_rate(call, args, on_gpu))
                 del call
@@ -478,13 +523,19 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
                     row["causal_pairs_vs_one_document"] = statistics.mean(stats["pairs"])
                 report(row)
 
+    add_bounds(rows, shape)
+    if args.json:
+        write_json(args.json, result)
     log_kernels(rows)
     log("\n" + fmt_table(rows))
     log("step_ms: median of one training step's forward+backward (optimizer excluded); "
          "x dense: dense step / this step; pair rate: the MSA layer's sparse attention's "
          "(query, key) pairs per ms over cuDNN's dense attention's on the same q/k/v and "
          "documents; fwdbwd_ms: attention alone; x cudnn: this / cuDNN; peak_gib: max "
-         "allocated during the row (model, grads and inputs included).")
+         "allocated during the row (model, grads and inputs included); of bound: the step "
+         "the row could reach (the dense step with its attention replaced by the MSA pairs, "
+         "the index scoring and projections at cuDNN's rate; layer_bench/bound.py) over "
+         "this step.")
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     return 0 if all(r["status"] in ("ok", "oom", "too_slow", "skipped") for r in rows) else 1

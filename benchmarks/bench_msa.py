@@ -88,7 +88,7 @@ def check_case(msa, x, args, gen, sel_fn, scale) -> dict:
     ref_sel = select_rows_f64(x["iq"], x["ik"], msa, rows, top_k=TOPK, init_blocks=INIT,
                               local_blocks=LOCAL, block_size=BS)
     r["sel_match_subset"] = (q2k[:, rows] == ref_sel).all(-1).float().mean().item()
-    # The backward takes the forward's union lists, as through autograd (backends_triton).
+    # The backward takes the forward's union lists, as through autograd (nemo_msa.backends.triton).
     out, lse, unions = triton_attention_forward(x["q"], x["k"], x["v"], q2k, msa, scale,
                                                 return_unions=True)
     dq, dk, dv = triton_attention_backward(x["do"], x["q"], x["k"], x["v"], out, lse, q2k, msa,

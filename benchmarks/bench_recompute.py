@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     model, config = build(shape, args.layers, max(sizes), on_gpu, args.loss)
 
     counter: list = []
-    select = msa_attention.select_blocks
-    msa_attention.select_blocks = lambda *a, **k: counter.append(1) or select(*a, **k)
+    select = msa_attention.select
+    msa_attention.select = lambda *a, **k: counter.append(1) or select(*a, **k)
     rows = []
     for tokens in sizes:
         generator = torch.Generator().manual_seed(tokens)

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 from layer_bench.model import Shape, build_model, case_config, init_single_rank  # noqa: E402
 from layer_bench.steps import layer_step  # noqa: E402
 
-from nemo_msa import backends  # noqa: E402
+from nemo_msa.backends import registry as backends  # noqa: E402
 from nemo_msa.testing.op_count import OpCounter  # noqa: E402
 
 #: M3's proportions, small: 8 query heads per KV head, index heads = KV heads.

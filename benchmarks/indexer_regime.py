@@ -53,6 +53,9 @@ sys.path.insert(1, str(REPO / "benchmarks"))
 import torch  # noqa: E402
 from msa_bench.unions import hybrid_work, tile_union_sizes  # noqa: E402
 
+from nemo_msa.q2k import Selection  # noqa: E402
+from nemo_msa.query_view import QueryView  # noqa: E402
+
 #: Union tile sizes reported (tokens per tile) and the union kernels' default cap (blocks).
 QTS = (1, 2, 4, 8)
 CAP = 24
@@ -79,9 +82,12 @@ def captured_selections(model):
 
     def hook_for(number: int):
         def capture(_module, args, kwargs):
-            # core_attention(query [T, Hq, d], key [T, Hkv, d], value, msa, q2k=..., ...)
-            if kwargs.get("q2k") is not None:
-                found.setdefault(number, []).append((kwargs["q2k"].detach().cpu(), args[3]))
+            # core_attention(query [T, Hq, d], key [T, Hkv, d], value, view, q2k=selection, ...)
+            selection = kwargs.get("q2k")
+            if selection is not None:
+                q2k = selection.q2k if isinstance(selection, Selection) else selection
+                found.setdefault(number, []).append((q2k.detach().cpu(),
+                                                     QueryView.of(args[3]).msa))
         return capture
 
     handles = [a.core_attention.register_forward_pre_hook(hook_for(a.layer_number),

@@ -10,9 +10,10 @@
 #   .te/kit                  ../shared/te: the torch extension built for torch 2.11.0+cu130, the
 #                            meta wheel, the small dependencies and install_te.sh
 # Then, on a warm machine, five device calls back to back (each within 30 s of the last):
-#   carry [".te/part0"]  STAGES=te_part bash benchmarks/device_validation.sh
+#   carry [".te/part0"]  python3 -m benchmarks.device te_part
 #   ... part1, part2, part3 the same ...
-#   carry [".te/part4", ".te/kit", ".whl"]  STAGES="te_part te" bash benchmarks/device_validation.sh
+#   carry [".te/part4", ".te/kit", ".whl"]
+#       python3 -m benchmarks.device te_part; python3 -m benchmarks.device te
 # te_part copies the carried part to /tmp/te (kept while the machine is warm); te joins and
 # installs them (.te/kit/install_te.sh) before its tests. Later calls on the same warm machine
 # find TE installed. benchmarks/README.md says how long it took.

@@ -1,29 +1,27 @@
-"""One meaning for every q2k: its canonical form, and which tensors are known to hold it.
+"""One meaning for every q2k, its canonical form, and a selection that knows it holds it.
 
 MSA_SPEC.md: any int32 q2k [Hkv, T, top_k] means, per (KV head, token), the *set* of its entries
 that are document-local block ids in ``0..own block``; order, duplicates, -1 and other ids change
 nothing. :func:`canonical_q2k` computes that set's canonical form (ascending, -1 at the tail),
 which is what :func:`nemo_msa.select_blocks` returns and what the kernels assume.
 
-``select_blocks`` marks its outputs (:func:`mark_canonical`), so the ops pay nothing for the
-canonical q2k of training; a q2k made or changed by hand is brought to the canonical form once
-(two sorts of [Hkv, T, top_k]) before any kernel reads it. The mark is a weak map from the tensor
-to its ``_version`` (an in-place write unmarks it), like the layout's memo: keyed by ``id`` with
-a weak reference, since tensors compare elementwise (a ``WeakKeyDictionary`` would call that).
+A :class:`Selection` carries a q2k with what is known about it: the block size its ids count in,
+whether it is canonical (``select_blocks``'s output is, so the ops pay nothing for the canonical
+q2k of training; a bare q2k is brought to the canonical form once, two sorts of
+[Hkv, T, top_k], before any kernel reads it), and the kernels' state of it that the backward
+reuses (the Triton forward's union lists). The layer and the ops pass the object, so nothing is
+looked up by tensor identity.
 """
 
 from __future__ import annotations
 
-import weakref
+from dataclasses import dataclass, field
 
 import torch
 
 from nemo_msa.layout import MSAMicrobatch, query_rows
 
-__all__ = ["canonical_q2k", "is_marked_canonical", "mark_canonical", "marked_block_size"]
-
-# id(tensor) -> (weak reference to it, its _version when it was marked, its block size).
-_CANONICAL: dict[int, tuple[weakref.ref, int, int]] = {}
+__all__ = ["Selection", "canonical_q2k"]
 
 
 def canonical_q2k(
@@ -42,8 +40,7 @@ def canonical_q2k(
         queries: optional int64 [Tq] global compact rows of q2k's tokens (a query subset).
 
     Returns:
-        int32 [Hkv, T, top_k], equal to ``select_blocks``'s output for the same sets (marked
-        canonical).
+        int32 [Hkv, T, top_k], equal to ``select_blocks``'s output for the same sets.
     """
     positions = query_rows(msa.document_positions, queries)
     own = (positions.long() // msa.block_size)[None, :, None]  # [1, T, 1]
@@ -53,31 +50,42 @@ def canonical_q2k(
     repeat = torch.zeros_like(ids, dtype=torch.bool)
     repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
     ids = torch.where(repeat, unused, ids).sort(dim=-1).values
-    return mark_canonical(torch.where(ids == unused, -1, ids).to(torch.int32), msa.block_size)
+    return torch.where(ids == unused, -1, ids).to(torch.int32)
 
 
-def mark_canonical(q2k: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Records that ``q2k`` holds the canonical form of block ids of ``block_size`` tokens
-    (until it is written in place); returns it."""
-    key = id(q2k)
+@dataclass(eq=False)
+class Selection:
+    """Selected key blocks with what is known about them: what the layer and the ops pass.
 
-    def forget(ref: weakref.ref, key: int = key) -> None:
-        if _CANONICAL.get(key, (None,))[0] is ref:
-            del _CANONICAL[key]
+    Attributes:
+        q2k: int32 [Hkv, Tq, top_k] document-local block ids (Tq: the view's queries).
+        block_size: the key-block size its ids count in (the layout's it was selected on).
+        canonical: ``q2k`` holds the canonical form (``select_blocks``'s, or
+            :func:`canonical_q2k`'s): ascending ids in 0..own block, -1 at the tail.
+        unions: the Triton forward's union lists of this selection
+            (:class:`~nemo_msa.attention.triton_union.TileUnions`), kept for its backward's dq;
+            None until a forward builds them (and for the other backends).
+    """
 
-    _CANONICAL[key] = (weakref.ref(q2k, forget), q2k._version, int(block_size))
-    return q2k
+    q2k: torch.Tensor
+    block_size: int
+    canonical: bool = False
+    unions: object | None = None
+    _version: int = field(init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        self._version = self.q2k._version
 
-def is_marked_canonical(q2k: torch.Tensor) -> bool:
-    """Whether ``q2k`` was marked canonical and has not been written in place since."""
-    return marked_block_size(q2k) is not None
+    def check_intact(self) -> None:
+        """Raises where ``q2k`` was written in place since the selection was made: what it
+        claims about it (canonical, its union lists) no longer holds.
 
-
-def marked_block_size(q2k: torch.Tensor) -> int | None:
-    """The block size ``q2k``'s ids were made for, where it was marked canonical and has not
-    been written in place since; else None."""
-    ref, version, block_size = _CANONICAL.get(id(q2k), (None, -1, 0))
-    if ref is None or ref() is not q2k or version != q2k._version:
-        return None
-    return block_size
+        Raises:
+            ValueError: naming the write.
+        """
+        if self.q2k._version != self._version:
+            raise ValueError(
+                "the selection's q2k was written in place after it was made (its canonical "
+                "form and union lists no longer hold); select again, or pass the changed "
+                "tensor itself, which the op brings to the canonical form"
+            )

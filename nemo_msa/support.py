@@ -10,9 +10,11 @@ Config field names (Megatron TransformerConfig + the ``msa_*`` fields of
 nemo_msa.megatron.config): num_attention_heads, num_query_groups, kv_channels,
 msa_num_index_heads, msa_index_head_dim, msa_block_size, msa_topk, msa_init_blocks,
 msa_local_blocks, msa_score_type, msa_backend; the precision fields fp8 (with
-transformer_impl), fp8_dot_product_attention, fp8_multi_head_attention and fp4; and the features
-refused here: apply_rope_fusion, fused_single_qkv_rope. Whether the backend runs context
-parallelism (a query subset) is its capability record's answer, asked by nemo_msa.plan.
+transformer_impl), fp8_dot_product_attention, fp8_multi_head_attention and fp4; and the feature
+refused here: fused_single_qkv_rope (``apply_rope_fusion`` runs TE's fused RoPE at document
+positions; its gate, which needs TE and a CUDA device, is nemo_msa.megatron.rope's). Whether
+the backend runs context parallelism (a query subset) is its capability record's answer, asked
+by nemo_msa.plan.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from nemo_msa.backends import AUTO, get_backend
+from nemo_msa.backends.registry import AUTO, get_backend
 from nemo_msa.limits import (
     MAX_TOP_K,
     SUPPORTED_BLOCK_SIZES,
@@ -195,8 +197,7 @@ def require_msa_support(config: Any, backend: str | None = None) -> MSATopology:
 
     Raises:
         NotImplementedError: FP8 attention (fp8_dot_product_attention,
-            fp8_multi_head_attention), FP4, or fused RoPE (apply_rope_fusion,
-            fused_single_qkv_rope).
+            fp8_multi_head_attention), FP4, or fused single-QKV RoPE (fused_single_qkv_rope).
         ValueError: FP8 GEMMs without Transformer Engine's layers (``transformer_impl``), or a
             topology, score type or backend name MSA cannot run; names field and value.
     """
@@ -204,12 +205,14 @@ def require_msa_support(config: Any, backend: str | None = None) -> MSATopology:
     if refusal is not None:
         raise refusal.error(f"config.{refusal.field}={refusal.value!r}: expected "
                             f"{refusal.expected}")
-    for flag in ("apply_rope_fusion", "fused_single_qkv_rope"):
-        if getattr(config, flag, False):
-            raise NotImplementedError(
-                f"MSA attention does not support {flag}=True: fused RoPE applies row-0 "
-                "positions, which is wrong for packed documents; set it to False"
-            )
+    if getattr(config, "fused_single_qkv_rope", False):
+        raise NotImplementedError(
+            "MSA attention does not support fused_single_qkv_rope=True: Transformer Engine's "
+            "fused QKV RoPE takes sbhd/bshd rows with one start position per row and no "
+            "cu_seqlens, so it cannot restart positions at each packed document (and Megatron "
+            "runs it only without q/k norms); set it to False (apply_rope_fusion=True runs TE's "
+            "fused RoPE at document positions)"
+        )
     topology = MSATopology.from_config(config)
     topology.validate()
     if backend is not None and backend != AUTO:

@@ -62,7 +62,7 @@ def kernel_backends_on_the_cpu(monkeypatch):
     """GPU-less doubles of the Triton and flashinfer backends' device checks, in a private copy
     of the registry: what a layer's plan decides at construction is tested on the CPU (the
     kernels never launch; flashinfer itself is imported only on first use)."""
-    from nemo_msa import backends
+    from nemo_msa.backends import registry as backends
 
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
     monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))

@@ -20,11 +20,12 @@ import argparse
 import math
 
 import torch
-
 from layer_bench.selection import CoreAttentionCall
 from layer_bench.steps import cudnn_document_attention
 from layer_bench.timing import run_timed
-from nemo_msa.q2k import canonical_q2k, is_marked_canonical, mark_canonical
+
+from nemo_msa.q2k import Selection, canonical_q2k
+from nemo_msa.query_view import QueryView
 
 #: Matmul FLOPs per attended (query, key) pair and per (head, channel), forward + backward.
 FLOPS_PER_PAIR_CHANNEL = 14
@@ -110,11 +111,13 @@ def _leaves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return prepare
 
 
-def _msa_backward(call: CoreAttentionCall, kwargs: dict):
-    """A timed call's ``run``: the captured core attention with ``kwargs``, forward + backward
-    of its output (the block mass, where asked for, has no gradient)."""
+def _msa_backward(call: CoreAttentionCall, kwargs: dict, view: QueryView | None = None):
+    """A timed call's ``run``: the captured core attention with ``kwargs`` (on ``view``, by
+    default the call's), forward + backward of its output (the block mass, where asked for,
+    has no gradient)."""
     def run(x: dict) -> None:
-        out = call.module(x["q"], x["k"], x["v"], *call.args[3:], **kwargs)
+        out = call.module(x["q"], x["k"], x["v"], call.args[3] if view is None else view,
+                          **kwargs)
         if kwargs.get("return_block_mass"):
             out = out[0]
         out.backward(x["dout"])
@@ -160,13 +163,13 @@ def pair_rate(call: CoreAttentionCall, on_gpu: bool, warmup: int, reps: int) -> 
         ValueError: a call with a query subset (context parallelism), whose pairs these counts
             do not cover.
     """
-    query, key, value, msa = call.args[:4]
-    kwargs = call.kwargs
-    if kwargs.get("queries") is not None:
+    query, key, value = call.args[:3]
+    msa, kwargs = call.msa, call.kwargs
+    if call.view.queries is not None:
         raise ValueError("pair_rate counts every token as a query; the call has a query subset")
     heads, head_dim = query.shape[1], query.shape[2]
     lengths = msa.document_lengths
-    pairs = {"msa": selected_pairs(kwargs["q2k"], msa), "cudnn": dense_pairs(lengths)}
+    pairs = {"msa": selected_pairs(call.q2k, msa), "cudnn": dense_pairs(lengths)}
 
     prepare = _leaves(query, key, value)
     msa_run = _msa_backward(call, kwargs)
@@ -197,9 +200,9 @@ def pair_rate(call: CoreAttentionCall, on_gpu: bool, warmup: int, reps: int) -> 
 def _prefix_split(call: CoreAttentionCall, timed, pairs: dict, ms: dict) -> dict:
     """:func:`pair_rate`'s prefix fields (empty where the row has no split: no dense prefix,
     nothing else, or a prefix that is not each document's first tokens)."""
-    query, key, value, msa = call.args[:4]
-    kwargs = call.kwargs
-    found = dense_prefix(kwargs["q2k"], msa)
+    query, key, value = call.args[:3]
+    msa, kwargs = call.msa, call.kwargs
+    found = dense_prefix(call.q2k, msa)
     if found is None or not 0 < found[0].numel() < query.shape[0]:
         return {}
     rows, prefix_lengths = found
@@ -208,13 +211,12 @@ def _prefix_split(call: CoreAttentionCall, timed, pairs: dict, ms: dict) -> dict
     rows, rest = rows.to(query.device), torch.nonzero(others).flatten().to(query.device)
 
     def subset(which: torch.Tensor):
-        # A row slice of a canonical selection is canonical: marked as the selection's own
-        # q2k is, so the timed op does not sort it again as training would not.
-        q2k = kwargs["q2k"][:, which].contiguous()
-        if is_marked_canonical(kwargs["q2k"]):
-            mark_canonical(q2k, msa.block_size)
+        # A row slice of a canonical selection is canonical, so the timed op does not sort it
+        # again (as training would not).
+        canonical = getattr(kwargs["q2k"], "canonical", False)
+        rows_of = Selection(call.q2k[:, which].contiguous(), msa.block_size, canonical)
         return (_leaves(query[which], key, value),
-                _msa_backward(call, {**kwargs, "q2k": q2k, "queries": which}))
+                _msa_backward(call, {**kwargs, "q2k": rows_of}, QueryView(msa, which)))
 
     prefix_pairs = dense_pairs(prefix_lengths)
     msa_prefix = timed(*subset(rows))

@@ -19,7 +19,8 @@ def log(*parts) -> None:
 def fmt_table(rows: list[dict]) -> str:
     """The printed table: one line per row, with its speed-up over dense and over cuDNN, and an
     MSA row's pair rate (its sparse attention's pairs per ms over cuDNN's,
-    ``pair_rate_vs_cudnn``).
+    ``pair_rate_vs_cudnn``) and the share of its bound it reaches (``fraction_of_bound``,
+    :mod:`layer_bench.bound`).
 
     Args:
         rows: the rows as reported (``tokens``, ``case``, ``status`` and the timings).
@@ -39,7 +40,7 @@ def fmt_table(rows: list[dict]) -> str:
                 if r["case"].startswith("cudnn_attention") and r.get("status") == "ok"}
     head = (f"| {'tokens':>7} | {'docs':>6} | {'case':<28} | {'status':<8} | {'step_ms':>9} "
             f"| {'tok/s':>10} | {'x dense':>7} | {'pair rate':>9} | {'fwdbwd_ms':>9} "
-            f"| {'x cudnn':>7} | {'peak_gib':>8} |")
+            f"| {'x cudnn':>7} | {'peak_gib':>8} | {'of bound':>8} |")
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
 
     def num(value, width, digits=1):
@@ -56,7 +57,7 @@ def fmt_table(rows: list[dict]) -> str:
             f"| {r['tokens']:>7} | {num(docs, 6)} | {case:<28} | {r['status']:<8} "
             f"| {num(step, 9)} | {num(r.get('tokens_per_s'), 10, 0)} | {num(x_dense, 7, 2)} "
             f"| {num(r.get('pair_rate_vs_cudnn'), 9, 2)} | {num(fb, 9)} | {num(x_cudnn, 7, 2)} "
-            f"| {num(r.get('peak_gib'), 8, 2)} |"
+            f"| {num(r.get('peak_gib'), 8, 2)} | {num(r.get('fraction_of_bound'), 8, 2)} |"
         )
     return "\n".join(lines)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from layer_bench.model import Shape
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from layer_bench.model import Shape
 from nemo_msa import MSAMicrobatch
 from nemo_msa.attention import dense_document_attention
 from nemo_msa.megatron import MSAIndexerMetrics

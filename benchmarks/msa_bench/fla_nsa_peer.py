@@ -54,7 +54,6 @@ import importlib
 import math
 
 import torch
-
 from msa_bench.peer_steps import import_site_modules, peer_table
 
 #: The release this module's reading (docstring) is of.

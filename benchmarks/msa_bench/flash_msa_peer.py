@@ -50,7 +50,6 @@ import math
 from pathlib import Path
 
 import torch
-
 from msa_bench.peer_steps import import_site_modules, peer_table
 
 #: The peer's fixed block size and head dim, and its largest top-k in blocks.

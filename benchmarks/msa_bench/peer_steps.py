@@ -14,7 +14,6 @@ import traceback
 from pathlib import Path
 
 import torch
-
 from msa_bench.cases import HKV, HQ, D
 from msa_bench.timing import log, time_fn
 

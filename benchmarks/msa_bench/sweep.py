@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from msa_bench.cases import (
     BS,
     DI,
@@ -28,6 +27,7 @@ from msa_bench.cases import (
 )
 from msa_bench.report import fmt_sweep_line
 from msa_bench.timing import log, time_fn
+
 from nemo_msa.triton.launch import launch_overrides
 
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from nemo_msa import unplanned
 from nemo_msa.attention.finite import finite_keys_and_values, mark_attending_rows
 from nemo_msa.layout import MSAMicrobatch, validate_queries
 from nemo_msa.limits import require_float_tensor, require_softmax_scale
@@ -367,15 +368,16 @@ def dense_document_attention(
     msa: MSAMicrobatch,
     softmax_scale: float,
     queries: torch.Tensor | None = None,
-    fused: bool | None = None,
+    path: str | None = None,
 ) -> torch.Tensor:
     """Dense causal attention within documents on compact tokens (dense layers, warm-up).
 
-    On CUDA in fp16/bf16 where ``fused`` allows it: :func:`dense_document_attention_per_document`
-    (cuDNN SDPA per run of equal-length documents, GQA without copies, no mask). Elsewhere (CPU,
-    fp32/fp64, a reference plan): :func:`dense_document_attention_rows` (per-row SDPA with the
-    cached document mask). Both compute the same function and gradients. With ``queries`` (a
-    query subset: context parallelism) :func:`dense_document_attention_queries` on any device.
+    Three paths compute the same function and gradients: ``"per_document"``
+    (:func:`dense_document_attention_per_document`: cuDNN SDPA per run of equal-length
+    documents, GQA without copies, no mask; CUDA, fp16/bf16), ``"rows"``
+    (:func:`dense_document_attention_rows`: per-row SDPA with the cached document mask; any
+    device and dtype) and ``"queries"`` (:func:`dense_document_attention_queries`: a query
+    subset, context parallelism).
 
     Args:
         q: [T, Hq, d] compact queries ([Tq, Hq, d] with ``queries``).
@@ -385,22 +387,35 @@ def dense_document_attention(
         softmax_scale: multiplies q.k.
         queries: optional int64 [Tq] global compact rows of q's tokens (ascending); None =
             every token.
-        fused: whether the per-document path may run (a layer passes its plan's
-            :attr:`~nemo_msa.plan.MSAPlan.fused_helpers`: False on the reference backend);
-            None allows it.
+        path: the path (a layer passes its plan's
+            :attr:`~nemo_msa.plan.MSAKernels.dense_attention`); None chooses per call: the
+            query subset's with ``queries``, else per document on CUDA in fp16/bf16, else per
+            row (a direct caller; counted by :mod:`nemo_msa.unplanned`).
 
     Returns:
         [T, Hq, d] ([Tq, Hq, d]) in q's dtype.
 
     Raises:
-        ValueError: shapes that disagree with each other or with the layout.
+        ValueError: shapes that disagree with each other or with the layout, or a call that
+            ``path`` does not take (naming ``MSAKernels.dense_attention``).
     """
-    if queries is not None:
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if path is None:
+        unplanned.record("dense_attention")
+        path = ("queries" if queries is not None
+                else "per_document" if q.is_cuda and half else "rows")
+    if path == "queries" and queries is not None:
         validate_qkv(q, k, v, msa, queries, softmax_scale)
         return dense_document_attention_queries(q, k, v, msa, softmax_scale, queries)
-    if (fused is None or fused) and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if path == "per_document" and queries is None and q.is_cuda and half:
         return dense_document_attention_per_document(q, k, v, msa, softmax_scale)
-    return dense_document_attention_rows(q, k, v, msa, softmax_scale)
+    if path == "rows" and queries is None:
+        return dense_document_attention_rows(q, k, v, msa, softmax_scale)
+    raise ValueError(
+        f"MSAKernels.dense_attention={path!r} does not take this call ({q.dtype} on "
+        f"{q.device}, {'a query subset' if queries is not None else 'every token a query'}); "
+        "the layer's plan did not foresee it"
+    )
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 flashinfer (0.7.2) ships ``flashinfer.msa_ops.msa_sparse_attention``, the MiniMax sparse
 attention forward for compute capability 10.0/10.3 (and 12.x). Every conversion between its
 arguments and this project's compact layout lives here, so that the backend
-(:mod:`nemo_msa.backends_flashinfer`) only dispatches:
+(:mod:`nemo_msa.backends.flashinfer`) only dispatches:
 
 - sequences: flashinfer's "sequence" is one document. ``cu_seqlens_q`` and ``cu_seqlens_k`` are
   both the layout's ``cu_seqlens`` (int32 [D + 1]); q, k and v are the compact tokens, flat
@@ -34,9 +34,9 @@ from collections.abc import Callable
 
 import torch
 
-from nemo_msa.capabilities import FLASHINFER_PREFILL
+from nemo_msa.backends.capabilities import FLASHINFER_PREFILL
 from nemo_msa.layout import MSAMicrobatch
-from nemo_msa.q2k import canonical_q2k, is_marked_canonical
+from nemo_msa.q2k import canonical_q2k
 
 __all__ = [
     "FLASHINFER_BLOCK_SIZE",
@@ -51,8 +51,9 @@ __all__ = [
     "unsupported_shape_reason",
 ]
 
-# What the SM100/SM103 kernels take is the record nemo_msa.capabilities.FLASHINFER_PREFILL; the
-# names below are its fields, for the layout conversion.
+# What the SM100/SM103 kernels take is the record
+# nemo_msa.backends.capabilities.FLASHINFER_PREFILL; the names below are its fields, for the
+# layout conversion.
 #: Tokens per KV block in flashinfer's MSA kernels (fixed).
 FLASHINFER_BLOCK_SIZE = FLASHINFER_PREFILL.block_sizes[0]
 #: The only head dim of the SM100/SM103 kernels.
@@ -99,7 +100,8 @@ def unsupported_shape_reason(
                                       group=q.shape[1] // k.shape[1])
 
 
-def to_flashinfer_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> torch.Tensor:
+def to_flashinfer_q2k(q2k: torch.Tensor, msa: MSAMicrobatch, canonical: bool = False
+                      ) -> torch.Tensor:
     """The q2k flashinfer takes: the same set of blocks in its canonical 16-column form.
 
     A row keeps exactly the entries that are document-local block ids in 0..own block (the
@@ -110,6 +112,8 @@ def to_flashinfer_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> torch.Tensor:
     Args:
         q2k: int32 [Hkv, T, top_k], top_k <= 16: document-local block ids; any values.
         msa: the layout (``document_positions`` int32 [T], ``block_size``).
+        canonical: the caller knows q2k is canonical (a :class:`~nemo_msa.q2k.Selection`'s
+            flag): it is only widened.
 
     Returns:
         int32 [Hkv, T, 16], contiguous: ascending distinct ids in 0..own block, -1 at the tail.
@@ -123,7 +127,7 @@ def to_flashinfer_q2k(q2k: torch.Tensor, msa: MSAMicrobatch) -> torch.Tensor:
     if q2k.shape[2] > FLASHINFER_TOP_K:
         raise ValueError(f"q2k has top_k={q2k.shape[2]} columns; flashinfer takes at most "
                          f"{FLASHINFER_TOP_K}")
-    ids = q2k if is_marked_canonical(q2k) else canonical_q2k(q2k, msa)
+    ids = q2k if canonical else canonical_q2k(q2k, msa)
     missing = FLASHINFER_TOP_K - ids.shape[-1]
     if missing:
         ids = torch.cat([ids, ids.new_full((*ids.shape[:-1], missing), -1)], dim=-1)
@@ -170,6 +174,7 @@ def flashinfer_attention_forward(
     q2k: torch.Tensor,
     msa: MSAMicrobatch,
     softmax_scale: float,
+    canonical: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MSA attention forward by flashinfer's ``msa_sparse_attention``.
 
@@ -181,6 +186,7 @@ def flashinfer_attention_forward(
             of ids in 0..own block counts).
         msa: the layout; ``block_size`` must be 128.
         softmax_scale: multiplies q.k before the softmax.
+        canonical: q2k is known to be canonical (:func:`to_flashinfer_q2k`).
 
     Returns:
         ``(out, lse)``: out in q's dtype [T, Hq, 128]; lse fp32 [Hq, T], natural log (-inf
@@ -209,7 +215,7 @@ def flashinfer_attention_forward(
     msa_sparse_attention = load_msa_sparse_attention()
     cu_seqlens = flashinfer_cu_seqlens(msa)
     out, lse = msa_sparse_attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), to_flashinfer_q2k(q2k, msa),
+        q.contiguous(), k.contiguous(), v.contiguous(), to_flashinfer_q2k(q2k, msa, canonical),
         cu_seqlens, cu_seqlens, causal=True, softmax_scale=float(softmax_scale),
         return_softmax_lse=True,
     )

@@ -38,10 +38,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from nemo_msa.backends.capabilities import GLUON_DKDV
 from nemo_msa.triton.tiles import LOG2E, tma_rows
 
-__all__ = ["GLUON_DKDV_WARPS", "descriptor_blocks", "gluon_dkdv", "gluon_dkdv_supported",
-           "row_stats"]
+__all__ = ["GLUON_DKDV_WARPS", "descriptor_blocks", "gluon_dkdv", "gluon_dkdv_inputs_reason",
+           "gluon_dkdv_supported", "row_stats"]
 
 #: Warps of the dk/dv program's consumer partition: two warpgroups, 64 keys each.
 GLUON_DKDV_WARPS = 8
@@ -250,27 +251,37 @@ def descriptor_blocks(group: int, head_dim: int, block_size: int) -> dict:
             "st_desc": ("fp32", [2 * group], word), "pos_desc": ("i32", [group], word)}
 
 
-#: The Triton releases whose Gluon this kernel was written and tested against (Gluon's API
-#: changes between releases; others take the Triton kernel).
-TESTED_TRITON = ("3.6.",)
-_TRITON_TESTED = triton.__version__.startswith(TESTED_TRITON)
+def gluon_dkdv_inputs_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             dout: torch.Tensor) -> str | None:
+    """Why :func:`gluon_dkdv` cannot read these tensors as they are laid out (None when it
+    can): q and dO dense ([T, Hq, d] contiguous, 16-byte aligned), k and v with dense rows of
+    heads ([T, Hkv, d] with the head and dim strides of a contiguous tensor), and
+    2 T Hq < 2^31 (the kernel's TMA coordinates are int32). What it takes of the layer (the
+    GPU, dtype, head dim, block size, group) is
+    :data:`~nemo_msa.backends.capabilities.GLUON_DKDV`, which the plan asks."""
+    t, hq, _ = q.shape
+    if not 0 < 2 * t * hq < 2**31:
+        return f"2 T Hq = {2 * t * hq} rows: the kernel's TMA coordinates are int32"
+    for name, x in (("q", q), ("dout", dout)):
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            return f"{name} is not a dense, 16-byte aligned [T, Hq, d] tensor"
+    for name, x in (("k", k), ("v", v)):
+        if not tma_rows(x):
+            return f"{name} has no dense, 16-byte aligned rows of heads"
+    return None
 
 
 def gluon_dkdv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          dout: torch.Tensor, group: int, block_size: int) -> bool:
-    """Whether :func:`gluon_dkdv` takes these inputs: a tested Triton, an SM90 GPU, bf16, head
-    dim 128, block 128, 16 query heads per KV head, q and dO dense ([T, Hq, d] contiguous), k
-    and v with dense rows of heads ([T, Hkv, d] with the head and dim strides of a contiguous
-    tensor), and 2 T Hq < 2^31 (the kernel's TMA coordinates are int32)."""
-    if not _TRITON_TESTED:
-        return False
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
-        return False
-    t, hq, d = q.shape
-    return (q.dtype == torch.bfloat16 and d == 128 and block_size == 128 and group == 16
-            and 0 < 2 * t * hq < 2**31 and q.is_contiguous() and dout.is_contiguous()
-            and tma_rows(k) and tma_rows(v) and q.data_ptr() % 16 == 0
-            and dout.data_ptr() % 16 == 0)
+    """Whether :func:`gluon_dkdv` takes these inputs: the layer's part is
+    :data:`~nemo_msa.backends.capabilities.GLUON_DKDV` (a tested Triton, an SM90 GPU, bf16,
+    head dim 128, block 128, 16 query heads per KV head), the tensors' part
+    :func:`gluon_dkdv_inputs_reason`."""
+    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    return GLUON_DKDV.why_not(
+        compute_capability=capability, dtype=q.dtype, head_dim=q.shape[-1],
+        block_size=block_size, group=group, triton_version=triton.__version__,
+    ) is None and gluon_dkdv_inputs_reason(q, k, v, dout) is None
 
 
 def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,

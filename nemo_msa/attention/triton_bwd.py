@@ -18,7 +18,9 @@ Two kernels:
   reductions measured slower than the dq kernels on five of six rows, bound by the rate of
   those reductions (ADR 0044).
   On SM90 at the production shape the same dk/dv comes from the Gluon kernel of
-  :mod:`nemo_msa.attention.gluon_dkdv` (ADR 0042), bit for bit.
+  :mod:`nemo_msa.attention.gluon_dkdv` (ADR 0042), bit for bit. Which of the two runs is the
+  caller's ``dkdv`` (a layer's plan names it, ``MSAKernels.dkdv``); only a direct caller without
+  one has it chosen per call.
 """
 
 from __future__ import annotations
@@ -30,10 +32,16 @@ import triton
 import triton.language as tl
 
 try:  # Gluon's Hopper API as Triton 3.6 has it; other Tritons take the Triton dk/dv kernel
-    from nemo_msa.attention.gluon_dkdv import gluon_dkdv, gluon_dkdv_supported
+    from nemo_msa.attention.gluon_dkdv import (
+        gluon_dkdv,
+        gluon_dkdv_inputs_reason,
+        gluon_dkdv_supported,
+    )
 except ImportError:
     gluon_dkdv = None
+from nemo_msa import unplanned
 from nemo_msa.attention.triton_union import TileUnions, hybrid_plan, tensor_identity
+from nemo_msa.backends.capabilities import GLUON_DKDV
 from nemo_msa.triton.guards import (
     dq_tile_masked,
     finite_delta,
@@ -409,7 +417,7 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
                               q2k: torch.Tensor, msa, softmax_scale: float | None = None, *,
                               block_size: int | None = None, unions: TileUnions | None = None,
                               launch: BackwardLaunch | None = None,
-                              queries: torch.Tensor | None = None):
+                              queries: torch.Tensor | None = None, dkdv: str | None = None):
     """Gradients of the sparse MSA attention; deterministic (no atomics).
 
     Args:
@@ -431,12 +439,17 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
             :func:`~nemo_msa.attention.triton_fwd.triton_attention_forward`): dout, q, out, lse
             and q2k then have Tq rows; dk / dv have k's T rows and hold the local queries'
             contributions only (the CP reduce-scatter adds the ranks').
+        dkdv: the dk/dv kernel, ``"triton"`` or ``"gluon"`` (a layer's plan names it:
+            ``MSAKernels.dkdv``); None chooses per call from the inputs and ``launch``'s
+            ``kv_kernel`` (a direct caller; counted by :mod:`nemo_msa.unplanned`).
 
     Returns:
         ``(dq, dk, dv)`` with q's, k's and v's shapes and dtypes.
 
     Raises:
-        ValueError: on a bad argument (the message names it, its value and the expectation).
+        ValueError: on a bad argument (the message names it, its value and the expectation),
+            or ``dkdv="gluon"`` on inputs the Gluon kernel does not take (naming
+            ``MSAKernels.dkdv``).
     """
     cfg = current_launch("bwd") if launch is None else launch
     bs = int(block_size if block_size is not None else msa.block_size)
@@ -455,6 +468,10 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         raise ValueError(f"unions were built from another q2k (data_ptr, version, shape) = "
                          f"{unions.source}, got {tensor_identity(q2k)}: pass the forward's "
                          f"unions with the q2k it was given, unchanged")
+    if dkdv not in (None, "triton", "gluon"):
+        raise ValueError(f"dkdv={dkdv!r}; expected 'triton', 'gluon' or None")
+    if dkdv == "gluon":  # before any kernel runs
+        _check_gluon_call(q, grp, bs)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k) if subset is None else torch.zeros_like(k)
@@ -472,10 +489,13 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     # The dq launch also writes delta (rowsum(dO * O)), which the dk/dv kernel reads.
     _launch_dq(cfg, view, rows, q2k_, scale, t, hkv, top_k, grp, gp, d, unions, subset)
     csr = block_query_csr(q2k_, view, subset)
-    if (cfg.kv_kernel == "gluon" and gluon_dkdv is not None
-            and gluon_dkdv_supported(q_, k_, v_, do_, grp, bs)):
-        gluon_dkdv(q_, k_, v_, do_, lse_, delta, csr, view, (subset or view).token_pos, scale,
-                   bs, dk, dv)
+    if dkdv is None:
+        unplanned.record("dkdv")
+        dkdv = ("gluon" if cfg.kv_kernel == "gluon" and gluon_dkdv is not None
+                and gluon_dkdv_supported(q_, k_, v_, do_, grp, bs) else "triton")
+    if dkdv == "gluon":
+        gluon_dkdv(*_gluon_inputs(q_, k_, v_, do_), lse_, delta, csr, view,
+                   (subset or view).token_pos, scale, bs, dk, dv)
         return dq, dk, dv
     meta = dkdv_launch(cfg, grp, bs, d)
     rows = dict(q_ptr=q_, k_ptr=k_, v_ptr=v_, do_ptr=do_, lse_ptr=lse_, delta_ptr=delta,
@@ -488,3 +508,37 @@ def triton_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         G=grp, BS=bs, D=d, FP32_DOT=INTERPRET, **meta,
     )
     return dq, dk, dv
+
+
+def _check_gluon_call(q: torch.Tensor, group: int, block_size: int) -> None:
+    """Refuses a call the Gluon dk/dv kernel, named by the caller's plan, does not take.
+
+    Raises:
+        ValueError: the Gluon kernel is not importable here, or the call is not what it takes
+            (naming ``MSAKernels.dkdv``).
+    """
+    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    reason = GLUON_DKDV.why_not(compute_capability=capability, dtype=q.dtype,
+                                head_dim=q.shape[-1], block_size=block_size, group=group,
+                                triton_version=triton.__version__)
+    if reason is None and gluon_dkdv is None:
+        reason = "nemo_msa.attention.gluon_dkdv does not import with this Triton"
+    if reason is not None:
+        raise ValueError(f"MSAKernels.dkdv='gluon' but this call has {reason}; the layer's "
+                         "plan did not foresee it")
+
+
+def _gluon_inputs(q, k, v, dout) -> tuple[torch.Tensor, ...]:
+    """q, k, v and dO laid out as the Gluon kernel reads them (dense copies of those that are
+    not), for a caller whose plan named it.
+
+    Raises:
+        ValueError: more rows than its int32 coordinates reach (naming ``MSAKernels.dkdv``).
+    """
+    if gluon_dkdv_inputs_reason(q, k, v, dout) is not None:
+        q, k, v, dout = (x.clone(memory_format=torch.contiguous_format) for x in (q, k, v, dout))
+    reason = gluon_dkdv_inputs_reason(q, k, v, dout)
+    if reason is not None:
+        raise ValueError(f"MSAKernels.dkdv='gluon': this call's {reason}, which the layer's "
+                         "plan did not foresee; build it with bwd.kv_kernel='triton'")
+    return q, k, v, dout

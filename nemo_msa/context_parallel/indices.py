@@ -32,18 +32,22 @@ def load_balanced_indices(
     """The global column of each local position of rank ``cp_rank`` (BSHD).
 
     Args:
-        seq_len: S, the global sequence length (a multiple of 2 * cp_size).
+        seq_len: S, the global sequence length (a multiple of 2 * cp_size when cp_size > 1).
         cp_size: N, the context-parallel size.
         cp_rank: r in 0..N-1.
         device: where to build the map.
 
     Returns:
-        int64 [S / N]: chunk r's columns, then chunk 2N-1-r's, each ascending.
+        int64 [S / N]: chunk r's columns, then chunk 2N-1-r's, each ascending (every column in
+        order for N = 1, whatever S).
 
     Raises:
-        ValueError: ``seq_len`` not a multiple of ``2 * cp_size``, or a bad size/rank.
+        ValueError: ``seq_len`` not a multiple of ``2 * cp_size`` (N > 1), or a bad size/rank.
     """
     _check_rank(cp_size, cp_rank)
+    if cp_size == 1 and seq_len >= 1:
+        # Nothing is split: chunks 0 and 1 are the whole sequence in order, of any length.
+        return torch.arange(seq_len, dtype=torch.int64, device=device)
     if seq_len < 1 or seq_len % (2 * cp_size) != 0:
         raise ValueError(
             f"seq_len={seq_len} is not a positive multiple of 2 * context_parallel_size = "
@@ -64,7 +68,8 @@ def thd_load_balanced_indices(
 
     Args:
         cu_seqlens_padded: int [D + 1] padded sequence starts, then the pack's length; every
-            ``L_i`` a multiple of 2 * cp_size (one host synchronization reads it).
+            ``L_i`` a multiple of 2 * cp_size when cp_size > 1 (one host synchronization reads
+            it); with cp_size = 1 the rank holds every row in order, of any lengths.
         cp_size: N.
         cp_rank: r.
 
@@ -75,6 +80,10 @@ def thd_load_balanced_indices(
         ValueError: a sequence length not a multiple of 2N, or a bad size/rank.
     """
     _check_rank(cp_size, cp_rank)
+    if cp_size == 1:
+        # No split: sequences of any length (an odd one included) stay whole and in order.
+        total = cu_seqlens_padded[-1].to(torch.int64)
+        return torch.arange(int(total), dtype=torch.int64, device=cu_seqlens_padded.device)
     bounds = [int(x) for x in cu_seqlens_padded.tolist()]
     parts = []
     for index, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):

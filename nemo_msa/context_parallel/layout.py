@@ -32,6 +32,7 @@ from nemo_msa.context_parallel.indices import (
     thd_load_balanced_indices,
 )
 from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.query_view import QueryView
 from nemo_msa.tensor_memo import TensorMemo
 
 __all__ = ["ContextParallelLayout", "thd_document_map"]
@@ -65,6 +66,8 @@ class ContextParallelLayout:
         rows_in_order: ``local_rows`` is ``0..Tq-1`` (N = 1, one row, no padding): the compact
             tokens are the Megatron tensors' own rows, so :meth:`pack_local` and
             :meth:`unpack_local` reshape instead of gathering and scattering.
+        view: ``msa`` with ``queries`` (:class:`nemo_msa.query_view.QueryView`), what the layer
+            hands the ops: built once, with the layout.
     """
 
     msa: MSAMicrobatch
@@ -78,6 +81,10 @@ class ContextParallelLayout:
     group: object = None
     rows_in_order: bool = False
     _keep: object = field(default=None, repr=False)
+    view: QueryView = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.view = QueryView(self.msa, self.queries)
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from nemo_msa.capabilities import TRITON
+from nemo_msa import unplanned
+from nemo_msa.backends.capabilities import TRITON_HELPERS
 from nemo_msa.indexer_loss.triton_byproducts import (
     block_scores_triton,
     byproduct_grads_triton,
@@ -108,18 +109,29 @@ def sparse_kl_forward_reference(
 
 
 def _fused(target: torch.Tensor, index_q: torch.Tensor, fused: bool | None) -> bool:
-    """The Triton kernels (:mod:`nemo_msa.indexer_loss.triton_byproducts`) where they run: where
-    ``fused`` allows them (None: the kernels' device, CUDA or the host under the interpreter),
-    an fp32 target, fp16/bf16 index tensors, d one of the Triton record's index head dims
-    (nemo_msa.capabilities). They are deterministic (no atomics), so a deterministic-algorithms
-    request keeps them."""
-    dim = index_q.shape[-1]
-    return (
-        (kernels_run_on(target) if fused is None else fused)
-        and target.dtype == torch.float32
-        and index_q.dtype in (torch.float16, torch.bfloat16)
-        and dim in TRITON.index_head_dims
-    )
+    """Whether the Triton passes (:mod:`nemo_msa.indexer_loss.triton_byproducts`) run: where
+    ``fused`` says so (None: on the kernels' device, CUDA or the host under the interpreter,
+    where they take the inputs). They take an fp32 target and the index tensors of their record
+    (:data:`~nemo_msa.backends.capabilities.TRITON_HELPERS`' ``loss_passes``: fp16/bf16, the
+    Triton index head dims). They are deterministic (no atomics), so a
+    deterministic-algorithms request keeps them.
+
+    Raises:
+        ValueError: ``fused`` on inputs the passes do not take, naming
+            ``MSAKernels.loss_passes``.
+    """
+    reason = TRITON_HELPERS.loss_passes.why_not(dtype=index_q.dtype, dim=index_q.shape[-1])
+    if reason is None and target.dtype != torch.float32:
+        reason = f"the target (block mass) is {target.dtype}, not float32"
+    if fused is None:
+        unplanned.record("loss_passes")
+        return kernels_run_on(target) and reason is None
+    if fused and reason is None and not kernels_run_on(target):
+        reason = f"the Triton kernels do not run on {target.device}"
+    if fused and reason is not None:
+        raise ValueError(f"MSAKernels.loss_passes=True but {reason}; the layer's plan did not "
+                         "foresee these inputs")
+    return fused
 
 
 def block_scores_reference(
@@ -240,10 +252,11 @@ def sparse_indexer_loss_from_byproducts(
             context parallelism); q2k and the mass then have Tq token rows and the argmax keys
             are global rows of index_k. The KL is divided by index_k's (global) token count, so
             the ranks' losses add up to the unsplit loss.
-        fused: whether the Triton passes may run (where the inputs allow them); False: the
-            torch references (:func:`block_scores_reference`,
-            :func:`sparse_kl_forward_reference`); None decides from the device. A layer passes
-            its plan's :attr:`~nemo_msa.plan.MSAPlan.fused_helpers`.
+        fused: run the Triton passes (a layer passes its plan's
+            :attr:`~nemo_msa.plan.MSAKernels.loss_passes`); False: the torch references
+            (:func:`block_scores_reference`, :func:`sparse_kl_forward_reference`); None chooses
+            per call from the device and the inputs (a direct caller; counted by
+            :mod:`nemo_msa.unplanned`).
 
     Returns:
         ``(loss, stats)`` as :func:`compute_indexer_loss`: ``coeff * sum_local KL / (T * H)``

@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from nemo_msa.capabilities import TRITON
+from nemo_msa import unplanned
+from nemo_msa.backends.capabilities import TRITON_HELPERS
 from nemo_msa.indexer_loss.triton_recall import selection_recall_rows_triton
 from nemo_msa.layout import query_rows
 from nemo_msa.limits import accumulation_dtype
@@ -64,25 +65,34 @@ def sampled_selection_recall(
             subset: context parallelism; key stays every token's). The sample is then drawn
             from the Tq local tokens (each rank samples its own; the sums add over ranks, and
             ``num_rows >= Tq`` on every rank gives the exact recall of the whole microbatch).
-        fused: whether the Triton kernel may measure the sample
+        fused: the Triton kernel measures the sample
             (:func:`~nemo_msa.indexer_loss.triton_recall.selection_recall_rows_triton`: one pass
             per sampled row over its own document's visible keys, products of the fp16/bf16
             inputs accumulated in fp32, no [n, Hq, T] score tensor) instead of the chunked torch
-            pass over the whole workspace (TF32 on CUDA). It runs where the inputs allow it
-            (fp16/bf16, a head dim of the Triton record, every token a query); None allows it on
-            CUDA. A layer passes its plan's :attr:`~nemo_msa.plan.MSAPlan.fused_helpers`.
+            pass over the whole workspace (TF32 on CUDA). A layer passes its plan's
+            :attr:`~nemo_msa.plan.MSAKernels.recall`; inputs the kernel does not take (its
+            record: fp16/bf16, a Triton head dim, every token a query) are then refused. None
+            chooses per call: on CUDA where the kernel takes the inputs (a direct caller;
+            counted by :mod:`nemo_msa.unplanned`).
 
     Returns:
         ``{"recall_mass": sum of covered mass, "recall_count": sampled (token, head) pairs}``,
         scalars (fp32; fp64 for fp64 inputs), as :func:`compute_indexer_loss` reports them.
 
     Raises:
-        ValueError: ``num_rows`` < 1.
+        ValueError: ``num_rows`` < 1, or ``fused`` on inputs the kernel does not take (naming
+            ``MSAKernels.recall``).
     """
     if num_rows < 1:
         raise ValueError(f"num_rows={num_rows}; expected >= 1")
-    allowed = query.is_cuda if fused is None else fused
-    if allowed and queries is None and _fused_reason(query, key) is None:
+    reason = _fused_reason(query, key, queries)
+    if fused is None:
+        unplanned.record("recall")
+        fused = query.is_cuda and reason is None
+    if fused and reason is not None:
+        raise ValueError(f"MSAKernels.recall=True but {reason}; the layer's plan did not "
+                         "foresee these inputs")
+    if fused:
         return _fused_recall(query, key, q2k, msa, softmax_scale, num_rows)
     tokens, q_heads, dim = query.shape
     heads = key.shape[1]
@@ -131,13 +141,14 @@ def _sample_rows(n: int, tokens: int, device: torch.device) -> torch.Tensor:
     return torch.arange(tokens, 2 * n * tokens, 2 * tokens, device=device) // (2 * n)
 
 
-def _fused_reason(query: torch.Tensor, key: torch.Tensor) -> str | None:
-    """Why the Triton recall cannot run these inputs (None when it can)."""
-    if query.dtype not in (torch.float16, torch.bfloat16) or key.dtype != query.dtype:
-        return f"query/key dtypes {query.dtype}/{key.dtype}: the kernel reads fp16/bf16"
-    if query.shape[-1] not in TRITON.head_dims:
-        return f"head dim {query.shape[-1]}: the kernel takes one of {TRITON.head_dims}"
-    return None
+def _fused_reason(query: torch.Tensor, key: torch.Tensor,
+                  queries: torch.Tensor | None) -> str | None:
+    """Why the Triton recall cannot run these inputs (None when it can): its record,
+    :data:`~nemo_msa.backends.capabilities.TRITON_HELPERS`' ``recall``."""
+    if key.dtype != query.dtype:
+        return f"query/key dtypes {query.dtype}/{key.dtype} differ"
+    return TRITON_HELPERS.recall.why_not(dtype=query.dtype, dim=query.shape[-1],
+                                         query_subset=queries is not None)
 
 
 def _fused_recall(query, key, q2k, msa, softmax_scale: float, num_rows: int) -> dict:

@@ -293,7 +293,7 @@ def _dk_reduce_kernel(
 
 
 @triton.jit
-def _dq_kernel(
+def _sparse_kl_dq_kernel(
     dscore_ptr, keys_ptr, ik_ptr, dq_ptr, factor_ptr,
     T, stride_sh, stride_st, stride_ikt, stride_dqt,
     K: tl.constexpr, BT: tl.constexpr, DI: tl.constexpr, FACTOR: tl.constexpr,
@@ -514,7 +514,7 @@ def byproduct_grads_triton(
         part, plan.offsets, plan.split_end, view.block_doc, view.block_local, view.cu_seqlens,
         dk, dk.stride(0), BS=bs, DI=dim, CHUNK=plan.chunk, num_warps=4,
     )
-    _dq_kernel[(triton.cdiv(tokens, _BT), heads)](
+    _sparse_kl_dq_kernel[(triton.cdiv(tokens, _BT), heads)](
         dscore, keys, ik, dq, fac, tokens, dscore.stride(0), dscore.stride(1), ik.stride(0),
         dq.stride(0), K=top_k, BT=_BT, DI=dim, FACTOR=factor is not None, num_warps=4,
     )

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.capabilities import TRITON
+from nemo_msa.backends.capabilities import TRITON
 from nemo_msa.triton.kernel_layout import (
     INTERPRET,
     check_kernel_devices,
@@ -60,8 +60,8 @@ assert TRITON.fused_dense_loss_max_group == _MAX_ROWS // _QT
 
 def _unsupported_reason(query, key, index_q, block_size: int) -> str | None:
     """Why the fused dense loss cannot run these inputs (None when it can): the record's limits
-    (:meth:`~nemo_msa.capabilities.MSACapabilities.why_not_fused_dense_loss`) and the inputs'
-    agreement."""
+    (:meth:`~nemo_msa.backends.capabilities.MSACapabilities.why_not_fused_dense_loss`) and the
+    inputs' agreement."""
     if index_q.dtype != query.dtype:
         return f"index_q dtype {index_q.dtype} differs from query dtype {query.dtype}"
     if index_q.shape[1] != key.shape[1]:
@@ -361,7 +361,7 @@ def dense_indexer_loss_triton(
 
     Raises:
         ValueError: shapes the kernel does not run (the record
-            :data:`nemo_msa.capabilities.TRITON`; the plan checks it at construction),
+            :data:`nemo_msa.backends.capabilities.TRITON`; the plan checks it at construction),
             or inputs and layout on a device the kernels cannot use.
     """
     reason = _unsupported_reason(query, key, index_q, msa.block_size)

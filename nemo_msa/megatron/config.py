@@ -179,6 +179,12 @@ class MSATransformerConfig(TransformerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.finalize_msa_fields()
+
+    def finalize_msa_fields(self) -> None:
+        """MSA's part of the post-init, after Megatron's: the indexer-loss scale hook, the index
+        heads' default, the field checks and the per-layer checkpoint flag. Config classes that
+        defer Megatron's post-init (Megatron-Bridge's, nemo_msa.bridge) call it after theirs."""
         # The one place the indexer-loss scale hook is installed (a config's own hook wins).
         if self.experimental_attention_variant_loss_scale_func is None:
             # Megatron's schedules call this hook with (loss scale / num_microbatches) after each

@@ -3,7 +3,7 @@
 Built by Megatron's ``Attention`` with the core-attention builder signature
 (``config, layer_number, attn_mask_type, attention_type, cp_comm_type, softmax_scale,
 pg_collection``), it checks what Megatron hands it and holds the softmax scale (and the backend
-name, for use on its own; ``MSASelfAttention`` passes its plan's resolved backend). Its forward
+name, for use on its own; ``MSASelfAttention`` passes its plan). Its forward
 takes compact tensors ([T, heads, dim], see ADR 0001) and the microbatch layout and runs
 :func:`nemo_msa.ops.document_attention`: the selected key blocks when ``q2k`` is given
 (:func:`nemo_msa.sparse_attention` on the backend), else dense within documents
@@ -18,9 +18,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from nemo_msa.backend_spec import MSABackend
+from nemo_msa.backends.spec import MSABackend
+from nemo_msa.layout import MSAMicrobatch
 from nemo_msa.limits import require_softmax_scale
 from nemo_msa.ops import document_attention
+from nemo_msa.plan import MSAPlan
+from nemo_msa.q2k import Selection
+from nemo_msa.query_view import QueryView
 
 __all__ = ["MSACoreAttention"]
 
@@ -77,39 +81,39 @@ class MSACoreAttention(MegatronModule):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        msa,
-        q2k: torch.Tensor | None = None,
-        backend: MSABackend | str | None = None,
+        msa: MSAMicrobatch | QueryView,
+        q2k: torch.Tensor | Selection | None = None,
+        plan: MSAPlan | None = None,
         return_block_mass: bool = False,
-        queries: torch.Tensor | None = None,
-        fused: bool | None = None,
+        backend: MSABackend | str | None = None,
     ):
         """Attention over compact tokens (this rank's queries against every token's keys under
         context parallelism).
 
         Args:
-            query: [T, Hq_local, d] ([Tq, ...] with ``queries``).
+            query: [T, Hq_local, d] ([Tq, ...] with a query subset).
             key: [T, Hkv_local, d] (every token's).
             value: [T, Hkv_local, d].
-            msa: the microbatch layout (:class:`nemo_msa.MSAMicrobatch`).
-            q2k: int32 [Hkv_local, T, top_k] selected document-local blocks, or None for dense
+            msa: the microbatch layout (:class:`nemo_msa.MSAMicrobatch`), or its
+                :class:`nemo_msa.QueryView` (``MSASelfAttention`` passes the context-parallel
+                layout's: the layout with this rank's queries).
+            q2k: the selected document-local blocks, a :class:`nemo_msa.Selection` (the
+                layer's) or an int32 [Hkv_local, Tq, top_k] tensor; None for dense
                 document-causal attention.
-            backend: the resolved backend of the layer's plan (``MSASelfAttention`` passes
-                ``msa_plan.backend``); None resolves ``config.msa_backend`` per call (a core
-                attention used on its own).
+            plan: the layer's :class:`nemo_msa.plan.MSAPlan` (``MSASelfAttention`` passes
+                ``msa_plan``): its backend and the kernels it names, sparse and dense.
             return_block_mass: with ``q2k``, also return the attention mass per selected slot,
-                fp32 [Hkv_local, T, top_k] (no gradient; the sparse indexer loss's target).
-            queries: optional int64 [Tq] global compact rows of the local queries (context
-                parallelism); q2k and the outputs then have Tq token rows.
-            fused: the layer's ``msa_plan.fused_helpers`` (the dense path's choice); None
-                decides from the device.
+                fp32 [Hkv_local, Tq, top_k] (no gradient; the sparse indexer loss's target).
+            backend: without ``plan``, the backend (None: ``config.msa_backend``, resolved per
+                call; a core attention used on its own).
 
         Returns:
             [T, Hq_local, d] in query's dtype; with ``return_block_mass`` the pair
             ``(output, block_mass)``.
         """
+        if plan is None and backend is None:
+            backend = self.backend
         return document_attention(
             query, key, value, msa, softmax_scale=self.softmax_scale, q2k=q2k,
-            backend=self.backend if backend is None else backend,
-            return_block_mass=return_block_mass, queries=queries, fused=fused,
+            backend=backend, return_block_mass=return_block_mass, plan=plan,
         )

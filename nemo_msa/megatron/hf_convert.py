@@ -25,6 +25,10 @@ Hugging Face (MiniMax-M3)                             Megatron-Core (this projec
 ..block_sparse_moe.experts.<e>.w2.weight              ...mlp.experts.local_experts.<e>.linear_fc2
 ..block_sparse_moe.shared_experts.{gate,up}_proj      ...mlp.shared_experts.linear_fc1 (gate first)
 ..block_sparse_moe.shared_experts.down_proj           ...mlp.shared_experts.linear_fc2
+<r>model.mtp.layers.<k>.{enorm,hnorm}.weight          mtp.layers.<k>.{enorm,hnorm}.weight
+<r>model.mtp.layers.<k>.eh_proj.weight                mtp.layers.<k>.eh_proj.weight
+<r>model.mtp.layers.<k>.final_layernorm.weight        mtp.layers.<k>.final_layernorm.weight
+<r>model.mtp.layers.<k>.transformer_layer.<layer>     mtp.layers.<k>.mtp_model_layer.<layer>
 ====================================================  =========================================
 
 ``linear_qkv`` is Megatron's GQA-interleaved layout: for each KV group g the rows of its
@@ -35,12 +39,21 @@ Megatron's grouped GEMM (TE) names them: ``mlp.experts.linear_fc1.weight<e>``; w
 ``fused_mlp_norm=True`` a dense layer's pre-MLP norm is TE's ``mlp.linear_fc1.layer_norm_weight``
 (the TE spec fuses it; the input norm stays separate in this project's specs, ADR 0008).
 
+The multi-token-prediction (MTP) module ``<k>`` (M3 ships one, ``num_mtp_modules: 1``) is
+Megatron's ``MultiTokenPredictionLayer``: the norms of the next token's embedding (``enorm``)
+and of the hidden state (``hnorm``), ``eh_proj`` [hidden, 2 * hidden] over their concatenation
+(embedding first on both sides), one decoder layer of the last layer's kind (``<layer>``: the
+names of the table above; MSA with MoE for M3) and ``final_layernorm``; embedding and output
+layer are the model's own (docs/adr/0053-mtp-with-msa-layers.md). They are mapped when the
+config has ``mtp_num_layers`` (one module with ``mtp_use_repeated_layer``) and skipped on import
+otherwise.
+
 Norm weights copy unchanged when the model is ``layernorm_zero_centered_gamma=True`` (M3 stores
 them zero-centred, applied as ``1 + w``); otherwise the Megatron weight is ``1 + w``. Tensors
 are never cast: the round trip is bitwise (zero-centred models). The functions take full
 (TP=1, PP=1, EP=1) state dicts; Megatron's dist-checkpointing reshards from there. The vision
-tower, projector and MTP tensors of the released checkpoint are not part of the text model and
-are skipped on import.
+tower and projector of the released checkpoint are not part of the text model and are skipped
+on import.
 """
 
 from __future__ import annotations
@@ -56,7 +69,9 @@ from nemo_msa.megatron.config import normalize_layer_pattern, normalize_moe_laye
 __all__ = ["M3Shapes", "hf_to_megatron", "megatron_to_hf"]
 
 #: Released-checkpoint tensors outside the text model (skipped on import).
-_NOT_TEXT = re.compile(r"(^|\.)(vision_tower|multi_modal_projector|patch_merge_mlp|mtp)\.")
+_NOT_TEXT = re.compile(r"(^|\.)(vision_tower|multi_modal_projector|patch_merge_mlp)\.")
+#: The MTP module's tensors (skipped on import into a model without MTP layers).
+_MTP = re.compile(r"(^|\.)model\.mtp\.")
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,8 @@ class M3Shapes:
     moe_layers: tuple[bool, ...]
     msa_layers: tuple[bool, ...]
     zero_centered_gamma: bool
+    #: MTP modules in the state dict (each a layer of the last decoder layer's kind).
+    mtp_layers: int = 0
 
     @classmethod
     def from_config(cls, config) -> M3Shapes:
@@ -89,6 +106,9 @@ class M3Shapes:
                                                 config.num_moe_experts),
             msa_layers=msa,
             zero_centered_gamma=bool(config.layernorm_zero_centered_gamma),
+            mtp_layers=(0 if not getattr(config, "mtp_num_layers", None)
+                        else 1 if getattr(config, "mtp_use_repeated_layer", False)
+                        else int(config.mtp_num_layers)),
         )
 
 
@@ -131,6 +151,25 @@ def _layer_names(shapes: M3Shapes, i: int, grouped: bool, fused_mlp_norm: bool =
         one.append((f"{moe}experts.{e}.w2.weight", fc2, False))
         fused.append((fc1, "glu", [f"{moe}experts.{e}.w1.weight", f"{moe}experts.{e}.w3.weight"]))
     return one, fused
+
+
+def _prefixed_layers(shapes: M3Shapes, m: str):
+    """``(hf prefix, megatron prefix, layer index)`` of every layer: the decoder's, then each MTP
+    module's transformer layer (of the last decoder layer's kind)."""
+    for i in range(shapes.num_layers):
+        yield f"{m}layers.{i}.", f"decoder.layers.{i}.", i
+    for k in range(shapes.mtp_layers):
+        yield (f"{m}mtp.layers.{k}.transformer_layer.", f"mtp.layers.{k}.mtp_model_layer.",
+               shapes.num_layers - 1)
+
+
+def _mtp_names(shapes: M3Shapes, m: str):
+    """``(hf, megatron, is_norm)`` of the MTP modules' own tensors (norms and ``eh_proj``)."""
+    for k in range(shapes.mtp_layers):
+        hf, mg = f"{m}mtp.layers.{k}.", f"mtp.layers.{k}."
+        for name in ("enorm", "hnorm", "final_layernorm"):
+            yield hf + name + ".weight", mg + name + ".weight", True
+        yield hf + "eh_proj.weight", mg + "eh_proj.weight", False
 
 
 def _qkv_fuse(shapes: M3Shapes, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -185,7 +224,8 @@ def hf_to_megatron(
             (named, with the expected shape).
     """
     shapes = M3Shapes.from_config(config)
-    left = {k: v for k, v in hf_state_dict.items() if not _NOT_TEXT.search(k)}
+    left = {k: v for k, v in hf_state_dict.items() if not _NOT_TEXT.search(k)
+            and (shapes.mtp_layers or not _MTP.search(k))}
     out: dict[str, torch.Tensor] = {}
 
     def take(name: str) -> torch.Tensor:
@@ -210,8 +250,12 @@ def hf_to_megatron(
     if f"{hf_root}lm_head.weight" in left:
         out["output_layer.weight"] = vocab(take(f"{hf_root}lm_head.weight"))
     h, d = shapes.hidden_size, shapes.head_dim
-    for i in range(shapes.num_layers):
-        hf, mg = f"{m}layers.{i}.", f"decoder.layers.{i}."
+    for hf_name, mg_name, is_norm in _mtp_names(shapes, m):
+        tensor = take(hf_name)
+        if not is_norm:
+            _check_shape(hf_name, tensor, h, 2 * h)
+        out[mg_name] = norm(tensor) if is_norm else tensor
+    for hf, mg, i in _prefixed_layers(shapes, m):
         one, fused = _layer_names(shapes, i, grouped_experts, fused_mlp_norm)
         for hf_name, mg_name, is_norm in one:
             tensor = take(hf + hf_name)
@@ -281,8 +325,10 @@ def megatron_to_hf(
     out[m + "norm.weight"] = norm(take("decoder.final_layernorm.weight"))
     if "output_layer.weight" in left:
         out[f"{hf_root}lm_head.weight"] = vocab(take("output_layer.weight"))
-    for i in range(shapes.num_layers):
-        hf, mg = f"{m}layers.{i}.", f"decoder.layers.{i}."
+    for hf_name, mg_name, is_norm in _mtp_names(shapes, m):
+        tensor = take(mg_name)
+        out[hf_name] = norm(tensor) if is_norm else tensor
+    for hf, mg, i in _prefixed_layers(shapes, m):
         one, fused = _layer_names(shapes, i, grouped_experts, fused_mlp_norm)
         for hf_name, mg_name, is_norm in one:
             tensor = take(mg + mg_name)

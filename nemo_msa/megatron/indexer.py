@@ -35,7 +35,7 @@ from megatron.core.utils import (
 
 from nemo_msa.context_parallel import ContextParallelLayout
 from nemo_msa.megatron.microbatch import pack_sbhd
-from nemo_msa.megatron.norms import GemmaRMSNorm, RMSNorm
+from nemo_msa.megatron.norms import GemmaRMSNorm, RMSNorm, planned_norm
 from nemo_msa.megatron.precision import high_precision_gemms, high_precision_init
 from nemo_msa.megatron.rope import RopeFactors, apply_rope, rope_factors
 
@@ -144,6 +144,8 @@ class MSAIndexer(MegatronModule):
         submodules: the part builders.
         layer_number: the owning layer's number (for logging).
         pg_collection: process groups; ``tp`` decides the head split.
+        fused_norms: the index q/k norms run the one-kernel RMSNorm (the owning layer's plan's
+            :attr:`~nemo_msa.plan.MSAKernels.rms_norm`).
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class MSAIndexer(MegatronModule):
         submodules: MSAIndexerSubmodules,
         layer_number: int | None = None,
         pg_collection: ProcessGroupCollection | None = None,
+        fused_norms: bool = False,
     ) -> None:
         super().__init__(config=config)
         if pg_collection is None:
@@ -201,8 +204,9 @@ class MSAIndexer(MegatronModule):
                 skip_weight_param_allocation=False,
                 parallel_mode="duplicated",
             )
+        # The owning layer's plan decides whether the norms run the one-kernel RMSNorm.
         self.index_q_norm = build_module(
-            submodules.index_q_norm,
+            planned_norm(submodules.index_q_norm, fused_norms),
             config=config,
             hidden_size=self.index_head_dim,
             eps=config.layernorm_epsilon,
@@ -212,7 +216,7 @@ class MSAIndexer(MegatronModule):
         # index_k's gradient is summed over TP in forward() (after the norm), which covers both
         # index_k_proj and index_k_norm; the norm itself must not reduce again.
         self.index_k_norm = build_module(
-            submodules.index_k_norm,
+            planned_norm(submodules.index_k_norm, fused_norms),
             config=config,
             hidden_size=self.index_head_dim,
             eps=config.layernorm_epsilon,

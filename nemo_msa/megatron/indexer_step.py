@@ -4,8 +4,8 @@
 first pass of a full recompute, the dense warm-up); everything decided once is the layer's
 :class:`nemo_msa.plan.MSAPlan`: the loss's route (the sparse loss from the attention's
 by-products, ADR 0016 / 0033; the fused dense loss, ADR 0018; else the chunked reference),
-the topology and whether the helpers run fused. :func:`indexer_loss` computes the loss by that
-route. Neither reads a config field the plan holds.
+the topology and the helpers' kernels. :func:`indexer_loss` computes the loss by that route.
+Neither reads a config field the plan holds.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from nemo_msa.indexer_loss import (
 )
 from nemo_msa.megatron.phase import dense_warmup_active
 from nemo_msa.plan import MSAPlan
+from nemo_msa.q2k import Selection
+from nemo_msa.query_view import QueryView
 
 __all__ = ["IndexerStep", "indexer_loss"]
 
@@ -40,7 +42,7 @@ class IndexerStep:
         log_recall: the selection recall is measured with the loss (``msa_log_selection_recall``);
             during the dense warm-up the selection then runs for the metric alone.
         byproducts: the sparse forward returns its block mass, the loss's target (the plan's
-            ``loss_from_byproducts``, in a sparse training step).
+            ``loss_route`` "byproducts", in a sparse training step).
     """
 
     sparse: bool
@@ -78,7 +80,7 @@ class IndexerStep:
             trains=trains,
             need_loss=need_loss,
             log_recall=need_loss and bool(config.msa_log_selection_recall),
-            byproducts=trains and sparse and plan.loss_from_byproducts,
+            byproducts=trains and sparse and plan.loss_route == "byproducts",
         )
 
     @property
@@ -101,21 +103,21 @@ def indexer_loss(
     index_k: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
-    selected: torch.Tensor | None,
+    selection: Selection | None,
     block_mass: torch.Tensor | None,
-    msa,
-    queries: torch.Tensor | None,
+    view: QueryView,
     softmax_scale: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The indexer loss of one forward, by the plan's route.
+    """The indexer loss of one forward, by the plan's route (:attr:`MSAPlan.loss_route` past the
+    dense warm-up, :attr:`MSAPlan.warmup_loss_route` during it):
 
-    - ``step.byproducts``: the sparse loss from the attention's block mass
-      (:func:`~nemo_msa.indexer_loss.sparse_indexer_loss_from_byproducts`), the recall on a
-      sample of rows (:func:`~nemo_msa.indexer_loss.sampled_selection_recall`);
-    - a dense loss (the warm-up, or ``msa_indexer_loss_type="dense"``) where the plan fuses it:
-      :func:`~nemo_msa.indexer_loss.dense_indexer_loss_triton`;
-    - otherwise the chunked reference, :func:`~nemo_msa.indexer_loss.compute_indexer_loss`
-      (sparse or dense).
+    - ``"byproducts"``: the sparse loss from the attention's block mass
+      (:func:`~nemo_msa.indexer_loss.sparse_indexer_loss_from_byproducts`, its passes in Triton
+      where the plan's ``kernels.loss_passes`` says), the recall on a sample of rows
+      (:func:`~nemo_msa.indexer_loss.sampled_selection_recall`, ``kernels.recall``);
+    - ``"fused_dense"``: :func:`~nemo_msa.indexer_loss.dense_indexer_loss_triton`;
+    - ``"reference_sparse"`` / ``"reference_dense"``: the chunked reference,
+      :func:`~nemo_msa.indexer_loss.compute_indexer_loss`.
 
     Args:
         plan: the layer's plan.
@@ -126,43 +128,43 @@ def indexer_loss(
         index_k: [T, d_idx] the shared index key (with gradient).
         query: [Tq, Hq_local, d] main-attention queries after RoPE.
         key: [T, Hkv_local, d] main-attention keys after RoPE (every token's).
-        selected: int32 [H_local, Tq, top_k] the selection, or None (none ran).
+        selection: the selection (q2k int32 [H_local, Tq, top_k]), or None (none ran).
         block_mass: the sparse forward's mass per selected slot (``step.byproducts``), or None.
-        msa: the microbatch layout.
-        queries: int64 [Tq] global compact rows of the local queries (context parallelism), or
-            None.
+        view: the microbatch layout with this rank's queries (context parallelism).
         softmax_scale: the main attention's scale.
 
     Returns:
         ``(loss, stats)``: the scaled loss and the metrics to record.
     """
     topology = plan.topology
+    msa, queries = view.msa, view.queries
     common = dict(
         num_index_heads_total=topology.num_index_heads,
         loss_coeff=config.msa_indexer_loss_coeff,
         queries=queries,
     )
-    if step.byproducts:
+    q2k = None if selection is None else selection.q2k
+    route = plan.loss_route if step.sparse else plan.warmup_loss_route
+    if route == "byproducts":
         loss, stats = sparse_indexer_loss_from_byproducts(
-            index_q, index_k, selected, block_mass, msa, fused=plan.fused_helpers, **common
+            index_q, index_k, q2k, block_mass, msa, fused=plan.kernels.loss_passes, **common
         )
         if step.log_recall:
             stats.update(sampled_selection_recall(
-                query, key, selected, msa, softmax_scale=softmax_scale,
+                query, key, q2k, msa, softmax_scale=softmax_scale,
                 num_rows=config.msa_recall_sample_rows, queries=queries,
-                fused=plan.fused_helpers,
+                fused=plan.kernels.recall,
             ))
         return loss, stats
-    # The dense warm-up has no selection for the attention, so its loss is always the dense one.
-    sparse_loss = plan.sparse_loss and step.sparse
-    recall_q2k = selected if step.log_recall else None
-    if not sparse_loss and plan.fused_dense_loss:
+    recall_q2k = q2k if step.log_recall else None
+    if route == "fused_dense":
         return dense_indexer_loss_triton(
             index_q, index_k, query, key, msa, softmax_scale=softmax_scale, q2k=recall_q2k,
             **common,
         )
+    sparse_loss = route == "reference_sparse"
     return compute_indexer_loss(
         index_q, index_k, query, key, msa, softmax_scale=softmax_scale,
-        score_type=topology.score_type, q2k=selected if sparse_loss else recall_q2k,
+        score_type=topology.score_type, q2k=q2k if sparse_loss else recall_q2k,
         query_chunk=config.msa_indexer_loss_query_chunk, sparse=sparse_loss, **common,
     )

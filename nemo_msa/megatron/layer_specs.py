@@ -39,6 +39,12 @@ from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+    get_mtp_num_layers_to_build,
+)
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -63,6 +69,7 @@ __all__ = [
     "get_msa_decoder_block_spec",
     "get_msa_decoder_layer_specs",
     "get_msa_layer_spec",
+    "get_msa_mtp_block_spec",
     "get_msa_self_attention_spec",
     "layer_norm_builder",
     "moe_layer_flags",
@@ -171,6 +178,7 @@ def get_msa_self_attention_spec(
     *,
     sparse: bool = True,
     transformer_impl: str | None = None,
+    mtp: bool = False,
 ) -> ModuleSpec:
     """Spec of the MSA self-attention (``sparse=True``) or its dense-document sibling.
 
@@ -180,6 +188,8 @@ def get_msa_self_attention_spec(
         sparse: True for an MSA layer (with the indexer), False for a dense layer of a mixed
             pattern (document-causal dense attention, no indexer).
         transformer_impl: "local", "transformer_engine", or None (config.transformer_impl).
+        mtp: the attention of a multi-token-prediction layer (its indexer metrics are logged
+            after the decoder's layers, as Megatron's router numbers MTP layers).
 
     Returns:
         ModuleSpec of :class:`nemo_msa.megatron.MSASelfAttention`.
@@ -205,9 +215,12 @@ def get_msa_self_attention_spec(
                 index_k_norm=RMSNorm,
             ),
         )
+    params = {"attn_mask_type": AttnMaskType.causal}
+    if mtp:
+        params["mtp_layer"] = True
     return ModuleSpec(
         module=MSASelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
+        params=params,
         submodules=MSASelfAttentionSubmodules(
             linear_qkv=column,
             core_attention=MSACoreAttention,
@@ -225,6 +238,7 @@ def get_msa_layer_spec(
     sparse: bool = True,
     moe: bool | None = None,
     transformer_impl: str | None = None,
+    mtp: bool = False,
 ) -> ModuleSpec:
     """Spec of one transformer layer with MSA (or dense-document) self-attention.
 
@@ -238,6 +252,7 @@ def get_msa_layer_spec(
         sparse: MSA layer (True) or dense-document layer (False).
         moe: MoE MLP (True) or dense MLP (False); None: MoE whenever ``num_moe_experts`` is set.
         transformer_impl: "local", "transformer_engine", or None (config.transformer_impl).
+        mtp: the layer of a multi-token-prediction module (:func:`get_msa_mtp_block_spec`).
 
     Returns:
         ModuleSpec of a Megatron ``TransformerLayer``.
@@ -283,7 +298,8 @@ def get_msa_layer_spec(
         pre_mlp_layernorm = layer_norm_builder(config, impl)
     submodules = TransformerLayerSubmodules(
         input_layernorm=input_layernorm,
-        self_attention=get_msa_self_attention_spec(config, sparse=sparse, transformer_impl=impl),
+        self_attention=get_msa_self_attention_spec(config, sparse=sparse, transformer_impl=impl,
+                                                   mtp=mtp),
         self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=pre_mlp_layernorm,
         mlp=base.mlp,
@@ -357,3 +373,56 @@ def get_msa_decoder_block_spec(
         local_specs = layer_specs[offset : offset + count]
     final_norm = layer_norm_builder(config, impl)
     return TransformerBlockSubmodules(layer_specs=local_specs, layer_norm=final_norm)
+
+
+def get_msa_mtp_block_spec(
+    config: TransformerConfig,
+    vp_stage: int | None = None,
+    pp_rank: int | None = None,
+    transformer_impl: str | None = None,
+) -> MultiTokenPredictionBlockSubmodules | None:
+    """Megatron's multi-token-prediction (MTP) block with MSA layers, for ``GPTModel``'s
+    ``mtp_block_spec`` (docs/adr/0053-mtp-with-msa-layers.md).
+
+    Each of the ``config.mtp_num_layers`` depths is Megatron's ``MultiTokenPredictionLayer``:
+    ``enorm`` and ``hnorm`` (the norms of the next token's embedding and of the hidden state),
+    ``eh_proj`` (their concatenation, embedding first, projected back to the hidden size), one
+    transformer layer, and ``final_layernorm``; the output layer and the embedding are the main
+    model's. The transformer layer is of the kind of the decoder's last layer (attention by
+    ``msa_layer_pattern``, MLP by ``moe_layer_freq``), Megatron's own rule
+    (``get_gpt_mtp_block_spec``): for MiniMax-M3 MSA with the MoE MLP, as M3's released MTP
+    module. The norms follow ``layernorm_zero_centered_gamma`` like every other norm.
+
+    Args:
+        config: the MSATransformerConfig with ``mtp_num_layers`` set.
+        vp_stage: virtual pipeline chunk (None without VPP).
+        pp_rank: pipeline rank (None: this process's).
+        transformer_impl: "local", "transformer_engine", or None (config.transformer_impl).
+
+    Returns:
+        The block's submodules on the stage that holds the MTP layers (the last), else None.
+    """
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    if get_mtp_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank) == 0:
+        return None
+    impl = _resolve_impl(config, transformer_impl)
+    sparse = normalize_layer_pattern(getattr(config, "msa_layer_pattern", None),
+                                     config.num_layers)[-1]
+    moe = bool(moe_layer_flags(config)[-1])
+    norm = layer_norm_builder(config, impl)
+    layer = ModuleSpec(
+        module=MultiTokenPredictionLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=norm,
+            hnorm=norm,
+            eh_proj=spec_provider(impl).column_parallel_linear(),
+            mtp_model_layer=get_msa_layer_spec(config, sparse=sparse, moe=moe,
+                                               transformer_impl=impl, mtp=True),
+            layer_norm=norm,
+        ),
+    )
+    # Megatron builds one layer per depth (one in all with mtp_use_repeated_layer), all on one
+    # stage; its block checks that.
+    depths = 1 if config.mtp_use_repeated_layer else config.mtp_num_layers
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * depths)

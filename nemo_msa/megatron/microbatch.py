@@ -47,6 +47,7 @@ from nemo_msa.context_parallel import (
     load_balanced_indices,
 )
 from nemo_msa.layout import MSAMicrobatch
+from nemo_msa.support import MSATopology
 from nemo_msa.tensor_memo import TensorMemo
 
 __all__ = [
@@ -142,8 +143,15 @@ def _check_mask_device(attention_mask: torch.Tensor | None, device: torch.device
         )
 
 
+def _layout_fields(topology: MSATopology) -> dict:
+    """The layout's block size and forced blocks, from the plan's checked topology."""
+    return dict(block_size=topology.block_size, init_blocks=topology.init_blocks,
+                local_blocks=topology.local_blocks)
+
+
 def layout_for_layer(
-    attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, device: torch.device, config
+    attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, device: torch.device,
+    topology: MSATopology,
 ) -> Any:
     """The microbatch layout an MSA layer uses, from the ``attention_mask`` it receives.
 
@@ -153,7 +161,8 @@ def layout_for_layer(
         batch_size: b of the activations.
         seq_len: full sequence length s of the activations (before sequence-parallel split).
         device: the activations' device.
-        config: the MSATransformerConfig (block size and forced blocks).
+        topology: the layer's plan's topology (``msa_plan.topology``: the block size and forced
+            blocks, checked when the layer was built).
 
     Returns:
         The shared :class:`nemo_msa.MSAMicrobatch` (memoized on the mask tensor).
@@ -176,9 +185,7 @@ def layout_for_layer(
             batch_size=batch_size,
             seq_len=seq_len,
             device=device,
-            block_size=config.msa_block_size,
-            init_blocks=config.msa_init_blocks,
-            local_blocks=config.msa_local_blocks,
+            **_layout_fields(topology),
         )
     except ValueError as error:
         if attention_mask is not None and attention_mask.dim() == 4:
@@ -234,7 +241,7 @@ def _single_rank_view(msa: MSAMicrobatch) -> ContextParallelLayout:
     return msa.cached("nemo_msa.megatron.single_rank_view", make)
 
 
-def _thd_layout(packed_seq_params, attention_mask, batch_size, seq_len, device, config, group):
+def _thd_layout(packed_seq_params, attention_mask, batch_size, seq_len, device, topology, group):
     if attention_mask is not None:
         raise ValueError(
             "attention_mask and packed_seq_params were both given; THD input takes its document "
@@ -262,8 +269,7 @@ def _thd_layout(packed_seq_params, attention_mask, batch_size, seq_len, device, 
         )
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     layout = ContextParallelLayout.build_thd(
-        cu, padded, group=group, device=device, block_size=config.msa_block_size,
-        init_blocks=config.msa_init_blocks, local_blocks=config.msa_local_blocks,
+        cu, padded, group=group, device=device, **_layout_fields(topology),
     )
     if layout.seq_len_local != seq_len:
         raise ValueError(
@@ -279,7 +285,7 @@ def context_parallel_layout_for_layer(
     batch_size: int,
     seq_len: int,
     device: torch.device,
-    config,
+    topology: MSATopology,
     cp_group,
 ) -> ContextParallelLayout:
     """The layout an MSA layer uses, with or without context parallelism and THD input.
@@ -293,7 +299,7 @@ def context_parallel_layout_for_layer(
         seq_len: this rank's sequence length of the activations (before the sequence-parallel
             split, after the context-parallel one).
         device: the activations' device.
-        config: the MSATransformerConfig.
+        topology: the layer's plan's topology (:func:`layout_for_layer`).
         cp_group: the layer's context-parallel group (None or size 1: no split).
 
     Returns:
@@ -305,11 +311,11 @@ def context_parallel_layout_for_layer(
     """
     if packed_seq_params is not None:
         return _thd_layout(
-            packed_seq_params, attention_mask, batch_size, seq_len, device, config, cp_group
+            packed_seq_params, attention_mask, batch_size, seq_len, device, topology, cp_group
         )
     cp_size = cp_group.size() if cp_group is not None else 1
     if cp_size == 1:
-        msa = layout_for_layer(attention_mask, batch_size, seq_len, device, config)
+        msa = layout_for_layer(attention_mask, batch_size, seq_len, device, topology)
         return _single_rank_view(msa)
     _check_mask_device(attention_mask, device)
     if attention_mask is not None and attention_mask.dim() == 4:
@@ -321,8 +327,7 @@ def context_parallel_layout_for_layer(
             )
     return ContextParallelLayout.build(
         attention_mask, group=cp_group, batch_size=batch_size, seq_len_local=seq_len,
-        device=device, block_size=config.msa_block_size, init_blocks=config.msa_init_blocks,
-        local_blocks=config.msa_local_blocks,
+        device=device, **_layout_fields(topology),
     )
 
 

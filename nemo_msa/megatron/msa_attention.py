@@ -13,8 +13,8 @@ with a forward for packed documents:
    interleaving are Megatron's own;
 3b. context parallelism (docs/adr/0020-context-parallelism.md): the rank's queries stay local
    ([Tq, ...]); K, V and index_k are all-gathered over ``pg_collection.cp`` into the global
-   compact order (backward: reduce-scatter), and every op takes the local queries' global rows
-   (``queries``);
+   compact order (backward: reduce-scatter), and every op takes the layout with the local
+   queries' global rows (the context-parallel layout's ``view``);
 4. MSA layers: the indexer (index_q/index_k on the detached input), block selection, and block-
    sparse core attention; dense layers of a mixed pattern (no indexer) and the dense warm-up:
    document-causal dense attention;
@@ -24,13 +24,15 @@ with a forward for packed documents:
 6. scatter back to [s, b, heads * dim] and ``linear_proj``; returns ``(output, bias)``.
 
 Construction refuses what MSA cannot run and resolves what runs (the layer's
-:class:`nemo_msa.plan.MSAPlan`: backend, capability check, fused helpers, indexer-loss path; plus
-the Megatron-side checks here), never the first step; the forward reads the plan (the topology's
-top_k and score, ``fused_helpers`` for the norms, RoPE, loss passes, recall and dense path).
+:class:`nemo_msa.plan.MSAPlan`: backend, capability check, the kernels of the attention and of
+each helper, the indexer loss's route; plus the Megatron-side checks here), never the first
+step; the forward passes the plan to the ops and helpers, which read their field of it (the
+norms' is given to them when they are built).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +48,8 @@ from nemo_msa.layout import query_rows
 from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler, MSAIndexerMetrics
 from nemo_msa.megatron.indexer_step import IndexerStep, indexer_loss
 from nemo_msa.megatron.microbatch import context_parallel_layout_for_layer, full_rotary_table
-from nemo_msa.megatron.norms import RMSNorm
-from nemo_msa.megatron.rope import apply_rope, rope_factors
+from nemo_msa.megatron.norms import planned_norm
+from nemo_msa.megatron.rope import apply_rope, check_rope_fusion, rope_factors
 from nemo_msa.megatron.selection_replay import (
     RECORD,
     REPLAY,
@@ -56,7 +58,7 @@ from nemo_msa.megatron.selection_replay import (
     document_map_anchor,
     recompute_phase,
 )
-from nemo_msa.ops import select_blocks
+from nemo_msa.ops import select
 from nemo_msa.plan import MSAPlan
 from nemo_msa.support import check_runtime_arguments
 
@@ -95,10 +97,11 @@ def check_msa_layer_config(config: TransformerConfig, tp_size: int, cp_size: int
             f"config is a {type(config).__name__} without the msa_* fields; build MSA layers "
             "from nemo_msa.megatron.MSATransformerConfig"
         )
-    # FP8/FP4, fused RoPE, CP (the layer's process group), topology, score type, and the
-    # backend that will run: on the GPU where there is one, in the parameters' dtype.
+    # FP8/FP4, fused single-QKV RoPE, CP (the layer's process group), topology, score type,
+    # and the backend that will run: on the GPU where there is one, in the parameters' dtype.
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     plan = MSAPlan.build(config, device, cp_size=cp_size)
+    check_rope_fusion(config, device)  # TE's fused RoPE at document positions (ADR 0054)
     if getattr(config, "attention_output_gate", False):
         raise NotImplementedError("MSA attention does not support attention_output_gate=True")
     if getattr(config, "multi_latent_attention", False):
@@ -152,6 +155,10 @@ class MSASelfAttention(SelfAttention):
         pg_collection: process groups (``tp``, ``cp``).
         pp_layer_offset: Megatron's pipeline layer offset.
         name: module name.
+        mtp_layer: the attention of a multi-token-prediction layer, whose ``layer_number`` is
+            its depth (1, 2, ...): its indexer metrics are logged as layer
+            ``num_layers + depth``, after the decoder's (Megatron's router numbers MTP layers
+            so too).
     """
 
     def __init__(
@@ -164,12 +171,20 @@ class MSASelfAttention(SelfAttention):
         pg_collection: ProcessGroupCollection | None = None,
         pp_layer_offset: int | None = None,
         name: str | None = None,
+        mtp_layer: bool = False,
     ) -> None:
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         sparse = submodules.indexer is not None
         plan = check_msa_layer_config(
             config, get_pg_size(pg_collection.tp), get_pg_size(pg_collection.cp)
+        )
+        # The plan decides for the layer's own norms (q/k here, index q/k in the indexer) as for
+        # its other helpers, when they are built.
+        submodules = dataclasses.replace(
+            submodules,
+            q_layernorm=planned_norm(submodules.q_layernorm, plan.kernels.rms_norm),
+            k_layernorm=planned_norm(submodules.k_layernorm, plan.kernels.rms_norm),
         )
         super().__init__(
             config=config,
@@ -182,8 +197,10 @@ class MSASelfAttention(SelfAttention):
             name=name,
         )
         self.is_msa_layer = sparse
-        #: What this layer runs, resolved once (backend, fused helpers, indexer-loss path,
-        #: topology); read per step.
+        #: The layer number the indexer metrics are recorded under (MTP layers after the decoder).
+        self.metrics_layer_number = layer_number + (config.num_layers if mtp_layer else 0)
+        #: What this layer runs, resolved once (backend, kernels, indexer-loss route, topology);
+        #: read per step.
         self.msa_plan = plan
         self.indexer = (
             build_module(
@@ -191,16 +208,13 @@ class MSASelfAttention(SelfAttention):
                 config=config,
                 layer_number=layer_number,
                 pg_collection=pg_collection,
+                fused_norms=plan.kernels.rms_norm,
             )
             if sparse
             else None
         )
         #: Under full recompute: the first forward's layout and selection, for the recompute.
         self.selection_replay = SelectionReplay()
-        # The plan decides for the layer's own norms (q/k, index q/k) as for its other helpers.
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.fused = plan.fused_helpers
 
     # ------------------------------------------------------------------ helpers
     def _token_rotary_freqs(
@@ -235,18 +249,16 @@ class MSASelfAttention(SelfAttention):
         # [s, b, heads, dim] -> compact [T, heads, dim] (this rank's tokens under CP)
         return tuple(cp.pack_local(x) for x in (query, key, value))
 
-    def _core_attention(self, query, key, value, msa, q2k, byproducts: bool, queries):
-        """The core attention on the plan's backend: ``(output, block mass or None)``; the mass
+    def _core_attention(self, query, key, value, view, selection, byproducts: bool):
+        """The core attention on the plan's kernels: ``(output, block mass or None)``; the mass
         (the sparse loss's target) only with ``byproducts``. Under selective recompute
         ("core_attn" in recompute_modules) only q/k/v are kept and the attention is redone in
         the backward, with the layout and the selection reused, not redone."""
-        plan = self.msa_plan
         found = {}
 
         def run(q, k, v):
             out = self.core_attention(
-                q, k, v, msa, q2k=q2k, backend=plan.backend, return_block_mass=byproducts,
-                queries=queries, fused=plan.fused_helpers,
+                q, k, v, view, q2k=selection, plan=self.msa_plan, return_block_mass=byproducts,
             )
             if byproducts:
                 # A recompute in the backward finds the same mass; the loss keeps the first.
@@ -316,17 +328,19 @@ class MSASelfAttention(SelfAttention):
         anchor = document_map_anchor(attention_mask, packed_seq_params)
         entry = self.selection_replay.take(anchor, seq, batch) if replay == REPLAY else None
         cp = entry.layout if entry is not None else context_parallel_layout_for_layer(
-            attention_mask, packed_seq_params, batch, seq, hidden_states.device, self.config,
+            attention_mask, packed_seq_params, batch, seq, hidden_states.device, plan.topology,
             self.pg_collection.cp,
         )
-        msa, queries = cp.msa, cp.queries
+        view = cp.view  # the layout with this rank's queries: what the ops take
+        msa = view.msa
 
         query, key, value = self._compact_qkv(hidden_states, cp)
         freqs = self._token_rotary_freqs(
             rotary_pos_emb, msa, cp, sliced=packed_seq_params is None
         )
         # cos/sin of the angles once for q, k, index_q and index_k (same bits as Megatron's).
-        rope = rope_factors(freqs, self.config, fused=plan.fused_helpers)
+        rope = rope_factors(freqs, self.config, fused=plan.kernels.rope,
+                            te_fused=plan.kernels.te_rope)
         if rope is not None:
             query = apply_rope(query, rope, self.config, self.pg_collection.cp)
             key = apply_rope(key, rope, self.config, self.pg_collection.cp)
@@ -341,24 +355,24 @@ class MSASelfAttention(SelfAttention):
             if replayed is None or step.need_loss:
                 index_q, index_k = self.indexer(hidden_states, cp, freqs, rope=rope)
             if step.selects:
-                selected = replayed if replayed is not None else select_blocks(
-                    index_q.detach(), index_k.detach(), msa, top_k=plan.topology.top_k,
-                    score=plan.topology.score_type, backend=plan.backend, queries=queries,
+                selected = replayed if replayed is not None else select(
+                    index_q.detach(), index_k.detach(), view, top_k=plan.topology.top_k,
+                    score=plan.topology.score_type, plan=plan,
                 )
         if replay == RECORD:
             self.selection_replay.record(
                 anchor, ReplayEntry(cp, selected if step.sparse else None, seq, batch)
             )
         core, block_mass = self._core_attention(
-            query, key, value, msa, selected if step.sparse else None, step.byproducts, queries
+            query, key, value, view, selected if step.sparse else None, step.byproducts
         )
         if step.need_loss:
             loss, stats = indexer_loss(
                 plan, step, self.config, index_q=index_q, index_k=index_k, query=query,
-                key=key, selected=selected, block_mass=block_mass, msa=msa, queries=queries,
+                key=key, selection=selected, block_mass=block_mass, view=view,
                 softmax_scale=self.core_attention.softmax_scale,
             )
-            MSAIndexerMetrics.record(self.layer_number, stats)
+            MSAIndexerMetrics.record(self.metrics_layer_number, stats)
             core = MSAIndexerLossAutoScaler.apply(core, loss)
 
         # compact [T, heads, dim] -> [s, b, heads * dim], zeros at padding

@@ -15,17 +15,21 @@ computed in float32 (float64 stays float64) and returned in x's dtype.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size, get_tensor_model_parallel_group_if_none
 
+from nemo_msa.backends.capabilities import TRITON_HELPERS
 from nemo_msa.triton.kernel_layout import kernels_run_on
 from nemo_msa.triton.rms_norm import rms_norm_backward_triton, rms_norm_forward_triton
 
-__all__ = ["GemmaRMSNorm", "RMSNorm"]
+__all__ = ["GemmaRMSNorm", "RMSNorm", "planned_norm"]
 
 
 def _param_device(config: TransformerConfig) -> torch.device | None:
@@ -50,11 +54,10 @@ class RMSNorm(MegatronModule):
         sum_grad_across_tp: sum the weight's gradient over ``tp_group`` inside autograd (for a
             replicated weight applied to rank-local heads, as the index q norm is).
         zero_centered_gamma: override of ``config.layernorm_zero_centered_gamma``.
-        fused: whether the one-kernel RMSNorm may run (where the input allows it: see
-            :func:`_kernel_runs`); None decides per call from the input's device. An MSA layer
-            sets its own norms' ``fused`` from its plan
-            (:attr:`nemo_msa.plan.MSAPlan.fused_helpers`), so the reference backend runs torch's
-            RMSNorm; the block's other norms (no plan) keep the per-call choice.
+        fused: run the one-kernel RMSNorm (:mod:`nemo_msa.triton.rms_norm`, the same function)
+            instead of torch's. An MSA layer builds its own norms with its plan's
+            :attr:`~nemo_msa.plan.MSAKernels.rms_norm` (:func:`planned_norm`); the block's other
+            norms (no plan) run torch's, which is one fused kernel each way on CUDA.
     """
 
     def __init__(
@@ -65,7 +68,7 @@ class RMSNorm(MegatronModule):
         tp_group: torch.distributed.ProcessGroup | None = None,
         sum_grad_across_tp: bool = False,
         zero_centered_gamma: bool | None = None,
-        fused: bool | None = None,
+        fused: bool = False,
     ) -> None:
         super().__init__(config=config)
         if zero_centered_gamma is None:
@@ -73,7 +76,7 @@ class RMSNorm(MegatronModule):
         self.hidden_size = hidden_size
         self.eps = eps
         self.zero_centered_gamma = zero_centered_gamma
-        self.fused = fused
+        self.fused = bool(fused)
         init = torch.zeros if zero_centered_gamma else torch.ones
         self.weight = torch.nn.Parameter(
             init(hidden_size, dtype=config.params_dtype, device=_param_device(config))
@@ -89,7 +92,8 @@ class RMSNorm(MegatronModule):
         weight = self.weight
         if self._sum_grad:
             weight = copy_to_tensor_model_parallel_region(weight, group=self.tp_group)
-        if _kernel_runs(x, self.fused):
+        if self.fused:
+            _check_kernel_input(x)
             return _RMSNormKernel.apply(x, weight, self.eps, self.zero_centered_gamma)
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         scale = weight.to(compute)
@@ -101,21 +105,37 @@ class RMSNorm(MegatronModule):
 
     def extra_repr(self) -> str:
         return (f"{self.hidden_size}, eps={self.eps}, "
-                f"zero_centered_gamma={self.zero_centered_gamma}")
+                f"zero_centered_gamma={self.zero_centered_gamma}, fused={self.fused}")
 
 
-def _kernel_runs(x: torch.Tensor, fused: bool | None) -> bool:
-    """The one-kernel RMSNorm (:mod:`nemo_msa.triton.rms_norm`) where it runs: fp16/bf16 rows of
-    a power-of-two width up to 256 (the MSA indexer's heads), where ``fused`` allows it (None:
-    on CUDA or under the interpreter). The same fp32 arithmetic as the torch path, rounded once
-    (the mean square is summed in another order: the last fp32 bit of 1/rms may differ)."""
-    dim = x.shape[-1]
-    return (
-        (kernels_run_on(x) if fused is None else fused)
-        and x.dtype in (torch.float16, torch.bfloat16)
-        and 16 <= dim <= 256
-        and dim & (dim - 1) == 0
-    )
+def _check_kernel_input(x: torch.Tensor) -> None:
+    """Refuses an input the one-kernel RMSNorm does not take (its record,
+    :data:`~nemo_msa.backends.capabilities.TRITON_HELPERS`' ``rms_norm``: fp16/bf16 rows of a
+    power-of-two width up to 256, on CUDA or under the interpreter), which the plan that chose
+    it did not foresee. The kernel computes torch's fp32 arithmetic, rounded once (the mean
+    square is summed in another order: the last fp32 bit of 1/rms may differ).
+
+    Raises:
+        ValueError: naming ``MSAKernels.rms_norm``.
+    """
+    reason = TRITON_HELPERS.rms_norm.why_not(dtype=x.dtype, dim=x.shape[-1])
+    if reason is None and not kernels_run_on(x):
+        reason = f"the Triton kernels do not run on {x.device}"
+    if reason is not None:
+        raise ValueError(f"MSAKernels.rms_norm=True but {reason}; the layer's plan did not "
+                         "foresee this input")
+
+
+def planned_norm(spec, fused: bool):
+    """A norm spec (a class or ``ModuleSpec``) that builds :class:`RMSNorm` with ``fused`` (a
+    layer's plan's :attr:`~nemo_msa.plan.MSAKernels.rms_norm`), so the layer decides for its
+    norms when they are built; any other norm (Megatron's, TE's, ``IdentityOp``) as it is."""
+    module = spec.module if isinstance(spec, ModuleSpec) else spec
+    if not (isinstance(module, type) and issubclass(module, RMSNorm)):
+        return spec
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, params={**spec.params, "fused": fused})
+    return ModuleSpec(module=module, params={"fused": fused})
 
 
 class _RMSNormKernel(torch.autograd.Function):
@@ -143,6 +163,7 @@ class GemmaRMSNorm(RMSNorm):
         eps: float = 1e-6,
         tp_group: torch.distributed.ProcessGroup | None = None,
         sum_grad_across_tp: bool = False,
+        fused: bool = False,
     ) -> None:
         super().__init__(config, hidden_size, eps, tp_group, sum_grad_across_tp,
-                         zero_centered_gamma=True)
+                         zero_centered_gamma=True, fused=fused)

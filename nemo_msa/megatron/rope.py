@@ -7,8 +7,17 @@ and concatenates a rotated half, and its autograd backward adds the slices' zero
 gradients: about 12 kernels forward and 10 backward per tensor on the GPU (issue #28's
 profile). :func:`rope_factors` builds ``cos`` and a sign-folded ``sin`` once per layer call and
 dtype; :func:`apply_rope` applies them in one autograd function: one Triton kernel each way
-for bf16 on the GPU where the layer's plan runs fused helpers
-(:func:`nemo_msa.triton.rope.rope_triton`), else 4-5 torch kernels.
+for bf16 where the layer's plan names it (:attr:`nemo_msa.plan.MSAKernels.rope`,
+:func:`nemo_msa.triton.rope.rope_triton`), else 4-5 torch kernels.
+
+``config.apply_rope_fusion`` (ADR 0054; the plan's :attr:`~nemo_msa.plan.MSAKernels.te_rope`)
+runs Transformer Engine's fused RoPE instead, through Megatron's ``fused_apply_rotary_pos_emb``
+(TE's ``FusedRoPEFunc``, one kernel each way), at the same per-token angles: the compact tensor
+[T, heads, dim] is TE's ``sbhd`` with s = T tokens and b = 1, and the angle rows [T, 1, 1, rot]
+are those tokens' document positions, so every packed document restarts at 0 under any layout
+(BSHD or THD input, context parallelism). TE computes in fp32 and rounds once, so its bf16
+result differs from the unfused one by bf16 rounding, not more. :func:`check_rope_fusion` is the
+construction gate: TE must import and the layer must run on a CUDA device.
 
 The arithmetic is Megatron's, operation for operation, so the result is the same bits: with
 ``x = t[..., :rot]`` in halves ``x1, x2`` and ``c = cos(f).to(dtype)``, ``s = sin(f).to(dtype)``,
@@ -22,12 +31,17 @@ Interleaved RoPE (``config.rotary_interleaved``) keeps Megatron's function.
 from __future__ import annotations
 
 import torch
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rope_utils import (
+    apply_rotary_pos_emb,
+    fused_apply_rotary_pos_emb,
+)
 
+from nemo_msa import unplanned
+from nemo_msa.backends.capabilities import TRITON_HELPERS
 from nemo_msa.triton.kernel_layout import kernels_run_on
 from nemo_msa.triton.rope import rope_triton
 
-__all__ = ["RopeFactors", "apply_rope", "rope_factors"]
+__all__ = ["RopeFactors", "apply_rope", "check_rope_fusion", "rope_factors"]
 
 
 class RopeFactors:
@@ -37,17 +51,25 @@ class RopeFactors:
     Args:
         freqs: fp32 [Tq, 1, rot_dim] per-token angles (``MSASelfAttention``'s table rows).
         interleaved: ``config.rotary_interleaved`` (then Megatron's function runs).
-        fused: whether the one-kernel RoPE may run (where the input allows it); None decides
-            per call from the device. The layer passes its plan's
-            :attr:`~nemo_msa.plan.MSAPlan.fused_helpers`.
+        fused: run the one-kernel RoPE (the layer passes its plan's
+            :attr:`~nemo_msa.plan.MSAKernels.rope`; an input it does not take is then refused);
+            None chooses per call from the device and the input (a direct caller, counted by
+            :mod:`nemo_msa.unplanned`).
+        te_fused: Transformer Engine's fused RoPE runs (the plan's
+            :attr:`~nemo_msa.plan.MSAKernels.te_rope`, ``config.apply_rope_fusion``, checked
+            when the layer is built, :func:`check_rope_fusion`).
     """
 
-    def __init__(self, freqs: torch.Tensor, interleaved: bool, fused: bool | None = None) -> None:
+    def __init__(
+        self, freqs: torch.Tensor, interleaved: bool, fused: bool | None = None,
+        te_fused: bool = False,
+    ) -> None:
         if freqs.shape[-1] % 2:
             raise ValueError(f"rotary dim {freqs.shape[-1]} is odd; RoPE rotates halves")
         self.freqs = freqs
         self.interleaved = interleaved
         self.fused = fused
+        self.te_fused = te_fused
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,13 +87,47 @@ class RopeFactors:
 
 
 def rope_factors(
-    freqs: torch.Tensor | None, config, fused: bool | None = None
+    freqs: torch.Tensor | None, config, fused: bool | None = None,
+    te_fused: bool | None = None,
 ) -> RopeFactors | None:
-    """The layer call's :class:`RopeFactors` of ``freqs`` (None for None); ``fused`` as
-    :class:`RopeFactors` takes it."""
+    """The layer call's :class:`RopeFactors` of ``freqs`` (None for None); ``fused`` and
+    ``te_fused`` as :class:`RopeFactors` takes them (the layer passes its plan's
+    :attr:`~nemo_msa.plan.MSAKernels.rope` / ``te_rope``); ``te_fused`` None reads
+    ``config.apply_rope_fusion`` (a direct caller, counted by :mod:`nemo_msa.unplanned`)."""
     if freqs is None:
         return None
-    return RopeFactors(freqs, bool(getattr(config, "rotary_interleaved", False)), fused)
+    if te_fused is None:
+        unplanned.record("te_rope")
+        te_fused = bool(getattr(config, "apply_rope_fusion", False))
+    return RopeFactors(freqs, bool(getattr(config, "rotary_interleaved", False)), fused,
+                       te_fused=te_fused)
+
+
+def check_rope_fusion(config, device: torch.device) -> None:
+    """The construction gate of ``config.apply_rope_fusion`` for an MSA or dense-document layer.
+
+    Args:
+        config: the layer's config.
+        device: where the layer runs (TE's fused RoPE is a CUDA kernel).
+
+    Raises:
+        ImportError: ``apply_rope_fusion=True`` where Transformer Engine's fused RoPE does not
+            import.
+        ValueError: ``apply_rope_fusion=True`` on a device other than CUDA.
+    """
+    if not getattr(config, "apply_rope_fusion", False):
+        return
+    if fused_apply_rotary_pos_emb is None:
+        raise ImportError(
+            "config.apply_rope_fusion=True needs Transformer Engine's fused RoPE "
+            "(megatron.core.extensions.transformer_engine.fused_apply_rotary_pos_emb), which "
+            "does not import here; install transformer-engine or set apply_rope_fusion=False"
+        )
+    if torch.device(device).type != "cuda":
+        raise ValueError(
+            f"config.apply_rope_fusion=True on device {torch.device(device).type!r}: Transformer "
+            "Engine's fused RoPE is a CUDA kernel; set apply_rope_fusion=False off the GPU"
+        )
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:
@@ -80,20 +136,28 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_runs(t: torch.Tensor, cos: torch.Tensor, fused: bool | None) -> bool:
-    """The one-kernel RoPE (:func:`nemo_msa.triton.rope.rope_triton`) where it runs: bf16
-    [T, H, dim] with [T, 1, rot] factors, where ``fused`` allows it (None: on CUDA or the host
-    under the interpreter); it computes the same bits as the torch ops. fp16 keeps the torch
-    ops: compiled on the H200 the kernel's fp16 results differed from torch's by one unit in
-    the last place (2026-12-04, benchmarks/results/2026-12-04-h200-session3, call 3), and bit
-    equality is its contract."""
-    return (
-        (kernels_run_on(t) if fused is None else fused)
-        and t.dtype == torch.bfloat16
-        and t.dim() == 3
-        and cos.dim() == 3
-        and cos.shape[0] == t.shape[0]
-        and cos.shape[1] == 1
-    )
+    """Whether the one-kernel RoPE (:func:`nemo_msa.triton.rope.rope_triton`) runs: where
+    ``fused`` says so (None: on CUDA or the host under the interpreter, where it takes the
+    input). It takes [T, H, dim] in the dtypes of its record
+    (:data:`~nemo_msa.backends.capabilities.TRITON_HELPERS`' ``rope``: bf16; fp16 keeps the
+    torch ops, whose bits its compiled fp16 results missed by one unit in the last place on an
+    H200, 2026-12-04, benchmarks/results/2026-12-04-h200-layer-rows-ff484f3.md, and bit equality
+    is its contract) with [T, 1, rot] factors, and computes the same bits as the torch ops.
+
+    Raises:
+        ValueError: ``fused`` on an input the kernel does not take, naming
+            ``MSAKernels.rope``.
+    """
+    takes = (TRITON_HELPERS.rope.why_not(dtype=t.dtype) is None and t.dim() == 3
+             and cos.dim() == 3 and cos.shape[0] == t.shape[0] and cos.shape[1] == 1)
+    if fused is None:
+        unplanned.record("rope")
+        return kernels_run_on(t) and takes
+    if fused and not (takes and kernels_run_on(t)):
+        raise ValueError(f"MSAKernels.rope=True but the one-kernel RoPE does not take "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}; the layer's plan did not "
+                         "foresee this input")
+    return fused
 
 
 class _Rope(torch.autograd.Function):
@@ -131,8 +195,16 @@ def apply_rope(t: torch.Tensor, factors: RopeFactors, config, cp_group=None) -> 
 
     Returns:
         [Tq, heads, dim] in t's dtype: Megatron's ``apply_rotary_pos_emb(t, freqs)`` (bshd,
-        unfused), the same bits.
+        unfused), the same bits; with ``factors.te_fused`` TE's fused RoPE at the same angles
+        (fp32 arithmetic, one rounding).
     """
+    if factors.te_fused:
+        # TE's sbhd with s = tokens, b = 1: row i of t at angle row i (its document position).
+        rotated = fused_apply_rotary_pos_emb(
+            t.unsqueeze(1), factors.freqs.view(t.shape[0], 1, 1, -1),
+            interleaved=factors.interleaved,
+        )
+        return rotated.squeeze(1)
     if factors.interleaved:
         return apply_rotary_pos_emb(t, factors.freqs, config=config, cp_group=cp_group)
     cos, sin_signed = factors.tables(t.dtype)

@@ -118,8 +118,8 @@ class ReplayEntry:
 
     Attributes:
         layout: the microbatch's :class:`nemo_msa.context_parallel.ContextParallelLayout`.
-        selection: a sparse layer's ``select_blocks`` result, int32 q2k [Hkv_local, Tq,
-            top_k]; None for a dense layer or the dense warm-up.
+        selection: a sparse layer's :class:`nemo_msa.q2k.Selection` (``nemo_msa.ops.select``:
+            q2k int32 [Hkv_local, Tq, top_k]); None for a dense layer or the dense warm-up.
         seq_len: the activations' sequence length the layout was built for (checked on take).
         batch_size: the activations' batch size (checked on take).
     """

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_msa.capabilities import TRITON
+from nemo_msa.backends.capabilities import TRITON
 from nemo_msa.triton.kernel_layout import (
     INTERPRET,
     check_kernel_devices,

@@ -60,8 +60,8 @@ def build_config(recipe: Recipe, ctx: RunContext):
     """Build the (MSA) TransformerConfig from the model section plus platform settings.
 
     Raises:
-        RecipeError: half precision or a shim-incompatible value on the CPU, or a model section
-            that the config class refuses.
+        RecipeError: half precision or a shim-incompatible value on the CPU (an MoE dispatcher
+            other than all-gather among them), or a model section that the config class refuses.
     """
     cls = transformer_config_class()
     # The YAML spellings of dtypes, activations and enums become the objects they name.
@@ -91,7 +91,10 @@ def build_config(recipe: Recipe, ctx: RunContext):
     except (TypeError, ValueError, AssertionError) as err:
         raise RecipeError(f"the model section does not make a valid {cls.__name__}: {err}") from err
     if ctx.on_cpu:
-        cpu_shim.check_cpu_config(config)
+        try:
+            cpu_shim.check_cpu_config(config)
+        except ValueError as err:
+            raise RecipeError(f"the model section cannot run on the CPU: {err}") from None
     return config
 
 
@@ -114,7 +117,8 @@ def check_msa_layers(config) -> None:
 
 def build_model(recipe: Recipe, config, hooks: msa_hooks.TrainingHooks) -> list:
     """Build this rank's model chunks (one per virtual pipeline stage), not yet wrapped, with
-    the decoder spec of ``hooks`` (MSA or Megatron's dense GPT)."""
+    the decoder spec of ``hooks`` (MSA or Megatron's dense GPT) and, with ``mtp_num_layers``,
+    Megatron's multi-token-prediction block on the last stage (ADR 0053)."""
     vpp = config.virtual_pipeline_model_parallel_size
     pp_rank = ps.get_pipeline_model_parallel_rank()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -136,6 +140,7 @@ def build_model(recipe: Recipe, config, hooks: msa_hooks.TrainingHooks) -> list:
                 position_embedding_type=recipe.gpt.position_embedding_type,
                 rotary_percent=recipe.gpt.rotary_percent,
                 rotary_base=recipe.gpt.rotary_base,
+                mtp_block_spec=hooks.mtp_block_spec(stage, pp_rank),
                 vp_stage=stage,
             )
         chunks.append(model)
@@ -283,6 +288,10 @@ def build_training(recipe: Recipe, ctx: RunContext) -> TrainingObjects:
     hooks = msa_hooks.hooks_for(config)
     if hooks.msa:
         check_msa_layers(config)
+    elif recipe.dataset.packed_format == "thd":
+        raise RecipeError("recipe key 'dataset.packed_format' = 'thd': expected 'bshd' for a "
+                          "model without MSA layers (Megatron's local attention takes [b, s] "
+                          "rows, not THD packs)")
     chunks = wrap_ddp(recipe, config, build_model(recipe, config, hooks), ctx.device)
     optimizer, scheduler = build_optimizer(recipe, config, chunks, ctx)
     connect_schedule_hooks(config, chunks, optimizer)
@@ -307,6 +316,7 @@ def build_microbatch_source(recipe: Recipe, ctx: RunContext, dp: int,
         device=ctx.device, consumed_samples=consumed_samples,
         reset_position_ids=recipe.dataset.reset_position_ids,
         cp_size=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+        packed_format=recipe.dataset.packed_format,
     )
 
 

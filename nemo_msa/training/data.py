@@ -7,10 +7,16 @@ document map of each sample, so that block selection and attention stay inside a
 starts after every EOD token) and 0 on padding. Positions restart per document
 (``reset_position_ids``), as the model would see each document on its own.
 
+With ``dataset.packed_format: thd`` the microbatch also carries Megatron's ``PackedSeqParams``
+(:func:`thd_packed_seq_params`): the rows laid end to end as one sequence of packed documents,
+``cu_seqlens`` at the same EOD boundaries, which the model takes as THD input ([1, b * S]
+tokens, ``attention_mask`` None) instead of the document ids (ADR 0052).
+
 Every microbatch is built once and moved to the device once (:func:`collate`); the loop hands the
 *same* objects to every virtual-pipeline chunk through
 ``nemo_msa.megatron.microbatch.SharedMicrobatchIterators``: the MSA layout memo keys on the
-identity of ``packed_seq_ids``, so one layout (and one device-to-host sync) serves all chunks.
+identity of ``packed_seq_ids`` (THD: of ``cu_seqlens``), so one layout (and one device-to-host
+sync) serves all chunks.
 """
 
 from __future__ import annotations
@@ -26,11 +32,12 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from nemo_msa.context_parallel import split_for_context_parallel
 from nemo_msa.training.indexed_files import check_indexed_files
 from nemo_msa.training.recipe_fields import RecipeError
-from nemo_msa.training.recipe_schema import DatasetConfig, GPTModelArgs
+from nemo_msa.training.recipe_schema import PACKED_FORMATS, DatasetConfig, GPTModelArgs
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,53 @@ def positions_from_document_ids(ids: torch.Tensor) -> torch.Tensor:
     start_idx = torch.where(starts, arange, torch.zeros_like(arange))
     start_idx = torch.cummax(start_idx, dim=-1).values
     return (arange - start_idx).masked_fill(ids == 0, 0)
+
+
+def thd_packed_seq_params(packed_seq_ids: torch.Tensor) -> PackedSeqParams:
+    """Megatron's THD ``PackedSeqParams`` of a microbatch whose rows are laid end to end.
+
+    Every document of the document map (a new one after each EOD, and at each row start) is one
+    packed sequence; padding (id 0, a suffix of its row) belongs to the sequence before it as
+    ``cu_seqlens_q_padded`` says (TE's convention), or to an empty sequence of its own when
+    nothing precedes it (a first row that is all padding).
+
+    Args:
+        packed_seq_ids: int [b, S] document ids (:func:`packed_seq_ids_from_tokens`), on the
+            host (the lengths are read there, no device sync).
+
+    Returns:
+        ``PackedSeqParams(qkv_format="thd")`` with int32 ``cu_seqlens_q`` (= ``cu_seqlens_kv``,
+        the same tensor) of the real lengths, ``cu_seqlens_q_padded`` (= ``..._kv_padded``)
+        of the starts in the [b * S] pack (None when there is no padding), and
+        ``max_seqlen_q`` = ``max_seqlen_kv`` the longest padded sequence (host ints).
+    """
+    flat = packed_seq_ids.reshape(-1).long()
+    total, seq = flat.numel(), packed_seq_ids.shape[-1]
+    real = flat > 0
+    # One key per (row, document): a document never continues across a row end.
+    key = torch.where(real, torch.arange(total) // seq * (seq + 1) + flat, -1)
+    start = real & (key != torch.cat([key.new_full((1,), -2), key[:-1]]))
+    starts = start.nonzero().flatten()
+    lengths = torch.bincount((torch.cumsum(start.long(), 0) - 1)[real],
+                             minlength=starts.numel())
+    if total and not bool(real[0]):
+        starts = torch.cat([starts.new_zeros(1), starts])
+        lengths = torch.cat([lengths.new_zeros(1), lengths])
+    padded = torch.cat([starts, starts.new_full((1,), total)]).to(torch.int32)
+    cu = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
+    cu_padded = None if torch.equal(cu, padded) else padded
+    longest = int((padded[1:] - padded[:-1]).max()) if total else 0
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def schedule_shape(seq_length: int, micro_batch_size: int, packed_format: str) -> tuple[int, int]:
+    """``(seq_length, micro_batch_size)`` of a microbatch's activations as Megatron's pipeline
+    schedules send them between stages: [S, b, h], or [b * S, 1, h] for THD input."""
+    if packed_format == "thd":
+        return seq_length * micro_batch_size, 1
+    return seq_length, micro_batch_size
 
 
 class _Tokenizer:
@@ -291,6 +345,9 @@ class Microbatch:
     loss_tokens: torch.Tensor | None = None
     #: The context-parallel size the tensors above were split for.
     cp_size: int = 1
+    #: THD input (``dataset.packed_format: thd``): the rows end to end, cu_seqlens on the
+    #: device; None for the document-id (BSHD) path.
+    packed_seq_params: PackedSeqParams | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -328,15 +385,27 @@ def split_microbatch(mb: Microbatch, cp_size: int, cp_rank: int) -> Microbatch:
 
 
 def collate(samples: list[dict[str, torch.Tensor]], eod_id: int, device: torch.device,
-            reset_position_ids: bool = True, cp_size: int = 1, cp_rank: int = 0) -> Microbatch:
+            reset_position_ids: bool = True, cp_size: int = 1, cp_rank: int = 0,
+            packed_format: str = "bshd") -> Microbatch:
     """Stack dataset samples and derive the document map; one host-to-device copy per tensor.
 
     Megatron pads the last samples of a split with a pad id that it then rewrites to token 0
     with label 0 and loss 0; such a tail (token 0, label 0, loss 0 up to the row end) becomes
     padding (document id 0). With ``cp_size > 1`` the document map and positions are derived
     from the whole rows, then the rows are split for this CP rank
-    (:func:`split_microbatch`) before the copy to the device.
+    (:func:`split_microbatch`) before the copy to the device. With ``packed_format="thd"`` the
+    microbatch also gets the THD ``PackedSeqParams`` of the same document map
+    (:func:`thd_packed_seq_params`).
+
+    Raises:
+        ValueError: an unknown ``packed_format``, or THD with ``cp_size > 1`` (the recipe
+            refuses it first).
     """
+    if packed_format not in PACKED_FORMATS:
+        raise ValueError(f"packed_format={packed_format!r}; expected one of {PACKED_FORMATS}")
+    if packed_format == "thd" and cp_size > 1:
+        raise ValueError("packed_format='thd' with cp_size > 1: the THD data path does not "
+                         "split documents for context parallelism")
     tokens = torch.stack([s["tokens"] for s in samples]).long()
     labels = torch.stack([s["labels"] for s in samples]).long()
     loss_mask = torch.stack([s["loss_mask"] for s in samples]).float()
@@ -351,6 +420,15 @@ def collate(samples: list[dict[str, torch.Tensor]], eod_id: int, device: torch.d
     host = split_microbatch(Microbatch(tokens, labels, loss_mask, positions, ids), cp_size,
                             cp_rank)
     nb = device.type != "cpu"
+    params = None
+    if packed_format == "thd":
+        params = thd_packed_seq_params(ids)
+        cu = params.cu_seqlens_q.to(device, non_blocking=nb)
+        padded = params.cu_seqlens_q_padded
+        padded = padded.to(device, non_blocking=nb) if padded is not None else None
+        # One tensor object for q and kv: the layers memoize the layout on it.
+        params.cu_seqlens_q = params.cu_seqlens_kv = cu
+        params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = padded
     return Microbatch(
         tokens=host.tokens.to(device, non_blocking=nb),
         labels=host.labels.to(device, non_blocking=nb),
@@ -359,6 +437,7 @@ def collate(samples: list[dict[str, torch.Tensor]], eod_id: int, device: torch.d
         packed_seq_ids=host.packed_seq_ids.to(device, non_blocking=nb),
         loss_tokens=host.loss_tokens.to(device, non_blocking=nb),
         cp_size=cp_size,
+        packed_seq_params=params,
     )
 
 
@@ -370,11 +449,13 @@ class MicrobatchSource:
     ``mbs`` consecutive samples at ``g * gbs + (m * dp + r) * mbs``. The position is just
     ``consumed_samples``, which the checkpoint stores. The ranks of one context-parallel group
     read the same samples and keep their own share of each row (``cp_size``, ``cp_rank``).
+    ``packed_format`` is :func:`collate`'s.
     """
 
     def __init__(self, dataset, *, micro_batch_size: int, global_batch_size: int, dp_size: int,
                  dp_rank: int, eod_id: int, device: torch.device, consumed_samples: int = 0,
-                 reset_position_ids: bool = True, cp_size: int = 1, cp_rank: int = 0):
+                 reset_position_ids: bool = True, cp_size: int = 1, cp_rank: int = 0,
+                 packed_format: str = "bshd"):
         self.dataset = dataset
         self.mbs = micro_batch_size
         self.gbs = global_batch_size
@@ -386,6 +467,7 @@ class MicrobatchSource:
         self.reset_position_ids = reset_position_ids
         self.cp_size = cp_size
         self.cp_rank = cp_rank
+        self.packed_format = packed_format
 
     @property
     def num_microbatches(self) -> int:
@@ -403,6 +485,6 @@ class MicrobatchSource:
             start = base + (m * self.dp + self.dp_rank) * self.mbs
             samples = [self.dataset[(start + i) % len(self.dataset)] for i in range(self.mbs)]
             out.append(collate(samples, self.eod_id, self.device, self.reset_position_ids,
-                               self.cp_size, self.cp_rank))
+                               self.cp_size, self.cp_rank, self.packed_format))
         self.consumed_samples += self.gbs
         return out

@@ -41,6 +41,7 @@ from nemo_msa.training.data import (
     collate,
     eod_token_id,
     positions_from_document_ids,
+    schedule_shape,
 )
 from nemo_msa.training.flops import FlopsModel, device_peak_flops, throughput
 from nemo_msa.training.msa_hooks import TrainingHooks
@@ -119,8 +120,7 @@ def _eval_loss_func(loss_mask, bucket, num_buckets, copies, output_tensor):
 
 def _eval_forward_step(hooks: TrainingHooks, edges, marker, data_iterator, model):
     mb = next(data_iterator)
-    output = model(mb.tokens, mb.position_ids, labels=mb.labels,
-                   **hooks.model_forward_kwargs(mb.packed_seq_ids))
+    output = model(**hooks.forward_arguments(mb))
     pos = positions_from_document_ids(mb.packed_seq_ids)  # global [b, S]
     # The second-copy group needs the whole row's tokens (the recipe allows it only with CP = 1).
     copies = (None if marker is None
@@ -150,8 +150,7 @@ def _probe_loss_func(labels, group, num_groups, vocab_size, output_tensor):
 
 def _probe_forward_step(hooks: TrainingHooks, num_groups, vocab_size, data_iterator, model):
     mb, group = next(data_iterator)
-    output = model(mb.tokens, mb.position_ids, labels=None,
-                   **hooks.model_forward_kwargs(mb.packed_seq_ids))
+    output = model(**hooks.forward_arguments(mb, labels=False))
     return output, partial(_probe_loss_func, mb.labels, group, num_groups, vocab_size)
 
 
@@ -266,7 +265,8 @@ class Evaluator:
             dp_rank=ps.get_data_parallel_rank(),
             eod_id=eod_token_id(self.recipe.dataset, self.recipe.gpt), device=self.device,
             reset_position_ids=self.recipe.dataset.reset_position_ids,
-            cp_size=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank())
+            cp_size=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+            packed_format=self.recipe.dataset.packed_format)
         nb = len(self.edges_list)
         buf = torch.zeros(2 + 2 * (nb + 1), dtype=torch.float64, device=self.device)
         owner = (ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -279,15 +279,15 @@ class Evaluator:
                     shared = SharedMicrobatchIterators(iter(source.step_microbatches()),
                                                        len(self.chunks))
                     iterators = shared.iterators()
-                    seq = self.recipe.gpt.seq_length
+                    seq, mbs = schedule_shape(self.recipe.gpt.seq_length, train.micro_batch_size,
+                                              self.recipe.dataset.packed_format)
                     reports = self.forward_backward(
                         forward_step_func=partial(_eval_forward_step, self.hooks, self.edges,
                                                   train.eval_copy_marker),
                         data_iterator=iterators if len(self.chunks) > 1 else iterators[0],
                         model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
                         num_microbatches=source.num_microbatches, seq_length=seq,
-                        micro_batch_size=train.micro_batch_size, decoder_seq_length=seq,
-                        forward_only=True)
+                        micro_batch_size=mbs, decoder_seq_length=seq, forward_only=True)
                     if owner:
                         for r in reports:
                             buf += r["val"].to(buf)

@@ -24,7 +24,7 @@ from nemo_msa.training.checkpoint import TrainState, save_checkpoint
 from nemo_msa.training.checkpoint_integrity import checkpoint_name, verify_checkpoint
 from nemo_msa.training.checkpoint_lock import CheckpointLock, CheckpointLockError
 from nemo_msa.training.checkpoint_lock import check as check_lock
-from nemo_msa.training.data import Microbatch, MicrobatchSource
+from nemo_msa.training.data import Microbatch, MicrobatchSource, schedule_shape
 from nemo_msa.training.evaluate import Evaluator, StepFlops, should_exit
 from nemo_msa.training.msa_hooks import TrainingHooks
 from nemo_msa.training.recipe import Recipe
@@ -88,8 +88,7 @@ def _loss_func(mb: Microbatch, per_token: bool, output_tensor: torch.Tensor):
 
 def _forward_step(hooks: TrainingHooks, per_token: bool, data_iterator, model):
     mb = next(data_iterator)
-    output = model(mb.tokens, mb.position_ids, labels=mb.labels,
-                   **hooks.model_forward_kwargs(mb.packed_seq_ids))
+    output = model(**hooks.forward_arguments(mb))
     return output, partial(_loss_func, mb, per_token)
 
 
@@ -165,6 +164,8 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
     if train.exit_interval:
         stop_at = min(stop_at, state.iteration + train.exit_interval)
     tokens_per_step = train.global_batch_size * recipe.gpt.seq_length
+    seq_length, micro_batch_size = schedule_shape(recipe.gpt.seq_length, train.micro_batch_size,
+                                                  recipe.dataset.packed_format)
     evaluator = Evaluator(recipe, ctx, hooks, chunks, forward_backward,
                           ps.get_data_parallel_world_size())
     step_flops = StepFlops(recipe, objs.config, ctx.device)
@@ -206,9 +207,9 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
             data_iterator=iterators if len(chunks) > 1 else iterators[0],
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=source.num_microbatches,
-            seq_length=recipe.gpt.seq_length,
-            micro_batch_size=train.micro_batch_size,
-            decoder_seq_length=recipe.gpt.seq_length,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            decoder_seq_length=seq_length,
             forward_only=False,
         )
         if phase == "dense-warmup" and train.freeze_main_during_warmup:
@@ -226,7 +227,7 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
                 f"another run (which judged this one gone, e.g. after its heartbeat stalled "
                 f"for checkpoint.lock_stale_s): this run stopped after iteration "
                 f"{state.iteration} without writing it, so that one run writes there at a time")
-        metrics.update(hooks.pop_step_metrics())
+        metrics.update(hooks.pop_step_metrics(source.num_microbatches, ctx.device))
         if builds_before is not None:
             # This rank's MSA layouts per microbatch: 1.0 when every layer and every virtual
             # pipeline chunk shared the microbatch's layout (the per-microbatch cache works).
@@ -256,8 +257,8 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
             metrics.update(last_eval)
             timer.lap()  # the evaluation is not the next step's time
         state.history.append({k: v for k, v in metrics.items()
-                              if k in ("iteration", "loss", "indexer_loss", "recall", "lr",
-                                       "val_loss")})
+                              if k in ("iteration", "loss", "mtp_loss", "indexer_loss",
+                                       "recall", "lr", "val_loss")})
         if is_rank0:
             metrics_log.write(metrics)
         progress.update(metrics)

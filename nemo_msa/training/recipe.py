@@ -28,6 +28,7 @@ from nemo_msa.training.determinism import REQUIRED_MODEL_VALUES
 from nemo_msa.training.probes import check_probe_settings
 from nemo_msa.training.recipe_fields import RecipeError, require
 from nemo_msa.training.recipe_schema import (
+    PACKED_FORMATS,
     SECTION_DATACLASSES,
     SECTIONS,
     GPTModelArgs,
@@ -228,6 +229,8 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "model.tensor_model_parallel_size": (1, True, None, False),
     "model.pipeline_model_parallel_size": (1, True, None, False),
     "model.context_parallel_size": (1, True, None, False),
+    "model.mtp_num_layers": (0, False, None, False),
+    "model.mtp_loss_scaling_factor": (0, True, None, False),
     "optimizer.lr": (0, True, None, False),
     "optimizer.min_lr": (0, True, None, False),
     "optimizer.weight_decay": (0, True, None, False),
@@ -292,6 +295,9 @@ def _check_values(r: Recipe) -> None:
             f"a positive multiple of train.micro_batch_size ({t.micro_batch_size})")
     require(r.gpt.seq_length > 0, "model.seq_length", r.gpt.seq_length, "a positive integer")
     _check_context_parallel(r)
+    _check_packed_format(r)
+    _check_mtp(r)
+    _check_megatron_features(r)
     # GPTModel takes others (mrope, yarn) that apply row positions, not per-document ones.
     require(r.gpt.position_embedding_type in POSITION_EMBEDDINGS, "model.position_embedding_type",
             r.gpt.position_embedding_type,
@@ -413,6 +419,62 @@ def _check_context_parallel(r: Recipe) -> None:
         require((r.gpt.seq_length // cp) % tp == 0, "model.seq_length", r.gpt.seq_length,
                 f"a multiple of model.context_parallel_size x tensor_model_parallel_size = "
                 f"{cp * tp} with sequence_parallel (each CP rank's share splits over TP)")
+
+
+def _check_packed_format(r: Recipe) -> None:
+    """``dataset.packed_format``: a known format, and THD only where its data path runs."""
+    fmt = r.dataset.packed_format
+    require(fmt in PACKED_FORMATS, "dataset.packed_format", fmt,
+            "'bshd' ([b, S] rows with document ids) or 'thd' (Megatron's PackedSeqParams)")
+    cp = int(r.model.get("context_parallel_size", 1) or 1)
+    if fmt == "thd":
+        # The layer takes THD under CP, but only with every document padded to a multiple of
+        # 2 x CP and split per document (cu_seqlens_q_padded); the data path does not do that.
+        require(cp == 1, "dataset.packed_format", fmt,
+                f"'bshd' with model.context_parallel_size = {cp} (the THD data path does not "
+                "pad and split documents for context parallelism; the document-id path does "
+                "CP)")
+
+
+def _check_mtp(r: Recipe) -> None:
+    """Multi-token prediction: what Megatron's MTP block runs with in this trainer."""
+    model = r.model
+    if model.get("mtp_hybrid_override_pattern") is not None:
+        require(False, "model.mtp_hybrid_override_pattern", model["mtp_hybrid_override_pattern"],
+                "null (it patterns the MTP layers of Megatron's hybrid Mamba models; a GPT's "
+                "MTP layer is its last decoder layer's kind)")
+    if not model.get("mtp_num_layers"):
+        for key in ("mtp_use_repeated_layer", "mtp_detach_heads"):
+            if model.get(key):
+                require(False, f"model.{key}", model[key], "false without model.mtp_num_layers")
+        return
+    if model.get("recompute_granularity") == "full" and model.get("recompute_method") == "uniform":
+        # MultiTokenPredictionLayer asserts it in its first recomputed forward.
+        require(int(model.get("recompute_num_layers") or 0) == 1, "model.recompute_num_layers",
+                model.get("recompute_num_layers"),
+                "1 with model.mtp_num_layers and recompute_method 'uniform' (Megatron recomputes "
+                "each MTP layer on its own)")
+
+
+def _check_megatron_features(r: Recipe) -> None:
+    """Megatron fields the config accepts but this trainer's model cannot run, refused here
+    rather than as a traceback at the first step (or silently ignored)."""
+    model = r.model
+    variant = model.get("experimental_attention_variant")
+    require(variant is None, "model.experimental_attention_variant", variant,
+            "null (the MSA spec builds every attention layer: MSA or dense by "
+            "model.msa_layer_pattern)")
+    tp = int(model.get("tensor_model_parallel_size", 1) or 1)
+    sp = bool(model.get("sequence_parallel"))
+    if model.get("num_moe_experts") is not None and tp > 1:
+        # Megatron's MoELayer raises this in its first training forward.
+        require(sp, "model.sequence_parallel", sp,
+                f"true with model.num_moe_experts and tensor_model_parallel_size = {tp} "
+                "(Megatron's MoE layer does not train with TP but without sequence parallelism)")
+    if sp and tp > 1:
+        require(model.get("transformer_impl") == "transformer_engine", "model.sequence_parallel",
+                sp, "false with model.transformer_impl = 'local' (Megatron's local norms do not "
+                "support sequence parallelism; use transformer_engine)")
 
 
 def check_parallel_layout(model: dict[str, Any], world_size: int, global_batch_size: int,

@@ -113,6 +113,11 @@ class SchedulerConfig:
     use_checkpoint_opt_param_scheduler: bool = False
 
 
+#: ``dataset.packed_format`` values: ``bshd`` [b, S] rows with the document ids as the attention
+#: mask; ``thd`` the rows end to end with Megatron's PackedSeqParams (ADR 0052).
+PACKED_FORMATS = ("bshd", "thd")
+
+
 @dataclass
 class DatasetConfig:
     """Data settings: Megatron GPT datasets, mock or real indexed data."""
@@ -127,6 +132,10 @@ class DatasetConfig:
     eod_mask_loss: bool = False
     path_to_cache: str | None = None
     mmap_bin_files: bool = True
+    #: How a microbatch reaches the model: "bshd" ([b, S] rows, the document ids as
+    #: attention_mask) or "thd" (the rows end to end as one pack, Megatron's PackedSeqParams with
+    #: cu_seqlens at the same EOD boundaries). The two train the same function.
+    packed_format: str = "bshd"
 
 
 @dataclass
@@ -311,7 +320,7 @@ def config_values(section: str, values: dict[str, Any]) -> dict[str, Any]:
     return {key: coerce_value(section, key, value) for key, value in values.items()}
 
 
-__all__ = ["SECTIONS", "SECTION_DATACLASSES", "CheckpointConfig", "DatasetConfig", "DistConfig",
-           "GPTModelArgs", "LoggerConfig", "Recipe", "SchedulerConfig", "SectionSchema",
-           "TrainConfig", "coerce_value", "config_values", "section_schema",
-           "transformer_config_class", "unknown_key_error"]
+__all__ = ["PACKED_FORMATS", "SECTIONS", "SECTION_DATACLASSES", "CheckpointConfig",
+           "DatasetConfig", "DistConfig", "GPTModelArgs", "LoggerConfig", "Recipe",
+           "SchedulerConfig", "SectionSchema", "TrainConfig", "coerce_value", "config_values",
+           "section_schema", "transformer_config_class", "unknown_key_error"]

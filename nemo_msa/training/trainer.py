@@ -157,6 +157,8 @@ def _summary(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, dp: int, st
                  + (f" (resumed at {resumed_from})" if resumed_from else ""),
         "first loss": hist[0]["loss"] if hist else float("nan"),
         "final loss": hist[-1]["loss"] if hist else float("nan"),
+        # The MTP loss beside the LM loss (Megatron's mtp_1 loss, mean over depths).
+        **({"final MTP loss": hist[-1]["mtp_loss"]} if hist and "mtp_loss" in hist[-1] else {}),
         "tokens/s": (steps_run * tokens_per_step / (result.elapsed - result.eval_seconds)
                      if steps_run else 0.0),
         "wall time s": result.elapsed,

@@ -16,7 +16,8 @@ logger = logging.getLogger(__name__)
 
 
 class Progress:
-    """A tqdm bar with step, loss, indexer loss, tokens/s and ETA; a plain log line otherwise.
+    """A tqdm bar with step, loss, MTP loss, indexer loss, tokens/s and ETA; a plain log line
+    otherwise.
 
     Args:
         total: the run's last iteration (train_iters).
@@ -44,6 +45,8 @@ class Progress:
     def update(self, metrics: dict[str, float]) -> None:
         """Advance by one step and show its metrics."""
         shown = {"loss": f"{metrics['loss']:.4f}"}
+        if "mtp_loss" in metrics:
+            shown["mtp_loss"] = f"{metrics['mtp_loss']:.4f}"
         if "indexer_loss" in metrics:
             shown["idx_loss"] = f"{metrics['indexer_loss']:.4f}"
         if "recall" in metrics:
@@ -103,7 +106,8 @@ class MetricsLog:
 
 def plot_loss_curve(history: list[dict[str, float]], path: Path, title: str,
                     warmup_steps: int = 0) -> Path | None:
-    """Write the loss (and indexer loss / recall when present) against the step as a PNG.
+    """Write the loss (and MTP loss, indexer loss / recall when present) against the step as a
+    PNG.
 
     The MSA dense warm-up (the first ``warmup_steps`` iterations) is shaded.
 
@@ -126,9 +130,13 @@ def plot_loss_curve(history: list[dict[str, float]], path: Path, title: str,
                              squeeze=False)
     ax = axes[0][0]
     ax.plot(steps, [h["loss"] for h in history], label="LM loss")
+    mtp = [(h["iteration"], h["mtp_loss"]) for h in history if "mtp_loss" in h]
+    if mtp:
+        ax.plot(*zip(*mtp, strict=True), color="tab:purple", label="MTP loss")
     val = [(h["iteration"], h["val_loss"]) for h in history if "val_loss" in h]
     if val:
         ax.plot(*zip(*val, strict=True), "o-", color="tab:red", label="validation loss")
+    if mtp or val:
         ax.legend(loc="upper right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nemo_msa.capabilities import TRITON
+from nemo_msa.backends.capabilities import TRITON
 from nemo_msa.tensor_memo import TensorMemo
 
 # The Triton interpreter computes tl.dot on bf16 operands wrongly (PLATFORM.md); kernels take
@@ -34,8 +34,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 def kernels_run_on(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run on ``x``'s device: CUDA, or the host under the
-    interpreter. The fused helpers' decision where no layer plan passes one
-    (:attr:`nemo_msa.plan.MSAPlan.fused_helpers`): a direct caller's."""
+    interpreter. The helpers ask it for a direct caller (no plan: the layer's plan names its
+    helpers' kernels, :class:`nemo_msa.plan.MSAKernels`), and to refuse a device the plan's
+    kernel cannot run on."""
     return x.is_cuda or INTERPRET
 
 
@@ -243,7 +244,7 @@ def check_attention_inputs(q, k, v, q2k, view: KernelLayout, subset: QuerySubset
 
 
 def check_block_size(block_size: int) -> None:
-    """The kernels take the block sizes of :data:`nemo_msa.capabilities.TRITON`."""
+    """The kernels take the block sizes of :data:`nemo_msa.backends.capabilities.TRITON`."""
     reason = TRITON.why_not(block_size=block_size)
     if reason is not None:
         raise ValueError(reason)

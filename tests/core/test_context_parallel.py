@@ -20,7 +20,7 @@ from nemo_msa.attention.naive import (
     sparse_attention_backward_reference,
     sparse_attention_forward_reference,
 )
-from nemo_msa.backends import get_backend
+from nemo_msa.backends.registry import get_backend
 from nemo_msa.context_parallel import (
     ContextParallelLayout,
     gather_order,
@@ -73,6 +73,10 @@ def test_index_maps_follow_megatron():
         load_balanced_indices(6, 2, 0)
     with pytest.raises(ValueError, match="sequence 0 6 tokens"):
         thd_load_balanced_indices(torch.tensor([0, 6]), 2, 0)
+    # Without a split (CP = 1) any length runs, an odd document's included (ADR 0052).
+    assert load_balanced_indices(5, 1, 0).tolist() == [0, 1, 2, 3, 4]
+    odd = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    assert thd_load_balanced_indices(odd, 1, 0).tolist() == list(range(9))
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])

@@ -11,7 +11,6 @@ and are skipped, with the reason, everywhere else.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 import subprocess
@@ -23,12 +22,24 @@ import pytest
 import torch
 from packs import document_map_from_rows
 
-import nemo_msa.backends_flashinfer as bf
-import nemo_msa.backends_triton as bt
-from nemo_msa import MSAMicrobatch, backends, register_backend, sparse_attention
+import nemo_msa.backends.flashinfer as bf
+import nemo_msa.backends.triton as bt
+from nemo_msa import (
+    MSAMicrobatch,
+    QueryView,
+    Selection,
+    register_backend,
+    sparse_attention,
+    unplanned,
+)
 from nemo_msa.attention import flashinfer_adapter as fa
-from nemo_msa.attention.naive import masked_attention_reference
-from nemo_msa.backends import ENV_VAR, get_backend, known_backends, resolve_backend
+from nemo_msa.attention.naive import (
+    masked_attention_reference,
+    sparse_attention_backward_reference,
+    sparse_attention_forward_reference,
+)
+from nemo_msa.backends import registry as backends
+from nemo_msa.backends.registry import ENV_VAR, get_backend, known_backends, resolve_backend
 from nemo_msa.selection.naive import select_blocks_reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,10 +152,10 @@ def test_importing_nemo_msa_and_resolving_never_imports_flashinfer(tmp_path):
     code = (
         "import sys\n"
         "import nemo_msa\n"
-        "from nemo_msa.backends import get_backend, resolve_backend\n"
+        "from nemo_msa.backends.registry import get_backend, resolve_backend\n"
         "assert resolve_backend('auto', 'cpu').name == 'reference'\n"
         "backend = get_backend('flashinfer')\n"
-        "assert 'nemo_msa.backends_flashinfer' in sys.modules\n"
+        "assert 'nemo_msa.backends.flashinfer' in sys.modules\n"
         "assert backend.unavailable_reason(__import__('torch').device('cpu'))\n"
         "assert 'flashinfer' not in sys.modules, 'flashinfer was imported'\n"
     )
@@ -167,11 +178,11 @@ def test_selection_is_the_triton_kernel(monkeypatch):
 
     monkeypatch.setattr(bt, "triton_select_blocks", triton_select)
     index_q = torch.zeros(3, 1, 16)
-    got = bf.BACKEND.select_blocks(index_q, torch.zeros(3, 16), None, top_k=16, init_blocks=1,
-                                   local_blocks=2, score="max")
+    got = bf.BACKEND.select_blocks(index_q, torch.zeros(3, 16), QueryView(None), top_k=16,
+                                   init_blocks=1, local_blocks=2, score="max")
     assert got == "q2k" and seen["index_q"] is index_q
-    assert {k: seen[k] for k in ("top_k", "init_blocks", "local_blocks", "score")} == {
-        "top_k": 16, "init_blocks": 1, "local_blocks": 2, "score": "max"}
+    assert {k: seen[k] for k in ("top_k", "init_blocks", "local_blocks", "score", "queries")} == {
+        "top_k": 16, "init_blocks": 1, "local_blocks": 2, "score": "max", "queries": None}
 
 
 def test_the_backward_gets_the_converted_lse(monkeypatch, flashinfer_here):
@@ -179,15 +190,15 @@ def test_the_backward_gets_the_converted_lse(monkeypatch, flashinfer_here):
     transposed), the caller's q2k in its canonical form (the op's) and no union lists (it
     builds its own)."""
     seen = {}
-    reference = get_backend("reference")
 
-    def triton_backward(dout, q, k, v, out, lse, q2k, msa, scale, *, unions, queries=None):
+    def triton_backward(dout, q, k, v, out, lse, q2k, msa, scale, *, unions, queries=None,
+                        dkdv=None):
         seen.update(lse=lse, q2k=q2k, unions=unions, scale=scale)
-        return reference.attention_backward(dout, q, k, v, out, lse, q2k, msa, scale)
+        return sparse_attention_backward_reference(dout, q, k, v, out, lse, q2k, msa, scale)
 
     monkeypatch.setattr(bt, "triton_attention_backward", triton_backward)
     msa, q, k, v, dout, q2k = _case([[(200, 4), (60, 0)]], 270, 4, 2, 3, device="cpu")
-    ref_out, ref_lse = reference.attention_forward(q, k, v, q2k, msa, 0.125)
+    ref_out, ref_lse = sparse_attention_forward_reference(q, k, v, q2k, msa, 0.125)
     xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
     out, lse = sparse_attention(*xs, q2k, msa, softmax_scale=0.125, backend="flashinfer",
                                 return_lse=True)
@@ -198,7 +209,8 @@ def test_the_backward_gets_the_converted_lse(monkeypatch, flashinfer_here):
     torch.testing.assert_close(seen["lse"], ref_lse, rtol=1e-5, atol=1e-5)
     assert torch.equal(seen["q2k"], q2k) and seen["unions"] is None and seen["scale"] == 0.125
     torch.testing.assert_close(out, ref_out)
-    ref_grads = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, q2k, msa, 0.125)
+    ref_grads = sparse_attention_backward_reference(dout, q, k, v, ref_out, ref_lse, q2k, msa,
+                                                    0.125)
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want)
 
@@ -225,35 +237,38 @@ def test_forward_and_gradients_through_the_triton_backward(flashinfer_here):
         assert _rel(got, want) < 1e-2, name
 
 
-def test_shapes_flashinfer_does_not_take_run_the_triton_forward(monkeypatch, flashinfer_here,
-                                                                caplog):
-    """Blocks of 64 tokens: the Triton forward runs (one warning per reason), its union lists
-    reach the Triton backward, and flashinfer is never called."""
-    reference = get_backend("reference")
+def test_shapes_flashinfer_does_not_take_run_the_triton_forward(monkeypatch, flashinfer_here):
+    """Blocks of 64 tokens: without a plan the call runs the Triton forward (a choice made per
+    call, counted), its union lists reach the Triton backward on the selection, and flashinfer
+    is never called; a plan that named the prefill kernel for this call is refused, naming the
+    field, not served by the Triton forward."""
     seen = []
-    monkeypatch.setattr(bf, "_WARNED", set())
 
-    def triton_forward(q, k, v, q2k, msa, scale, *, return_unions):
-        assert return_unions
-        return (*reference.attention_forward(q, k, v, q2k, msa, scale), "unions")
+    def triton_forward(q, k, v, q2k, msa, scale, *, return_unions, return_block_mass, queries):
+        assert return_unions and not return_block_mass and queries is None
+        return (*sparse_attention_forward_reference(q, k, v, q2k, msa, scale), "unions")
 
-    def triton_backward(dout, q, k, v, out, lse, q2k, msa, scale, *, unions, queries=None):
+    def triton_backward(dout, q, k, v, out, lse, q2k, msa, scale, *, unions, queries=None,
+                        dkdv=None):
         seen.append(unions)
-        return reference.attention_backward(dout, q, k, v, out, lse, q2k, msa, scale)
+        return sparse_attention_backward_reference(dout, q, k, v, out, lse, q2k, msa, scale)
 
-    monkeypatch.setattr(bf, "triton_attention_forward", triton_forward)
+    monkeypatch.setattr(bt, "triton_attention_forward", triton_forward)
     monkeypatch.setattr(bt, "triton_attention_backward", triton_backward)
     g = torch.Generator().manual_seed(1)
     msa = MSAMicrobatch.from_document_map(torch.ones(1, 150, dtype=torch.int64), block_size=64)
     q = torch.randn(150, 2, 128, generator=g).bfloat16().requires_grad_(True)
     k, v = (torch.randn(150, 1, 128, generator=g).bfloat16() for _ in range(2))
     q2k = torch.tensor([0, 1, 2], dtype=torch.int32).expand(1, 150, 3).contiguous()
-    with caplog.at_level(logging.WARNING, logger=bf.__name__):
-        for _ in range(2):
-            sparse_attention(q, k, v, q2k, msa, backend="flashinfer").float().sum().backward()
+    unplanned.reset()
+    for _ in range(2):
+        sparse_attention(q, k, v, q2k, msa, backend="flashinfer").float().sum().backward()
     assert flashinfer_here == [] and seen == ["unions", "unions"]
-    warnings = [r.getMessage() for r in caplog.records if r.name == bf.__name__]
-    assert len(warnings) == 1 and "block_size=64" in warnings[0]
+    assert unplanned.counts() == {"forward": 2}
+    with pytest.raises(ValueError, match="MSAKernels.forward='flashinfer' but this call has "
+                                         "msa_block_size=64"):
+        bf.BACKEND.attention_forward(q, k, v, Selection(q2k, 64, canonical=True),
+                                     QueryView(msa), 0.1, kernel="flashinfer")
 
 
 # ------------------------------------------------------------------ on SM100/SM103 hardware

@@ -4,7 +4,8 @@ Every module of nemo_msa is parsed with ``ast`` (nothing is imported); each impo
 the package is an edge, wherever it stands (an import inside a function is a dependency all the
 same). The checks:
 
-- no cycle in the graph (the cycle is named if there is one);
+- no cycle in the graph (the cycle is named if there is one); importing a module of a subpackage
+  also depends on the subpackage's ``__init__`` where it imports anything (Python runs it first);
 - no edge from a module to a higher layer of :data:`LAYERS`, and every module has a layer;
 - imports stand at the top of a module; one inside a function only for an optional heavy
   dependency of :data:`DEFERRED_ALLOWED` (the module must import without it);
@@ -30,24 +31,22 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE
 #: An entry names a module or a package (then every module under it); the longest entry wins.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # What every layer reads: the contract's limits, the document map and the layout built from
-    # it, the canonical q2k. The kernels take the layout as their input, so it sits below them.
+    # it, the canonical q2k and the selection, the query view, the count of choices made per
+    # call without a plan. The kernels take the layout as their input, so it sits below them.
     # The kernels' typed view of the layout (device index tensors, torch only) sits with it, and
-    # the backends' capability records (data read by the kernels' asserts and the plan).
-    ("layout", ("nemo_msa.limits", "nemo_msa.capabilities", "nemo_msa.tensor_memo",
+    # the backends' capability records (data read by the kernels' asserts and the plan): the one
+    # module of the nemo_msa.backends package below the core.
+    ("layout", ("nemo_msa.limits", "nemo_msa.backends.capabilities", "nemo_msa.tensor_memo",
                 "nemo_msa.document_map", "nemo_msa.layout", "nemo_msa.q2k",
-                "nemo_msa.triton.kernel_layout")),
+                "nemo_msa.query_view", "nemo_msa.unplanned", "nemo_msa.triton.kernel_layout")),
     # Kernels and references: attention (naive, dense, Triton, flashinfer adapter), selection,
     # the indexer loss (reference, by-products, fused dense).
     # The Triton pieces they share (launch settings, tile helpers) live in nemo_msa.triton.
     ("kernels", ("nemo_msa.attention", "nemo_msa.selection", "nemo_msa.indexer_loss",
                  "nemo_msa.triton")),
-    # The core: backend record, backend modules, registry, ops, support gate, the layer plan, the
-    # public facade.
+    # The core: the backends package (backend record, backend modules, registry), ops, support
+    # gate, the layer plan, the public facade.
     ("core", (
-        "nemo_msa.backend_spec",
-        "nemo_msa.backends_reference",
-        "nemo_msa.backends_triton",
-        "nemo_msa.backends_flashinfer",
         "nemo_msa.backends",
         "nemo_msa.ops",
         "nemo_msa.support",
@@ -59,6 +58,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # The layer specs assemble the MSA modules with Megatron's backend spec providers.
     ("specs", ("nemo_msa.megatron.layer_specs",)),
     ("training", ("nemo_msa.training",)),
+    # Megatron-Bridge support builds on the YAML recipes and the training data helpers.
+    ("bridge", ("nemo_msa.bridge",)),
 )
 
 #: Top-level names an import inside a function may name, and why: optional heavy dependencies
@@ -232,7 +233,26 @@ def build_graph(package_dir: Path = PACKAGE_DIR, package: str = PACKAGE) -> Grap
                 seen_code = True
         if path.name == "__init__.py":
             _check_init(name, tree, graph)
+    _add_package_init_edges(graph)
     return graph
+
+
+def _add_package_init_edges(graph: Graph) -> None:
+    """Importing ``p.q.m`` runs ``p.q``'s ``__init__`` first: where that ``__init__`` imports
+    something, the importer depends on it too (an edge to ``p.q``). Not for the root package
+    (the facade, which Python runs before any of its modules) nor for a module inside ``p.q``
+    (Python has begun its ``__init__`` already)."""
+    modules = graph.modules
+    inits = {name for name, path in modules.items()
+             if path.name == "__init__.py" and name != PACKAGE and graph.edges.get(name)}
+    for importer, targets in graph.edges.items():
+        for target in list(targets):
+            parts = target.split(".")
+            for depth in range(2, len(parts)):
+                package = ".".join(parts[:depth])
+                if (package in inits and importer != package
+                        and not importer.startswith(package + ".")):
+                    targets.add(package)
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -417,10 +437,11 @@ def test_the_parser_sees_every_kind_of_import(tmp_path):
     (pkg / "sub" / "d.py").write_text("x = 1\nimport fake.c\n")
     (pkg / "c.py").write_text("")
     graph = build_graph(pkg, "fake")
-    assert graph.edges["fake.a"] == {"fake.sub.b", "fake.c"}
+    # fake.sub's __init__ imports fake.a: importing fake.sub.b runs it (an edge to fake.sub).
+    assert graph.edges["fake.a"] == {"fake.sub.b", "fake.sub", "fake.c"}
     assert graph.edges["fake.sub.b"] == {"fake.sub.d", "fake.a"}
     assert graph.edges["fake"] == {"fake.a"}
-    assert find_cycle(graph.edges) == ["fake.a", "fake.sub.b", "fake.a"]
+    assert find_cycle(graph.edges) == ["fake.a", "fake.sub", "fake.a"]
     deferred = [(module, name) for module, _, name in graph.deferred]
     assert deferred == [("fake.a", "fake.c"), ("fake.a", "megatron.core")]
     assert graph.late == [("fake.sub.d", 2)]

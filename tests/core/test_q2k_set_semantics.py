@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_msa import MSAMicrobatch, select_blocks, sparse_attention
+from nemo_msa import MSAMicrobatch, select, select_blocks, sparse_attention
 from nemo_msa.attention.naive import (
     canonical_q2k,
     masked_attention_reference,
@@ -140,32 +140,37 @@ def test_validate_accepts_canonical_and_names_the_first_bad_slot():
 
 def test_the_op_hands_every_backend_the_canonical_form(monkeypatch):
     """sparse_attention canonicalizes a q2k made by hand before any backend reads it, and hands
-    select_blocks's output on unchanged (no copy): one meaning, whichever backend runs."""
+    a canonical Selection (``select``'s) on unchanged (no copy, no sort): one meaning, whichever
+    backend runs."""
     import dataclasses
 
-    from nemo_msa import backends
+    from nemo_msa.backends import registry as backends
 
     seen = []
     reference = backends.get_backend("reference")
 
-    def forward(q, k, v, q2k, msa, scale, **kw):
-        seen.append(q2k)
-        return reference.attention_forward(q, k, v, q2k, msa, scale, **kw)
+    def forward(q, k, v, selection, view, scale, **kw):
+        seen.append(selection)
+        return reference.attention_forward(q, k, v, selection, view, scale, **kw)
 
     spy = dataclasses.replace(reference, name="spy", attention_forward=forward)
     monkeypatch.setitem(backends._REGISTRY, "spy", spy)
     msa = _layout()
-    canon = _canonical(msa, 5)
+    gen = torch.Generator().manual_seed(5)
+    selection = select(torch.randn(msa.num_tokens, KV_HEADS, DIM, generator=gen),
+                       torch.randn(msa.num_tokens, DIM, generator=gen), msa, top_k=TOP_K,
+                       backend="reference")
+    canon = selection.q2k
     messy = _scramble(canon, msa, 5, 2)
     q = torch.randn(msa.num_tokens, Q_HEADS, DIM).to(torch.bfloat16)
     kv = torch.randn(msa.num_tokens, KV_HEADS, DIM).to(torch.bfloat16)
-    sparse_attention(q, kv, kv, canon, msa, backend="spy")
+    sparse_attention(q, kv, kv, selection, msa, backend="spy")
     sparse_attention(q, kv, kv, messy, msa, backend="spy")
-    assert seen[0] is canon
-    assert torch.equal(seen[1][..., :TOP_K], canon) and bool((seen[1][..., TOP_K:] == -1).all())
-    canon[0, 0, 0] = canon[0, 0, 0]  # an in-place write: no longer known canonical
-    sparse_attention(q, kv, kv, canon, msa, backend="spy")
-    assert seen[2] is not canon and torch.equal(seen[2], canon)
+    sparse_attention(q, kv, kv, canon, msa, backend="spy")  # a bare tensor: sorted once
+    assert seen[0] is selection and seen[0].canonical
+    assert torch.equal(seen[1].q2k[..., :TOP_K], canon)
+    assert bool((seen[1].q2k[..., TOP_K:] == -1).all()) and seen[1].canonical
+    assert seen[2].q2k is not canon and torch.equal(seen[2].q2k, canon)
 
 
 @pytest.mark.gpu
@@ -193,27 +198,16 @@ def test_triton_op_and_gradients_mean_the_set(seed, extra):
         assert torch.equal(got, want)
 
 
-def test_canonical_marks_die_with_their_tensors():
-    from nemo_msa import q2k as marks
-
-    msa = _layout()
-    canon = _canonical(msa, 3)
-    key = id(canon)
-    assert marks.is_marked_canonical(canon) and key in marks._CANONICAL
-    del canon
-    assert key not in marks._CANONICAL
-
-
 def test_a_q2k_selected_for_another_block_size_is_refused():
-    """select_blocks's output remembers its block size: read with a layout of another block
-    size it is an error naming both, not blocks of the wrong width."""
+    """A Selection remembers its block size: read with a layout of another block size it is an
+    error naming both, not blocks of the wrong width."""
     ids = torch.tensor([[1] * 70 + [2] * 50 + [0] * 8, [3] * 128])
     wide = MSAMicrobatch.from_document_map(ids, block_size=32)
     narrow = MSAMicrobatch.from_document_map(ids, block_size=16)
     gen = torch.Generator().manual_seed(4)
     index_q = torch.randn(wide.num_tokens, KV_HEADS, DIM, generator=gen)
     index_k = torch.randn(wide.num_tokens, DIM, generator=gen)
-    q2k = select_blocks(index_q, index_k, wide, top_k=2, backend="reference")
+    q2k = select(index_q, index_k, wide, top_k=2, backend="reference")
     q = torch.randn(wide.num_tokens, Q_HEADS, DIM).to(torch.bfloat16)
     kv = torch.randn(wide.num_tokens, KV_HEADS, DIM).to(torch.bfloat16)
     sparse_attention(q, kv, kv, q2k, wide, backend="reference")

@@ -11,14 +11,14 @@ import torch
 
 from nemo_msa import (
     MSAMicrobatch,
-    backends,
     check_runtime_arguments,
     register_backend,
     require_msa_support,
     resolve_backend,
     select_blocks,
 )
-from nemo_msa.backends import ENV_VAR, MSABackend, get_backend, known_backends
+from nemo_msa.backends import registry as backends
+from nemo_msa.backends.registry import ENV_VAR, MSABackend, get_backend, known_backends
 from nemo_msa.plan import MSAPlan
 
 
@@ -45,13 +45,20 @@ def test_production_topology_passes_the_gate():
         ({"fp8": "hybrid", "fp8_dot_product_attention": True}, "fp8_dot_product_attention"),
         ({"fp8": "e4m3", "fp8_multi_head_attention": True}, "fp8_multi_head_attention"),
         ({"fp4": "nvfp4"}, "FP4"),
-        ({"apply_rope_fusion": True}, "apply_rope_fusion=True"),
-        ({"fused_single_qkv_rope": True}, "fused_single_qkv_rope=True"),
+        ({"fused_single_qkv_rope": True}, "fused_single_qkv_rope=True: .* one start position "
+                                          "per row and no cu_seqlens"),
     ],
 )
 def test_unsupported_features_raise_not_implemented(changes, match):
     with pytest.raises(NotImplementedError, match=match):
         require_msa_support(production_config(**changes))
+
+
+def test_fused_rope_is_the_megatron_layers_gate():
+    """apply_rope_fusion runs TE's fused RoPE at document positions (ADR 0054); its gate needs TE
+    and the layer's device, so the Megatron layer checks it (nemo_msa.megatron.rope), not the
+    core."""
+    assert require_msa_support(production_config(apply_rope_fusion=True)).top_k == 16
 
 
 def test_fp8_gemms_pass_the_gate_with_transformer_engine_layers_only():
@@ -71,7 +78,6 @@ def test_context_parallelism_is_a_capability_of_the_backend(kernel_backends_on_t
     """CP > 1 (the layer's process group or the config) needs a backend whose capability record
     declares the query subset: one named without it is refused when the plan is built, naming
     context_parallel_size; ``auto`` skips it (the reference takes every query subset)."""
-    from nemo_msa import backends
 
     for name in ("triton", "flashinfer"):
         backend = backends.get_backend(name)
@@ -172,46 +178,48 @@ def test_a_registered_backend_is_dispatched_to(monkeypatch):
     assert calls == ["select"], "the environment variable must override the requested backend"
 
 
-def test_forward_residuals_reach_the_backward(monkeypatch):
-    """A backend with ``forward_residuals`` returns (out, lse, residuals) from its forward;
-    autograd hands exactly those residuals to its backward, and the gradients are the
-    wrapped reference's."""
-    from nemo_msa import sparse_attention
+def test_a_backends_forward_state_reaches_its_backward_on_the_selection(monkeypatch):
+    """A backend's forward keeps state of the selection for its backward on the
+    :class:`~nemo_msa.q2k.Selection` the ops hand it (the Triton union lists): autograd hands
+    the backward that same object, and the gradients are the wrapped reference's."""
+    from nemo_msa import select, sparse_attention
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
     reference = get_backend("reference")
     handed = []
 
-    def forward(q, k, v, q2k, msa, scale):
-        out, lse = reference.attention_forward(q, k, v, q2k, msa, scale)
-        return out, lse, ("residual", q2k.data_ptr())
+    def forward(q, k, v, selection, view, scale, **kwargs):
+        selection.unions = ("state", selection.q2k.data_ptr())
+        return reference.attention_forward(q, k, v, selection, view, scale, **kwargs)
 
-    def backward(*args, residuals):
-        handed.append(residuals)
-        return reference.attention_backward(*args)
+    def backward(*args, **kwargs):
+        handed.append(args[6].unions)
+        return reference.attention_backward(*args, **kwargs)
 
     register_backend(MSABackend(
-        name="residual", select_blocks=reference.select_blocks, attention_forward=forward,
+        name="stateful", select_blocks=reference.select_blocks, attention_forward=forward,
         attention_backward=backward, unavailable_reason=lambda device: None,
         capabilities=reference.capabilities, description="test double",
-        forward_residuals=True,
     ))
     g = torch.Generator().manual_seed(3)
     msa = MSAMicrobatch.build(batch_size=1, seq_len=40, block_size=16)
     q = torch.randn(40, 2, 16, generator=g).bfloat16()
     k, v = (torch.randn(40, 1, 16, generator=g).bfloat16() for _ in range(2))
-    q2k = select_blocks(torch.randn(40, 1, 8, generator=g), torch.randn(40, 8, generator=g),
-                        msa, top_k=2, backend="reference")
+    selection = select(torch.randn(40, 1, 8, generator=g), torch.randn(40, 8, generator=g),
+                       msa, top_k=2, backend="reference")
     dout = torch.randn(40, 2, 16, generator=g).bfloat16()
     grads = {}
-    for name in ("residual", "reference"):
+    for name in ("stateful", "reference"):
         xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
-        out = sparse_attention(*xs, q2k, msa, backend=name)
+        out = sparse_attention(*xs, selection, msa, backend=name)
         grads[name] = (out, *torch.autograd.grad(out, xs, dout))
-    assert handed == [("residual", q2k.data_ptr())]
-    assert all(torch.equal(a, b) for a, b in zip(grads["residual"], grads["reference"],
+    assert handed == [("state", selection.q2k.data_ptr())]
+    assert all(torch.equal(a, b) for a, b in zip(grads["stateful"], grads["reference"],
                                                  strict=True))
+    selection.q2k[0, 0, 0] = 0  # an in-place write: what the selection claims no longer holds
+    with pytest.raises(ValueError, match="written in place"):
+        sparse_attention(q, k, v, selection, msa, backend="reference")
 
 
 @pytest.fixture
@@ -220,7 +228,6 @@ def triton_runs_on_the_cpu(monkeypatch):
     gate's shape check is what decides (the kernels themselves are never launched here)."""
     import dataclasses
 
-    from nemo_msa import backends
 
     triton = backends.get_backend("triton")
     monkeypatch.setitem(backends._REGISTRY, "triton",

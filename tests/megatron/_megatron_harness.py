@@ -267,7 +267,7 @@ def count_selections() -> Iterator[dict]:
     from nemo_msa.megatron.selection_replay import SelectionReplay
 
     counts = {"selections": 0, "max_in_flight": 0}
-    select, record = msa_attention.select_blocks, SelectionReplay.record
+    select, record = msa_attention.select, SelectionReplay.record
 
     def counting_select(*args, **kwargs):
         counts["selections"] += 1
@@ -277,11 +277,11 @@ def count_selections() -> Iterator[dict]:
         record(store, anchor, entry)
         counts["max_in_flight"] = max(counts["max_in_flight"], len(store))
 
-    msa_attention.select_blocks, SelectionReplay.record = counting_select, counting_record
+    msa_attention.select, SelectionReplay.record = counting_select, counting_record
     try:
         yield counts
     finally:
-        msa_attention.select_blocks, SelectionReplay.record = select, record
+        msa_attention.select, SelectionReplay.record = select, record
 
 
 def pending_replay_entries(chunks: list) -> int:

@@ -65,8 +65,14 @@ def test_tiny_run_reports_every_case_and_attention_row(tmp_path):
             assert math.isclose(row["tokens_per_s"], tokens / (value / 1e3)), row
         if case in SELECTING:
             _assert_pair_rate(row, tokens)
+            # Against the dense row of its tokens and layers.
+            dense = rows[(tokens, "dense")]["step_ms"]
+            assert 0 < row["bound_ms"] and math.isclose(row["bound_x_dense"],
+                                                        dense / row["bound_ms"]), row
+            assert math.isclose(row["fraction_of_bound"], row["bound_ms"] / value), row
         else:
             assert not set(PAIR_FIELDS) & set(row), row
+            assert "bound_ms" not in row, row
         if "_packed" in case:  # 2..13 documents of 10..40 tokens per row
             assert tokens / 40 <= row["documents_mean"] <= tokens / 10 + 1, row
             assert 0 < row["causal_pairs_vs_one_document"] < 1, row
@@ -166,9 +172,10 @@ def test_bad_row_arguments(tmp_path):
 
 def test_selection_split_and_coherent_index(tmp_path):
     # MSA rows say how their selections split between the Triton kernels; dense rows do not.
-    # Coherent index queries (shared per block) make tile unions close to the tokens' own blocks.
-    inflation = {}
-    for index in ("fresh", "coherent"):
+    # Coherent index queries (shared per block) make tile unions close to the tokens' own blocks;
+    # trained ones are calibrated to a trained indexer's unions, between the two.
+    inflation, union = {}, {}
+    for index in ("fresh", "coherent", "trained"):
         out = tmp_path / index
         out.mkdir()
         proc = _run(out, "--tokens", "256", "--cases", "dense,msa_sparse_loss",
@@ -182,8 +189,60 @@ def test_selection_split_and_coherent_index(tmp_path):
         # The tiny model: blocks of 16, top-4, so a union of 8 tokens holds 4..16 blocks.
         assert msa["union_qt"] == 8 and 4 <= msa["union_mean"] <= 16, msa
         assert 0 < msa["union_kernel_share"] <= 1 and msa["union_inflation"] >= 1, msa
-        inflation[index] = msa["union_inflation"]
+        inflation[index], union[index] = msa["union_inflation"], msa["union_mean"]
+        if index == "trained":
+            # top-4 on a 256-token row: 13.3 / 8 of the top-k, reached by the calibration.
+            assert math.isclose(msa["trained_union_target"], 4 * 13.3 / 8), msa
+            assert abs(msa["trained_union"] - msa["trained_union_target"]) < 0.5, msa
+            assert 0 < msa["trained_noise"] < 1e4 and "8192" in msa["trained_source"], msa
+        else:
+            assert not any(key.startswith("trained_") for key in msa), msa
     assert inflation["coherent"] < 1.3 < 1.6 < inflation["fresh"], inflation
+    assert union["coherent"] < union["trained"] < union["fresh"], union
+
+
+def test_step_bound_counts_the_dense_step_with_msa_pairs_at_cudnn_rate():
+    from layer_bench.bound import step_bound
+
+    # cuDNN: 1000 pairs per query head in 10 ms; the MSA layer attends 100 of them.
+    row = {"pairs_msa": 100, "pairs_dense": 1000, "cudnn_attention_ms": 10.0, "step_ms": 8.0}
+    heads, head_dim, index_heads, index_dim, hidden, tokens = 4, 8, 2, 8, 16, 50
+    rate = 1000 * 14 * heads * head_dim / 10.0  # FLOP per ms
+    scoring = 1000 * 2 * index_heads * index_dim / rate
+    projection = 2 * 2 * tokens * hidden * (index_heads + 1) * index_dim / rate
+    bound = step_bound(row, 20.0, heads, head_dim, index_heads, index_dim, hidden, tokens)
+    expected = 20.0 - 10.0 + 1.0 + scoring + projection
+    assert math.isclose(bound["bound_ms"], expected)
+    assert math.isclose(bound["bound_x_dense"], 20.0 / expected)
+    assert math.isclose(bound["fraction_of_bound"], expected / 8.0)
+    two = step_bound({**row, "layers": 2}, 40.0, heads, head_dim, index_heads, index_dim,
+                     hidden, tokens)
+    assert math.isclose(two["bound_ms"], 40.0 - 2 * (10.0 - 1.0 - scoring - projection))
+    assert step_bound({**row, "pairs_msa": None}, 20.0, heads, head_dim, index_heads,
+                      index_dim, hidden, tokens) == {}
+    # The dense step's own attention (profiled) in place of cuDNN timed alone.
+    own = step_bound(row, 20.0, heads, head_dim, index_heads, index_dim, hidden, tokens, 5.0)
+    assert math.isclose(own["bound_ms"], 20.0 - 5.0 + 0.5 + (scoring + projection) / 2)
+    assert own["bound_attention_from"] == "dense step"
+
+
+def test_kernel_parts_name_every_project_kernel_once():
+    from layer_bench.kernels import project_kernel_parts, split_by_part
+
+    parts = project_kernel_parts()
+    expected = {"_select_kernel": "selection", "_fwd_kernel": "sparse forward",
+                "_fwd_union_kernel": "sparse forward", "_dq_kernel": "sparse dq",
+                "_dq_union_kernel": "sparse dq", "_dkdv_kernel": "sparse dk/dv",
+                "_dkdv_sm90_kernel": "sparse dk/dv", "_sparse_kl_dq_kernel": "indexer loss",
+                "_block_scores_kernel": "indexer loss", "_recall_kernel": "recall",
+                "_rope_kernel": "norm/rope", "_rms_fwd_kernel": "norm/rope"}
+    assert {name: parts.get(name) for name in expected} == expected
+    split = split_by_part([("_dq_kernel", 4.0, 1), ("_dq_union_kernel", 1.0, 1),
+                           ("nvjet_sm90_tst_192x192", 10.0, 3), ("cudnn_generated_fort", 2.0, 1),
+                           ("void at::native::elementwise_kernel", 0.5, 7)], parts)
+    assert split["step_kernel_ms"] == {"sparse dq": 5.0, "dense attention": 2.0, "gemm": 10.0,
+                                       "other": 0.5}
+    assert [k["name"] for k in split["project_kernels"]] == ["_dq_kernel", "_dq_union_kernel"]
 
 
 def test_profile_traces_of_packed_and_one_document_rows_are_kept_apart(tmp_path):

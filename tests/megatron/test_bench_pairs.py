@@ -17,7 +17,7 @@ from layer_bench.pairs import (
 )
 from layer_bench.selection import CoreAttentionCall
 
-from nemo_msa import MSAMicrobatch
+from nemo_msa import MSAMicrobatch, QueryView
 from nemo_msa.ops import document_attention
 
 pytestmark = pytest.mark.bench  # the benchmark tooling (ADR 0038: --run-bench)
@@ -128,8 +128,7 @@ def _call(msa, q2k, mass: bool, seed: int, heads: int = 4, dim: int = 16
     q, k, v = (torch.randn(tokens, h, dim, generator=generator)
                for h in (heads, kv_heads, kv_heads))
     return CoreAttentionCall(_Core(), (q, k, v, msa), {
-        "q2k": q2k, "backend": "reference", "return_block_mass": mass, "queries": None,
-        "fused": None})
+        "q2k": q2k, "backend": "reference", "return_block_mass": mass})
 
 
 @pytest.mark.parametrize("mass", [False, True])
@@ -155,8 +154,9 @@ def test_pair_rate_times_both_sides_on_the_same_call(mass):
     # The captured inputs are left as they were (the timed calls run on clones).
     assert q.grad is None and not q.requires_grad
     with pytest.raises(ValueError, match="query subset"):
-        pair_rate(CoreAttentionCall(call.module, call.args,
-                                    {**call.kwargs, "queries": torch.arange(tokens)}),
+        pair_rate(CoreAttentionCall(call.module,
+                                    (*call.args[:3], QueryView(msa, torch.arange(tokens))),
+                                    call.kwargs),
                   on_gpu=False, warmup=1, reps=1)
 
 

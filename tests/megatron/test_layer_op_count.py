@@ -23,7 +23,7 @@ selection kernel, and its d index_k from a one-hot MMA instead of atomics: the s
 chunk plan (a sort-key kernel, the sort and 11 small ops; 2 more for the blocks' first keys,
 kept for every layer of a microbatch) and four kernels for the one atomic kernel; estimated to
 take GPU time off the step at every size, not yet measured. "where": `torch.where` (ADR 0025's
-session-13 update): the dense layer's three NaN-containment sites each make their scalar
+update of 2026-12-05): the dense layer's three NaN-containment sites each make their scalar
 operand a 0-dim tensor (`aten::scalar_tensor`, a one-element fill on the GPU), forward and
 backward: six more counted ops. The out-of-place `masked_fill` they replace was counted as one
 op but launches a copy and a fill on the GPU, so the GPU's launch count is the same, and each

@@ -180,8 +180,8 @@ def _build_attention(config, sparse=True):
         ("fp8", "e4m3", ValueError,
          "config.fp8='e4m3': expected null/None with transformer_impl='local'"),
         ("fp4", "nvfp4", NotImplementedError, "FP4"),
-        ("apply_rope_fusion", True, NotImplementedError, "apply_rope_fusion=True"),
-        ("fused_single_qkv_rope", True, NotImplementedError, "fused_single_qkv_rope=True"),
+        ("fused_single_qkv_rope", True, NotImplementedError,
+         "fused_single_qkv_rope=True: Transformer Engine's fused QKV RoPE .* no cu_seqlens"),
         ("msa_score_type", "mean", ValueError, "msa_score_type='mean'"),
         ("msa_block_size", 48, ValueError, "msa_block_size=48"),
         ("msa_num_index_heads", 1, ValueError, "msa_num_index_heads=1"),
@@ -203,7 +203,7 @@ def test_context_parallelism_needs_a_backend_with_the_query_subset_mode(monkeypa
     """Under CP the layer's plan asks the backend's record for the query subset when the layer
     is built: a backend without it (a GPU-less double of the Triton backend with the mode off)
     is refused naming context_parallel_size; the reference builds."""
-    from nemo_msa import backends
+    from nemo_msa.backends import registry as backends
 
     triton = backends.get_backend("triton")
     monkeypatch.setitem(backends._REGISTRY, "triton", dataclasses.replace(
@@ -223,7 +223,7 @@ def test_context_parallelism_needs_a_backend_with_the_query_subset_mode(monkeypa
 def test_the_layer_gate_asks_the_triton_backend_for_lse(monkeypatch):
     """msa_score_type='lse' with msa_backend='triton' is refused when the layer is built (not
     at its first step), naming the field; the backend's device check is a GPU-less double."""
-    from nemo_msa import backends
+    from nemo_msa.backends import registry as backends
 
     triton = backends.get_backend("triton")
     monkeypatch.setitem(backends._REGISTRY, "triton",
@@ -235,10 +235,42 @@ def test_the_layer_gate_asks_the_triton_backend_for_lse(monkeypatch):
 
 
 @pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("sparse", [True, False], ids=["msa", "dense_document"])
+def test_fused_rope_needs_transformer_engine_and_cuda(monkeypatch, sparse):
+    """ADR 0054: apply_rope_fusion=True runs TE's fused RoPE; where TE's fused RoPE does not
+    import the layer is refused when built, in one line naming the field; with TE, a layer that
+    would run on the CPU is refused too (TE's RoPE is a CUDA kernel)."""
+    from nemo_msa.megatron import rope
+
+    config = tiny_config()
+    config.apply_rope_fusion = True  # bypasses __post_init__ (Megatron's own TE check)
+    monkeypatch.setattr(rope, "fused_apply_rotary_pos_emb", None)
+    with pytest.raises(ImportError, match=r"^config.apply_rope_fusion=True needs Transformer "
+                                          r"Engine's fused RoPE .* set apply_rope_fusion=False"):
+        _build_attention(config, sparse=sparse)
+    monkeypatch.setattr(rope, "fused_apply_rotary_pos_emb", lambda *args, **kwargs: None)
+    with pytest.raises(ValueError, match=r"apply_rope_fusion=True on device 'cpu'"):
+        _build_attention(config, sparse=sparse)
+    config.apply_rope_fusion = False
+    _build_attention(config, sparse=sparse)
+
+
+def test_fused_rope_without_transformer_engine_fails_at_the_config():
+    """Without TE, Megatron's own config check refuses apply_rope_fusion=True when the config
+    is made, before any layer."""
+    from megatron.core.models.common.embeddings.rope_utils import fused_apply_rotary_pos_emb
+
+    if fused_apply_rotary_pos_emb is not None:
+        pytest.skip("Transformer Engine imports here: Megatron's config accepts the flag")
+    with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
+        tiny_config(apply_rope_fusion=True)
+
+
+@pytest.mark.usefixtures("single_rank")
 def test_gate_applies_to_dense_layers_and_plain_configs():
     config = tiny_config()
-    config.apply_rope_fusion = True
-    with pytest.raises(NotImplementedError, match="apply_rope_fusion"):
+    config.fused_single_qkv_rope = True
+    with pytest.raises(NotImplementedError, match="fused_single_qkv_rope"):
         _build_attention(config, sparse=False)
     from megatron.core.transformer.transformer_config import TransformerConfig
 

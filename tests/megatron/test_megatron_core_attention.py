@@ -54,7 +54,7 @@ def test_the_plan_takes_the_fused_dense_loss_only_where_it_computes_the_same_fun
     Triton backend's device check stands in)."""
     import dataclasses
 
-    from nemo_msa import backends
+    from nemo_msa.backends import registry as backends
     from nemo_msa.plan import MSAPlan
 
     monkeypatch.delenv(backends.ENV_VAR, raising=False)

@@ -352,7 +352,7 @@ def test_sparse_loss_from_byproducts_matches_the_recomputing_reference(monkeypat
     assert calls, "the sparse loss did not take the by-product path"
     build = MSAPlan.build.__func__
     monkeypatch.setattr(MSAPlan, "build", classmethod(lambda cls, *a, **k: dataclasses.replace(
-        build(cls, *a, **k), loss_from_byproducts=False)))
+        build(cls, *a, **k), loss_route="reference_sparse")))
     ref_loss, ref_grads = _loss_and_grads(msa_indexer_loss_type="sparse", **recompute)
     ref_kl = MSAIndexerMetrics.pop(reduce=False)["indexer_loss"]
     assert len(calls) == 3, calls  # one per MSA layer; the reference run made none

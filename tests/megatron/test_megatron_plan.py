@@ -1,6 +1,7 @@
-"""Each MSA layer resolves its plan once, when it is built (ADR 0019): a training step looks up
-no backend, and a shape the backend cannot run is refused at construction by its capability
-record, naming the config field."""
+"""Each MSA layer resolves its plan once, when it is built (ADR 0019, ADR 0048): a training step
+looks up no backend and chooses no kernel or helper outside the plan (nemo_msa.unplanned counts
+zero), runs the kernels the plan names, and a shape the backend cannot run is refused at
+construction by its capability record, naming the config field."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from _megatron_harness import (
     tiny_config,
 )
 
-from nemo_msa import backends, ops, plan
-from nemo_msa.capabilities import REFERENCE, MSACapabilities
+from nemo_msa import ops, plan, unplanned
+from nemo_msa.backends import registry as backends
+from nemo_msa.backends.capabilities import REFERENCE, MSACapabilities
 from nemo_msa.megatron import MSAIndexerMetrics
+from nemo_msa.plan import MSAKernels
 from nemo_msa.support import MSATopology
 from nemo_msa.testing.op_count import OpCounter
 
@@ -89,10 +92,12 @@ def _training_step(model) -> None:
     assert "indexer_loss" in MSAIndexerMetrics.pop(num_layers=4)  # the loss path ran
 
 
-def test_a_training_step_resolves_the_backend_zero_times(registry_calls):
+def test_a_training_step_makes_no_choice_outside_the_plan(registry_calls):
     """Construction resolves one plan per layer; the forward and backward of a step (sparse
-    layers with selection, the indexer loss from by-products, a dense layer) then make no
-    registry lookup at all."""
+    layers with selection, the indexer loss from by-products and the recall, a dense layer)
+    then make no registry lookup and no per-call kernel or helper choice (every decision point
+    that chooses for want of a plan counts in nemo_msa.unplanned), and run the kernels the plans
+    name: on the reference backend, no Triton kernel."""
     (model,) = build_model_chunks(tiny_config(msa_indexer_loss_coeff=0.1,
                                               msa_indexer_loss_type="sparse",
                                               msa_log_selection_recall=True))
@@ -100,11 +105,17 @@ def test_a_training_step_resolves_the_backend_zero_times(registry_calls):
     layers = _attention_layers(model)
     assert registry_calls["resolve"] == len(layers), registry_calls  # one plan per layer
     assert all(layer.msa_plan.backend.name == "reference" for layer in layers)
-    assert [layer.msa_plan.loss_from_byproducts for layer in layers] == [True] * len(layers)
+    assert [layer.msa_plan.loss_route for layer in layers] == ["byproducts"] * len(layers)
+    assert {layer.msa_plan.kernels for layer in layers} == {MSAKernels(
+        forward="reference", mass_forward="reference", dkdv="reference")}
     registry_calls.update(load=0, resolve=0)
-    _training_step(model)
+    unplanned.reset()
+    with OpCounter() as ops:
+        _training_step(model)
     assert registry_calls == {"load": 0, "resolve": 0}, (
         f"a training step looked the backend up: {registry_calls}")
+    assert unplanned.counts() == {}, f"choices made outside the plan: {unplanned.counts()}"
+    assert not ops.triton_launches(), dict(ops.triton_launches())
 
 
 @pytest.mark.parametrize("loss_type", ["sparse", "dense"])
@@ -118,8 +129,10 @@ def test_a_training_step_runs_zero_range_checks(range_checks, loss_type):
     deterministic_init([model])
     assert range_checks["validate"] >= 1 + len(_attention_layers(model)), range_checks
     range_checks.clear()
+    unplanned.reset()
     _training_step(model)
     assert not range_checks, f"a training step checked config ranges: {dict(range_checks)}"
+    assert unplanned.counts() == {}, f"choices made outside the plan: {unplanned.counts()}"
 
 
 def _build_attention(config):
@@ -175,13 +188,15 @@ def test_the_plan_reads_the_environment_variable_once(monkeypatch, registry_call
     assert layer.msa_plan.backend.name == "reference"
 
 
-def _triton_launches_of_a_layer_step(config) -> collections.Counter:
+def _triton_launches_of_a_layer_step(config) -> tuple[collections.Counter, MSAKernels]:
     """The Triton kernels one forward + backward of an MSA layer launches (bf16, the sparse
-    indexer loss from by-products with the sampled recall, q/k norms, RoPE), by kernel name."""
+    indexer loss from by-products with the sampled recall, q/k norms, RoPE), by kernel name,
+    and the kernels its plan names; the step makes no choice outside the plan."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     torch.manual_seed(0)
     layer = _build_attention(config).to(torch.bfloat16).train()
+    unplanned.reset()
     # One row of three packed documents and padding (the interpreter's cost grows with it).
     hidden = torch.randn(SEQ, 1, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     ids = packed_batches(1)[0]["packed_seq_ids"][:1]
@@ -190,7 +205,8 @@ def _triton_launches_of_a_layer_step(config) -> collections.Counter:
         out, _ = layer(hidden, ids, rotary_pos_emb=rotary)
         out.float().square().sum().backward()
     assert hidden.grad is not None and torch.isfinite(hidden.grad.float()).all()
-    return ops.triton_launches()
+    assert unplanned.counts() == {}, f"choices made outside the plan: {unplanned.counts()}"
+    return ops.triton_launches(), layer.msa_plan.kernels
 
 
 _LAYER_STEP = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
@@ -203,17 +219,53 @@ def test_the_reference_backend_runs_no_triton_kernel_in_a_layer_step():
     fused helpers off (norms, RoPE, the by-product loss's passes, the recall, the dense path),
     so a bf16 training step launches no Triton kernel, even under the interpreter, where every
     helper deciding from the device alone would launch its kernel."""
-    layer_plan = _build_attention(tiny_config(msa_backend="reference", **_LAYER_STEP)).msa_plan
-    assert layer_plan.backend.name == "reference" and not layer_plan.fused_helpers
-    launches = _triton_launches_of_a_layer_step(tiny_config(msa_backend="reference",
-                                                            **_LAYER_STEP))
+    launches, kernels = _triton_launches_of_a_layer_step(tiny_config(msa_backend="reference",
+                                                                     **_LAYER_STEP))
+    assert kernels == MSAKernels(forward="reference", mass_forward="reference",
+                                 dkdv="reference")
     assert not launches, f"the reference backend launched Triton kernels: {dict(launches)}"
 
 
-def test_the_triton_backend_runs_the_fused_helpers_in_a_layer_step(kernel_backends_on_the_cpu):
+def test_the_triton_backend_runs_the_kernels_its_plan_names_in_a_layer_step(
+        kernel_backends_on_the_cpu):
     """The same step on the Triton backend (its device check doubled on the CPU; the
-    interpreter runs the kernels) launches the helpers' kernels as well as the ops'."""
-    launches = _triton_launches_of_a_layer_step(tiny_config(msa_backend="triton", **_LAYER_STEP))
-    helpers = {"_rms_fwd_kernel", "_rms_bwd_kernel", "_rope_kernel", "_block_scores_kernel",
-               "_sparse_kl_fwd_kernel", "_recall_kernel"}
-    assert helpers <= set(launches), dict(launches)
+    interpreter runs the kernels) makes no choice outside the plan either, and launches the
+    kernels the plan names: the helpers' as well as the ops', and the dk/dv kernel it names
+    (the Triton one: the CPU is no SM90 GPU)."""
+    launches, kernels = _triton_launches_of_a_layer_step(tiny_config(msa_backend="triton",
+                                                                     **_LAYER_STEP))
+    assert kernels == MSAKernels(forward="triton", mass_forward="triton", dkdv="triton",
+                                 rms_norm=True, rope=True, loss_passes=True, recall=True,
+                                 dense_attention="rows")
+    named = {"_rms_fwd_kernel", "_rms_bwd_kernel", "_rope_kernel", "_block_scores_kernel",
+             "_sparse_kl_fwd_kernel", "_recall_kernel", "_fwd_kernel", "_dq_kernel",
+             "_dkdv_kernel"}
+    assert named <= set(launches), dict(launches)
+    assert not any("sm90" in name for name in launches), dict(launches)  # no Gluon dk/dv
+
+
+def test_the_layers_norms_and_rope_get_their_kernel_from_the_plan():
+    """The q/k and index norms are built with the plan's ``rms_norm`` (no write after
+    construction); a norm or RoPE the plan named its kernel for refuses an input the kernel
+    does not take, naming the field; RoPE without a plan chooses per call, counted."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from nemo_msa.megatron.norms import RMSNorm, planned_norm
+    from nemo_msa.megatron.rope import apply_rope, rope_factors
+
+    spec = planned_norm(RMSNorm, True)
+    assert isinstance(spec, ModuleSpec) and spec.params == {"fused": True}
+    assert planned_norm(torch.nn.LayerNorm, True) is torch.nn.LayerNorm  # not ours: as it is
+    layer = _build_attention(tiny_config(msa_backend="reference", qk_layernorm=True))
+    norms = [m for m in layer.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) >= 2 and not any(m.fused for m in norms)  # the reference plan's
+    config = tiny_config()
+    norm = RMSNorm(config, 32, fused=True)
+    with pytest.raises(ValueError, match=r"MSAKernels.rms_norm=True but .*dtype torch.float32"):
+        norm(torch.randn(4, 32))
+    freqs = torch.randn(4, 1, 16)
+    with pytest.raises(ValueError, match=r"MSAKernels.rope=True but"):
+        apply_rope(torch.randn(4, 2, 32), rope_factors(freqs, config, fused=True), config)
+    unplanned.reset()
+    apply_rope(torch.randn(4, 2, 32), rope_factors(freqs, config), config)
+    assert unplanned.counts() == {"rope": 1}

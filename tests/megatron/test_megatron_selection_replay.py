@@ -95,8 +95,8 @@ def _run(model, batches, monkeypatch, backward_order=(1, 0, 2)):
     keyed matching; 0 before 2, which share a key: first-forward order). Returns what must not
     change under recompute, and the counts."""
     calls = []
-    select = msa_attention.select_blocks
-    monkeypatch.setattr(msa_attention, "select_blocks",
+    select = msa_attention.select
+    monkeypatch.setattr(msa_attention, "select",
                         lambda *a, **k: calls.append(1) or select(*a, **k))
     model.zero_grad(set_to_none=True)
     MSAIndexerLossAutoScaler.reset()

@@ -1,7 +1,8 @@
 """The MiniMax-M3 block: SwiGLU-OAI and zero-centred RMSNorm against their formulas, the layer
 specs of the M3 recipes (MoE/dense MLP per layer, every norm following the config, TE where
-installed), and the Hugging Face <-> Megatron converter (bitwise round trip; the converted model
-computes what a forward written from M3's names computes, float64)."""
+installed), and the Hugging Face <-> Megatron converter (bitwise round trip, MTP module included;
+the converted model, its MTP module included, computes what a forward written from M3's names
+computes, float64)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from _m3_reference import ToyM3, hf_forward, swiglu_oai, synthetic_checkpoint
+from _m3_reference import ToyM3, hf_forward, hf_mtp_forward, swiglu_oai, synthetic_checkpoint
 
 from nemo_msa.megatron import MSATransformerConfig, cpu_shim
 from nemo_msa.megatron.hf_convert import hf_to_megatron, megatron_to_hf
@@ -55,12 +56,13 @@ def _toy_config(toy: ToyM3, **overrides) -> MSATransformerConfig:
 def _gpt(config, vocab: int):
     from megatron.core.models.gpt import GPTModel
 
-    from nemo_msa.megatron.layer_specs import get_msa_decoder_block_spec
+    from nemo_msa.megatron.layer_specs import get_msa_decoder_block_spec, get_msa_mtp_block_spec
 
     return GPTModel(config, get_msa_decoder_block_spec(config), vocab_size=vocab,
                     max_sequence_length=256, position_embedding_type="rope",
                     rotary_percent=0.5, rotary_base=5_000_000,
-                    share_embeddings_and_output_weights=False)
+                    share_embeddings_and_output_weights=False,
+                    mtp_block_spec=get_msa_mtp_block_spec(config))
 
 
 # ------------------------------------------------------------------ formulas
@@ -142,8 +144,8 @@ def test_bad_moe_layer_freq_and_dispatcher_are_named():
 
 # ------------------------------------------------------------------ converter
 def test_converter_round_trip_is_bitwise_and_names_what_is_wrong():
-    toy = ToyM3()
-    config = _toy_config(toy)
+    toy = ToyM3(mtp_layers=1)
+    config = _toy_config(toy, mtp_num_layers=1)
     for root, te in (("", False), ("language_model.", True)):
         hf = synthetic_checkpoint(toy, root=root)
         names = dict(hf_root=root, grouped_experts=te, fused_mlp_norm=te)
@@ -154,12 +156,22 @@ def test_converter_round_trip_is_bitwise_and_names_what_is_wrong():
             assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
     assert "decoder.layers.2.mlp.experts.linear_fc1.weight5" in mg
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in mg
+    # The MTP module: its own norms and eh_proj, and a layer of the last layer's kind (MSA, MoE).
+    assert mg["mtp.layers.0.eh_proj.weight"].shape == (toy.hidden, 2 * toy.hidden)
+    assert "mtp.layers.0.mtp_model_layer.self_attention.indexer.index_q_proj.weight" in mg
+    assert "mtp.layers.0.mtp_model_layer.mlp.experts.linear_fc1.weight5" in mg
     qkv = mg["decoder.layers.0.self_attention.linear_qkv.weight"].view(2, 6, 16, toy.hidden)
     # GQA interleaving: group g = its 4 query heads, then k_g, then v_g
     k_proj = hf["language_model.model.layers.0.self_attn.k_proj.weight"].view(2, 16, toy.hidden)
     assert torch.equal(qkv[1, 4], k_proj[1])
 
     hf = synthetic_checkpoint(toy)
+    with pytest.raises(ValueError, match="no tensor 'model.mtp.layers.0.hnorm.weight'"):
+        hf_to_megatron({k: v for k, v in hf.items() if "hnorm" not in k}, config)
+    config = _toy_config(ToyM3())  # no MTP layers: the checkpoint's MTP module is skipped
+    mg = hf_to_megatron(hf, config)
+    assert not any(k.startswith("mtp.") for k in mg)
+    hf = synthetic_checkpoint(ToyM3())
     with pytest.raises(ValueError, match="no tensor 'model.layers.1.self_attn.index_k_norm"):
         hf_to_megatron({k: v for k, v in hf.items() if "1.self_attn.index_k_norm" not in k},
                        config)
@@ -171,34 +183,44 @@ def test_converter_round_trip_is_bitwise_and_names_what_is_wrong():
     bad[name] = bad[name][1:]
     with pytest.raises(ValueError, match=r"k_proj.weight has shape \(31, 32\); expected \(32, 32"):
         hf_to_megatron(bad, config)
-    # The released VL checkpoint's vision and MTP tensors are not the text model's.
-    extra = {"vision_tower.vision_model.x.weight": torch.zeros(1),
-             "model.mtp.layers.0.w": torch.zeros(1)}
+    # The released VL checkpoint's vision tensors are not the text model's.
+    extra = {"vision_tower.vision_model.x.weight": torch.zeros(1)}
     assert set(hf_to_megatron({**hf, **extra}, config)) == set(hf_to_megatron(hf, config))
 
 
 def test_converted_model_computes_the_forward_written_from_m3_names(single_rank):
-    toy = ToyM3()
+    toy = ToyM3(mtp_layers=1)
     hf = synthetic_checkpoint(toy, seed=1)
-    model = _gpt(_toy_config(toy), toy.vocab)
+    model = _gpt(_toy_config(toy, mtp_num_layers=1), toy.vocab)
     missing, unexpected = model.load_state_dict(hf_to_megatron(hf, model.config), strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
     # The model's own state dict converts back to the checkpoint, bit for bit (values: the model
     # holds the float32 router gate in params_dtype, float64 here, which float32 round-trips).
     back = megatron_to_hf(model.state_dict(), model.config)
     assert all(torch.equal(back[k].to(v.dtype), v) for k, v in hf.items())
-    assert {k for k, v in hf.items() if back[k].dtype != v.dtype} == {
-        f"model.layers.{i}.block_sparse_moe.gate.weight" for i in (1, 2)}
+    gates = {f"model.layers.{i}.block_sparse_moe.gate.weight" for i in (1, 2)}
+    gates.add("model.mtp.layers.0.transformer_layer.block_sparse_moe.gate.weight")
+    assert {k for k, v in hf.items() if back[k].dtype != v.dtype} == gates
 
     tokens = torch.randint(0, toy.vocab, (96,), generator=torch.Generator().manual_seed(5))
     want = hf_forward(hf, toy, tokens)
     model.eval()
+    mtp_hidden = []
+    hook = model.mtp.register_forward_hook(lambda m, i, out: mtp_hidden.append(out.chunk(2)[1]))
     with torch.no_grad():
         logits = model(tokens[None], torch.arange(96)[None],
                        attention_mask=torch.ones(1, 96, dtype=torch.long))
+        mtp_logits = model.output_layer(mtp_hidden[0])[0][:, 0]
+    hook.remove()
     assert logits.dtype == torch.float64 and logits.shape == (1, 96, toy.vocab)
     error = _rel(logits[0], want)
     assert error < 1e-12, f"relative error vs the forward from M3's names: {error:.3e}"
+    # The MTP module (MSA + MoE, as the last layer) predicts token i + 2 at position i; its
+    # indexer metrics are logged after the decoder's layers, as layer 4.
+    attention = model.mtp.layers[0].mtp_model_layer.self_attention
+    assert attention.indexer is not None and attention.metrics_layer_number == 4
+    error = _rel(mtp_logits, hf_mtp_forward(hf, toy, tokens))
+    assert error < 1e-12, f"MTP: relative error vs the forward from M3's names: {error:.3e}"
     # 96 tokens = 6 blocks of 16, top-2: the index branch decides what is attended.
     dense = hf_forward(hf, dataclasses.replace(toy, msa_layers=(0, 0, 0)), tokens)
     assert _rel(dense, want) > 1e-3

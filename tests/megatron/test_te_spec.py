@@ -10,7 +10,7 @@ The pretraining runs go through ``scripts/pretrain.py`` on the GPU: bf16 with TE
 against the bf16 loss curve.
 
 Every test needs CUDA and Transformer Engine (skipped with the reason elsewhere); the device
-runs them (``STAGES=te`` in benchmarks/device_validation.sh).
+runs them (``python -m benchmarks.device te``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import torch
 from _msa_support import layout_on_kernel_device, make_layout, on_kernel_device, random_q2k
 
 import nemo_msa.attention.triton_union as tu
+from nemo_msa import unplanned
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
 from nemo_msa.testing.oracle import attention_grads_f64, rel_err, tile_unions_reference
@@ -135,10 +136,15 @@ def test_dq_reuses_the_forward_union_lists(monkeypatch, set_launch):
     build = tu.tile_unions
     monkeypatch.setattr(tu, "tile_unions", lambda *a, **kw: builds.append(1) or build(*a, **kw))
     args = (dout, q, k, v, out, lse, q2k, dmsa, 0.25)
+    unplanned.reset()
     reused = triton_attention_backward(*args, unions=unions)
     assert builds == []
-    built = triton_attention_backward(*args)
+    built = triton_attention_backward(*args, dkdv="triton")
     assert builds == [1]
+    # Without a plan's dkdv the kernel was chosen per call, and counted; with it, not.
+    assert unplanned.counts() == {"dkdv": 1}
+    with pytest.raises(ValueError, match="MSAKernels.dkdv='gluon' but this call has"):
+        triton_attention_backward(*args, dkdv="gluon")  # no SM90 GPU: refused, not replaced
     assert all(torch.equal(a, b) for a, b in zip(reused, built, strict=True))
     set_launch({"bwd.dq_union_qt": 4})  # another tile size: dq builds its own
     triton_attention_backward(*args, unions=unions)

@@ -15,7 +15,7 @@ import torch
 from _msa_support import KERNEL_DEVICE
 
 from nemo_msa import MSAMicrobatch
-from nemo_msa.capabilities import TRITON
+from nemo_msa.backends.capabilities import TRITON
 from nemo_msa.indexer_loss import (
     compute_indexer_loss,
     dense_indexer_loss_triton,

@@ -9,7 +9,7 @@ import torch
 from _msa_support import KERNEL_DEVICE
 
 from nemo_msa import MSAMicrobatch, select_blocks
-from nemo_msa.backends_triton import BACKEND
+from nemo_msa.backends.triton import BACKEND
 from nemo_msa.indexer_loss import sampled_selection_recall
 from nemo_msa.testing.packs import document_map_from_lengths
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 from _msa_support import KERNEL_DEVICE, layout_on_kernel_device, make_layout, random_q2k
 
-from nemo_msa import MSAMicrobatch
+from nemo_msa import MSAMicrobatch, QueryView, Selection
 from nemo_msa.attention.triton_bwd import triton_attention_backward
 from nemo_msa.attention.triton_fwd import triton_attention_forward
-from nemo_msa.backends_triton import BACKEND
+from nemo_msa.backends.triton import BACKEND
 from nemo_msa.context_parallel import load_balanced_indices
 from nemo_msa.indexer_loss import compute_indexer_loss, dense_indexer_loss_triton
 from nemo_msa.selection.triton_select import triton_select_blocks
@@ -279,12 +279,14 @@ def test_empty_subset_and_backend_passes_queries():
     iq = q[:, :1].contiguous()
     ik = k[:, 0].contiguous()
     kw = dict(top_k=2, init_blocks=0, local_blocks=1)
-    assert torch.equal(BACKEND.select_blocks(iq[rows], ik, msa, queries=rows, **kw),
+    view = QueryView(msa, rows)
+    assert torch.equal(BACKEND.select_blocks(iq[rows], ik, view, **kw),
                        triton_select_blocks(iq, ik, msa, **kw)[:, rows])
-    sq2k = q2k[:, rows].contiguous()
-    fwd = BACKEND.attention_forward(q[rows], k, v, sq2k, msa, 0.25, queries=rows)
-    bwd = BACKEND.attention_backward(dout[rows], q[rows], k, v, fwd[0], fwd[1], sq2k, msa,
-                                     0.25, residuals=fwd[2], queries=rows)
+    selection = Selection(q2k[:, rows].contiguous(), msa.block_size, canonical=True)
+    fwd = BACKEND.attention_forward(q[rows], k, v, selection, view, 0.25)
+    assert selection.unions is not None  # the forward's union lists, for the backward
+    bwd = BACKEND.attention_backward(dout[rows], q[rows], k, v, fwd[0], fwd[1], selection,
+                                     view, 0.25)
     full = triton_attention_forward(q, k, v, q2k, msa, 0.25)
     assert torch.equal(fwd[0], full[0][rows]) and bwd[1].shape == k.shape
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from _msa_support import KERNEL_DEVICE, layout_on_kernel_device, make_layout
 
-from nemo_msa.backends_triton import BACKEND
+from nemo_msa import unplanned
+from nemo_msa.backends.triton import BACKEND
 from nemo_msa.indexer_loss import sparse_indexer_loss_from_byproducts
 from nemo_msa.indexer_loss.byproducts import _EPS, _fused, sparse_kl_forward_reference
 from nemo_msa.indexer_loss.triton_byproducts import sparse_kl_forward_triton
@@ -91,7 +92,11 @@ def test_fused_loss_and_gradients_equal_the_float64_torch_path(rows, seq_len, bl
     selected = select_blocks(iq, ik, msa, top_k=top_k, backend=BACKEND)
     _, mass = document_attention(q, k, v, msa, softmax_scale=d**-0.5, q2k=selected,
                                  backend=BACKEND, return_block_mass=True)
-    assert _fused(mass, iq, None)  # the device decides where no plan passes fused=
+    unplanned.reset()
+    assert _fused(mass, iq, None)  # the device decides where no plan names the kernel: counted
+    assert unplanned.counts() == {"loss_passes": 1}
+    with pytest.raises(ValueError, match=r"MSAKernels.loss_passes=True but .*dtype torch.float32"):
+        _fused(mass, iq.float(), True)  # a plan's kernel meeting inputs it did not foresee
 
     def loss_and_grads(index_q, index_k):
         index_q, index_k = index_q.clone().requires_grad_(), index_k.clone().requires_grad_()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from nemo_msa.training.checkpoint_integrity import POINTER
@@ -43,3 +47,24 @@ def copy_checkpoint(src_root: Path, iteration: int, dst_root: Path, pointer: boo
     shutil.copytree(src_root / name, dst_root / name)
     if pointer:
         (dst_root / POINTER).write_text(f"{iteration}\n")
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pretrain_cli(out: Path, *overrides: str, recipe: str | None = None,
+                 timeout: int = 400) -> list[dict]:
+    """One ``scripts/pretrain.py`` run in a subprocess (a GPU run: its own process group);
+    returns the step rows of its metrics.jsonl."""
+    cmd = [sys.executable, str(REPO / "scripts" / "pretrain.py")]
+    if recipe is not None:
+        cmd += ["--recipe", str(REPO / "recipes" / recipe)]
+    cmd += [f"logger.output_dir={out}", "logger.progress_bar=false", "logger.plot=false",
+            *overrides]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r]

@@ -80,6 +80,36 @@ def test_cpu_refuses_what_megatron_cannot_run_there():
     cpu = RunContext(0, 1, torch.device("cpu"), True, False)
     with pytest.raises(RecipeError, match=r"'model.bf16' = True: expected false on the CPU"):
         build_config(load_recipe(None, ["model.bf16=true"]), cpu)
+    m3 = load_recipe(RECIPES_DIR / "minimax_m3_tiny.yaml",
+                     ["model.moe_token_dispatcher_type=alltoall"])
+    with pytest.raises(RecipeError, match=r"^the model section cannot run on the CPU: config.moe_"
+                                          r"token_dispatcher_type='alltoall' is not supported"):
+        build_config(m3, cpu)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model.mtp_num_layers=0"], r"'model.mtp_num_layers' = 0: expected 0 < value"),
+    (["model.mtp_hybrid_override_pattern=M"], r"'model.mtp_hybrid_override_pattern' = 'M': "
+                                              r"expected null"),
+    (["model.mtp_detach_heads=true"], r"'model.mtp_detach_heads' = True: expected false without "
+                                      r"model.mtp_num_layers"),
+    (["model.mtp_num_layers=1", "model.recompute_granularity=full",
+      "model.recompute_method=uniform", "model.recompute_num_layers=2"],
+     r"'model.recompute_num_layers' = 2: expected 1 with model.mtp_num_layers"),
+    (["model.experimental_attention_variant=dsa"],
+     r"'model.experimental_attention_variant' = 'dsa': expected null \(the MSA spec builds"),
+    (["model.tensor_model_parallel_size=2"],
+     r"'model.sequence_parallel' = False: expected true with model.num_moe_experts and "
+     r"tensor_model_parallel_size = 2"),
+    (["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
+     r"'model.sequence_parallel' = True: expected false with model.transformer_impl = 'local'"),
+])
+def test_megatron_fields_the_trainer_cannot_run_are_refused_at_load(overrides, message):
+    """Fields Megatron's config accepts but this trainer's model cannot run: one line at load,
+    not a traceback at the first step or a silently ignored key (issue 62)."""
+    with pytest.raises(RecipeError, match=message) as err:
+        load_recipe(RECIPES_DIR / "minimax_m3_tiny.yaml", overrides)
+    assert "\n" not in str(err.value)
 
 
 def test_msa_refusals_are_recipe_errors_before_the_model_is_built(tmp_path):
