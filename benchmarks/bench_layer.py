@@ -102,6 +102,13 @@ routed experts of 3072, default all 128: 14.5 GB of bf16 weights and as much of 
 one H200), Megatron's local MoE layer (SequentialMLP, all-to-all dispatcher); the ``dense``
 case is the same block with dense attention (default cases: dense,msa_loss_off,msa_sparse_loss).
 
+``--deterministic`` times the rows under ``model.deterministic_mode`` (ADR 0050): Megatron-LM's
+determinism environment and ``torch.use_deterministic_algorithms(True)`` set before CUDA starts,
+``deterministic_mode=True`` in the config; its dense attention runs flash SDPA, not cuDNN. The
+cuDNN rows (attention rows, pair rate) are left out: cuDNN's SDPA has no deterministic backward.
+The same rows without it, in another process, give the mode's cost
+(``benchmarks/determinism_check.py`` runs both).
+
 ``--tiny`` builds a tiny model (hidden 128, 4/2 heads of 32, blocks of 16, top-4, vocab 256,
 fp32 on the CPU through ``nemo_msa.megatron.cpu_shim``) so the whole script runs end to end
 without a GPU.
@@ -162,6 +169,8 @@ from layer_bench.timing import free_memory, is_oom, peak_gib, run_row  # noqa: E
 from megatron.core import parallel_state  # noqa: E402
 
 from nemo_msa.megatron import MSAIndexerLossAutoScaler, set_training_iteration  # noqa: E402
+from nemo_msa.training import determinism  # noqa: E402
+from nemo_msa.training.recipe_fields import RecipeError  # noqa: E402
 from nemo_msa.triton.launch import launch_overrides, parse_setting  # noqa: E402
 
 
@@ -381,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="FP8 GEMMs (TE linears; attention and indexer stay bf16)")
     ap.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "blockwise"),
                     default="delayed", help="Megatron's fp8_recipe with --fp8")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="model.deterministic_mode: torch's deterministic algorithms, Megatron's "
+                    "deterministic_mode (no cuDNN rows; see the module docstring)")
     ap.add_argument("--tiny", action="store_true", help="tiny model (runs on the CPU in seconds)")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA exists")
     ap.add_argument("--json", default=None, help="write the results to this file")
@@ -477,6 +489,15 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
                              f"the block size {shape.block}")
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if args.deterministic:
+        try:
+            determinism.enable()  # before CUDA starts: cuBLAS reads its workspace setting once
+        except RecipeError as err:
+            raise SystemExit(f"--deterministic: {err}") from None
+        if not (args.no_attention_rows and args.no_pair_rate):
+            log("--deterministic: no cuDNN attention rows and no pair rate (cuDNN's SDPA has "
+                "no deterministic backward)")
+        args.no_attention_rows = args.no_pair_rate = True
     init_single_rank(on_gpu)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -489,7 +510,8 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
         triton_version = None
     log(f"bench_layer: {gpu}, torch {torch.__version__}, triton {triton_version}, shape "
          f"{shape}, M3 block {block}, dtype {dtype}, {args.transformer_impl} spec, fp8 "
-         f"{args.fp8}, steps {args.steps} after {args.warmup} warm-up")
+         f"{args.fp8}, deterministic {args.deterministic}, steps {args.steps} after "
+         f"{args.warmup} warm-up")
 
     rows: list[dict] = []
     result = {
@@ -503,6 +525,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
         "dtype": str(dtype),
         "transformer_impl": args.transformer_impl,
         "fp8": args.fp8 and f"{args.fp8} ({args.fp8_recipe})",
+        "deterministic": args.deterministic,
         "step": "forward + backward of the mean LM loss (+ indexer loss where on); optimizer "
         "step excluded",
         "layers": args.layers,
@@ -525,7 +548,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, settings: dict) -> int
 
     for case in cases:
         config = case_config(case, shape, on_gpu, block, args.layers, args.transformer_impl,
-                             args.fp8, args.fp8_recipe)
+                             args.fp8, args.fp8_recipe, args.deterministic)
         set_training_iteration(0)
         model = build_model(config, shape, max(sizes + [args.grow_to or 0]), on_gpu)
         layer = getattr(model, "module", model).decoder.layers[0]

@@ -15,9 +15,11 @@ cannot be resumed from, a checkpoint directory another run holds (its lock file)
 fails (disk full: the path and the cause) and a non-finite loss are one ``error:`` line too
 (exit code 1), and so is running out of memory (naming the sizes that decide it). Resuming
 with another schedule than the checkpoint's is one line naming the keys, both values and the
-two scheduler flags that decide (exit code 2). Under torchrun each such line is printed once
-per job, not once per rank. SIGTERM ends the run like SIGINT (exit code 143), releasing the
-checkpoint lock.
+two scheduler flags that decide (exit code 2), and so is one that changes the model or the data
+order (listed with every other changed key in one block; ``checkpoint.allow_recipe_change=true``
+goes on). Under torchrun each such line is printed once per job, not once per rank. SIGTERM
+ends the run like SIGINT (exit code 143), releasing the checkpoint lock; after a SIGKILL the
+same command takes the dead run's lock over (one ``warning:`` line) and resumes.
 """
 
 from __future__ import annotations

@@ -117,7 +117,8 @@ def init_single_rank(on_gpu: bool) -> None:
 
 def case_config(case: str, shape: Shape, on_gpu: bool, block: Block | None = None,
                 layers: int = 1, transformer_impl: str = "local",
-                fp8: str | None = None, fp8_recipe: str = "delayed") -> MSATransformerConfig:
+                fp8: str | None = None, fp8_recipe: str = "delayed",
+                deterministic: bool = False) -> MSATransformerConfig:
     """The MSATransformerConfig of one case.
 
     Args:
@@ -131,6 +132,8 @@ def case_config(case: str, shape: Shape, on_gpu: bool, block: Block | None = Non
         fp8: None (bf16 GEMMs), "hybrid" or "e4m3": the TE linears' FP8 format (the attention
             and the indexer stay bf16, ADR 0036).
         fp8_recipe: Megatron's ``fp8_recipe`` with ``fp8``.
+        deterministic: Megatron's ``deterministic_mode`` (the process must have
+            ``torch.use_deterministic_algorithms(True)`` on; ADR 0050).
 
     Returns:
         The config (``layers`` layers).
@@ -178,6 +181,7 @@ def case_config(case: str, shape: Shape, on_gpu: bool, block: Block | None = Non
         msa_block_size=shape.block,
         msa_topk=shape.topk,
         msa_layer_pattern=msa.pop("msa_layer_pattern", "S") * layers,
+        deterministic_mode=deterministic,
         **msa,
         **precision,
     )

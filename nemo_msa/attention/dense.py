@@ -7,7 +7,9 @@ softmax_j(q(p, hq) . k(j, g) * scale) v(j, g)`` with ``g = hq // (Hq / Hkv)``:
   ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` per run of consecutive
   documents of one length, on [n, H, length, d] views of the compact tensors (documents are
   contiguous in the compact order, so a run of n equal-length documents is a free view). cuDNN
-  is preferred, then flash, then memory-efficient, whichever accepts the shape. No [s, s] mask,
+  is preferred, then flash, then memory-efficient, whichever accepts the shape; under
+  ``torch.use_deterministic_algorithms(True)`` flash, then memory-efficient (cuDNN's backward
+  is not deterministic; :func:`gpu_sdpa_backends`, ADR 0050). No [s, s] mask,
   no copy of K/V per query head; the plan comes from the layout's host-side document lengths
   (read in the layout's one synchronization), so nothing here waits on the device.
 - :func:`dense_document_attention_rows` (CPU, fp32/fp64, tests): SDPA per [b, s] row with a
@@ -44,6 +46,7 @@ from nemo_msa.limits import require_float_tensor, require_softmax_scale
 from nemo_msa.tensor_memo import TensorMemo
 
 __all__ = [
+    "DETERMINISTIC_SDPA_BACKENDS",
     "GPU_SDPA_BACKENDS",
     "DocumentRun",
     "QueryRun",
@@ -53,6 +56,7 @@ __all__ = [
     "dense_document_attention_queries",
     "dense_document_attention_rows",
     "document_causal_row_mask",
+    "gpu_sdpa_backends",
     "document_runs",
     "query_runs",
     "padded_length",
@@ -67,9 +71,27 @@ GPU_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
     SDPBackend.EFFICIENT_ATTENTION,
 )
 
+# The GPU path's SDPA kernels under torch.use_deterministic_algorithms(True): torch then runs
+# flash's and memory-efficient's backward in their deterministic form (one key split, no atomic
+# dq accumulation) and refuses cuDNN's, which has none. Flash takes head dims up to 256 and
+# memory-efficient any multiple of 8, so every shape cuDNN accepts still has a kernel.
+DETERMINISTIC_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+)
+
 # torch >= 2.6 takes set_priority (try the backends in the order given); older releases try
 # them in torch's own order.
 _HAS_SET_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+
+def gpu_sdpa_backends() -> tuple[SDPBackend, ...]:
+    """The SDPA kernels of the GPU path now: :data:`DETERMINISTIC_SDPA_BACKENDS` while
+    ``torch.use_deterministic_algorithms`` is on (``model.deterministic_mode``), else
+    :data:`GPU_SDPA_BACKENDS`."""
+    if torch.are_deterministic_algorithms_enabled():
+        return DETERMINISTIC_SDPA_BACKENDS
+    return GPU_SDPA_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -146,8 +168,11 @@ def padded_length(length: int) -> int:
     return -(-length // step) * step
 
 
-def _backend_preference(backends: Sequence[SDPBackend]):
-    """The ``sdpa_kernel`` context that tries ``backends`` in the order given."""
+def _backend_preference(backends: Sequence[SDPBackend] | None):
+    """The ``sdpa_kernel`` context that tries ``backends`` in the order given (None:
+    :func:`gpu_sdpa_backends`)."""
+    if backends is None:
+        backends = gpu_sdpa_backends()
     if _HAS_SET_PRIORITY:
         return sdpa_kernel(list(backends), set_priority=True)
     return sdpa_kernel(list(backends))
@@ -178,7 +203,7 @@ def dense_document_attention_per_document(
     v: torch.Tensor,
     msa: MSAMicrobatch,
     softmax_scale: float,
-    backends: Sequence[SDPBackend] = GPU_SDPA_BACKENDS,
+    backends: Sequence[SDPBackend] | None = None,
     pad_to: Callable[[int], int] | None = padded_length,
 ) -> torch.Tensor:
     """Dense causal attention within documents, one SDPA call per run of equal-length documents.
@@ -197,7 +222,7 @@ def dense_document_attention_per_document(
         v: [T, Hkv, d] compact values in q's dtype.
         msa: the microbatch layout (its host ``document_lengths`` give the plan).
         softmax_scale: multiplies q.k.
-        backends: SDPA backends in order of preference.
+        backends: SDPA backends in order of preference (None: :func:`gpu_sdpa_backends`).
         pad_to: the padded length of a document of a given length, or None for none.
 
     Returns:
@@ -219,7 +244,7 @@ def dense_attention_runs(
     v: torch.Tensor,
     runs: Sequence[DocumentRun],
     softmax_scale: float,
-    backends: Sequence[SDPBackend] = GPU_SDPA_BACKENDS,
+    backends: Sequence[SDPBackend] | None = None,
     pad_to: Callable[[int], int] | None = padded_length,
 ) -> torch.Tensor:
     """Causal attention within each document of ``runs`` (which cover q's rows in order): the
@@ -231,7 +256,7 @@ def dense_attention_runs(
         v: [T, Hkv, d] values in q's dtype.
         runs: runs of equal-length documents covering [0, T) in order.
         softmax_scale: multiplies q.k.
-        backends: SDPA backends in order of preference.
+        backends: SDPA backends in order of preference (None: :func:`gpu_sdpa_backends`).
         pad_to: the padded length of a document of a given length, or None for none.
 
     Returns:
@@ -450,7 +475,7 @@ def dense_document_attention_queries(
     msa: MSAMicrobatch,
     softmax_scale: float,
     queries: torch.Tensor,
-    backends: Sequence[SDPBackend] = GPU_SDPA_BACKENDS,
+    backends: Sequence[SDPBackend] | None = None,
 ) -> torch.Tensor:
     """Dense causal attention within documents for a query subset (context parallelism).
 
@@ -466,7 +491,8 @@ def dense_document_attention_queries(
         msa: the global layout.
         softmax_scale: multiplies q.k.
         queries: int64 [Tq] global compact rows of q's tokens, ascending.
-        backends: SDPA backends in order of preference (CUDA).
+        backends: SDPA backends in order of preference (CUDA; None:
+            :func:`gpu_sdpa_backends`).
 
     Returns:
         [Tq, Hq, d] in q's dtype.

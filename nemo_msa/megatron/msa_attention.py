@@ -89,7 +89,8 @@ def check_msa_layer_config(config: TransformerConfig, tp_size: int, cp_size: int
             that has no query-subset mode, output gate, MLA,
             sliding windows, CUDA graphs.
         ValueError: a topology/score type MSA cannot run, TP that splits a KV head from its
-            index head, a config without the msa_* fields.
+            index head, a config without the msa_* fields, ``deterministic_mode=True`` while
+            ``torch.use_deterministic_algorithms(True)`` is off (or warn-only).
     """
     if not hasattr(config, "msa_block_size"):
         raise ValueError(
@@ -125,6 +126,18 @@ def check_msa_layer_config(config: TransformerConfig, tp_size: int, cp_size: int
             "rank to hold whole KV heads with their index heads (num_query_groups divisible by "
             "the TP size, TP <= num_query_groups)"
         )
+    if getattr(config, "deterministic_mode", False) and (
+            not torch.are_deterministic_algorithms_enabled()
+            or torch.is_deterministic_algorithms_warn_only_enabled()):
+        # The layer's non-Triton ops (flash/memory-efficient SDPA backward, index_add_ of the
+        # reference backend, the backward of its gathers) take their deterministic CUDA form
+        # only under torch's global switch, which a config field cannot turn on (ADR 0050).
+        raise ValueError(
+            "deterministic_mode=True needs torch.use_deterministic_algorithms(True) (not "
+            "warn_only) before the layer is built, with CUBLAS_WORKSPACE_CONFIG=:4096:8 set "
+            "before CUDA starts: the dense attention's and the reference backend's backward "
+            "are deterministic only then (scripts/pretrain.py sets both for "
+            "model.deterministic_mode=true, as Megatron-LM's --deterministic-mode does)")
     # Index heads == KV heads is the topology's check (MSATopology.validate, run by the plan).
     return plan
 

@@ -22,6 +22,7 @@ import os
 import queue
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from nemo_msa.training.checkpoint_integrity import (
     find_resume_iteration,
     write_manifest,
 )
+from nemo_msa.training.recipe_changes import differences
 from nemo_msa.training.recipe_fields import RecipeError
 from nemo_msa.training.save_failures import (
     WriterLog,
@@ -352,14 +354,6 @@ def _set_group_lrs(optimizer, lrs: dict[str, tuple[float, ...]], to_saved: bool)
                 group[name] = chosen
 
 
-def _recipe_differences(saved: dict, current: dict | None) -> list[str]:
-    """The ``model.*`` keys whose values differ between the saved recipe and this run's."""
-    if not isinstance(saved, dict) or not current:
-        return []
-    a, b = saved.get("model") or {}, current.get("model") or {}
-    return [f"model.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-
-
 def _describe(exc: BaseException) -> str:
     """One line for an exception; torch's CheckpointException by its ranks' own errors."""
     failures = getattr(exc, "failures", None)
@@ -377,7 +371,7 @@ def _describe(exc: BaseException) -> str:
 def _megatron_error(path: Path, exc: BaseException, saved_recipe: dict | None,
                     recipe: dict | None) -> CheckpointError:
     """Wrap an error raised inside Megatron's loading with the path and what to do."""
-    diff = _recipe_differences(saved_recipe or {}, recipe)
+    diff = [d.key for d in differences(saved_recipe, recipe) if d.key.startswith("model.")]
     if diff:
         cause = (f"It was saved with another model ({', '.join(diff)} "
                  f"{'differs' if len(diff) == 1 else 'differ'} from this recipe): run with the "
@@ -445,7 +439,9 @@ def warn_on_suspicious_parameters(model_chunks, path) -> list[tuple[str, float]]
 
 
 def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
-                    iteration: int | None = None, recipe: dict | None = None) -> TrainState:
+                    iteration: int | None = None, recipe: dict | None = None,
+                    on_saved_recipe: Callable[[dict | None, Path], None] | None = None,
+                    ) -> TrainState:
     """Load a finished checkpoint under ``root`` into the model, optimizer and scheduler.
 
     The model and optimizer reshard to the current parallel layout (dist-checkpointing). The
@@ -459,6 +455,8 @@ def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
         iteration: the checkpoint to load, as chosen (and verified) by
             :func:`find_resume_iteration`; None chooses and verifies it here (no fallback).
         recipe: this run's resolved recipe, compared with the saved one when Megatron fails.
+        on_saved_recipe: called with the checkpoint's recipe and path once its common state is
+            read, before anything is loaded (the resume's comparison of the two recipes).
 
     Returns:
         The training state to continue from.
@@ -484,6 +482,8 @@ def load_checkpoint(root: str | os.PathLike, model_chunks, optimizer, scheduler,
     except _LOAD_ERRORS as exc:  # any failure here is reported with the path
         raise _megatron_error(path, exc, None, recipe) from exc
     saved_recipe = common.get("recipe")
+    if on_saved_recipe is not None:
+        on_saved_recipe(saved_recipe, path)
     pp, tp, _, _ = _layout()
     # Megatron names optimizer param groups by their max/min lr: build the loading state dict
     # with the checkpoint's values, then apply whichever the scheduler flags choose.

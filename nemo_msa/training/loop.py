@@ -22,6 +22,8 @@ from nemo_msa.megatron.microbatch import SharedMicrobatchIterators
 from nemo_msa.training.build import TrainingObjects
 from nemo_msa.training.checkpoint import TrainState, save_checkpoint
 from nemo_msa.training.checkpoint_integrity import checkpoint_name, verify_checkpoint
+from nemo_msa.training.checkpoint_lock import CheckpointLock, CheckpointLockError
+from nemo_msa.training.checkpoint_lock import check as check_lock
 from nemo_msa.training.data import Microbatch, MicrobatchSource, schedule_shape
 from nemo_msa.training.evaluate import Evaluator, StepFlops, should_exit
 from nemo_msa.training.msa_hooks import TrainingHooks
@@ -90,21 +92,28 @@ def _forward_step(hooks: TrainingHooks, per_token: bool, data_iterator, model):
     return output, partial(_loss_func, mb, per_token)
 
 
-def _reduce_step_losses(losses: list[dict], device) -> dict[str, float]:
+def _reduce_step_losses(losses: list[dict], device,
+                        lock_lost: bool = False) -> tuple[dict[str, float], bool]:
     """Sum the LM loss over microbatches, DP and CP ranks; make it known to every rank (collective).
 
     Only the last pipeline stage has the losses; tensor-parallel ranks hold copies; each
     context-parallel rank holds the sum and count of its share of the tokens. The sum goes over
-    the whole world with non-owners contributing zeros, which needs no pipeline broadcast.
+    the whole world with non-owners contributing zeros, which needs no pipeline broadcast. Rank
+    0's word that the checkpoint lock is no longer this run's rides along in the same reduction.
+
+    Returns:
+        The loss metrics, and whether any rank reported the lock lost.
     """
     owner = (ps.is_pipeline_last_stage(ignore_virtual=True)
              and ps.get_tensor_model_parallel_rank() == 0)
-    buf = torch.zeros(2, dtype=torch.float64, device=device)
+    buf = torch.zeros(3, dtype=torch.float64, device=device)
     if owner:
         for d in losses:
-            buf += d["lm loss"].to(buf)
+            buf[:2] += d["lm loss"].to(buf)
+    buf[2] = float(lock_lost)
     torch.distributed.all_reduce(buf)
-    return {"loss": float(buf[0] / buf[1].clamp(min=1)), "tokens_in_loss": float(buf[1])}
+    metrics = {"loss": float(buf[0] / buf[1].clamp(min=1)), "tokens_in_loss": float(buf[1])}
+    return metrics, bool(buf[2] > 0)
 
 
 def _last_checkpoint(root: str | None, iteration: int | None) -> str:
@@ -125,17 +134,22 @@ def _last_checkpoint(root: str | None, iteration: int | None) -> str:
 
 
 def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: MicrobatchSource,
-              state: TrainState, resumed_from: int | None, out_dir: Path) -> LoopResult:
+              state: TrainState, resumed_from: int | None, out_dir: Path,
+              lock: CheckpointLock | None = None) -> LoopResult:
     """Train from ``state.iteration`` to the end of the schedule (or ``train.exit_interval``).
 
     ``state`` advances in place (iteration, consumed samples, one history entry per step). A
     checkpoint is saved every ``checkpoint.save_interval`` steps and once at the end when the
-    last step is not saved yet.
+    last step is not saved yet. After every step rank 0 checks that ``lock`` (its lock of
+    ``checkpoint.save``) is still this run's.
 
     Raises:
         FloatingPointError: the loss is not finite (naming the last finished checkpoint and
             whether it matches its manifest, checked then).
         CheckpointError: a save failed (the path and the cause).
+        CheckpointLockError: the lock file was deleted or taken over by another run (which
+            judged this one gone); raised before this run writes the step's metrics or a
+            checkpoint.
     """
     chunks, optimizer, scheduler = objs.chunks, objs.optimizer, objs.scheduler
     hooks = objs.hooks
@@ -205,7 +219,14 @@ def run_steps(recipe: Recipe, ctx: RunContext, objs: TrainingObjects, source: Mi
         state.iteration += 1
         state.consumed_samples = source.consumed_samples
         dt = timer.lap()
-        metrics = _reduce_step_losses(losses, ctx.device)
+        metrics, lock_lost = _reduce_step_losses(losses, ctx.device,
+                                                 check_lock(lock) is not None)
+        if lock_lost:
+            raise CheckpointLockError(
+                f"the lock of checkpoint directory {ck.save} was deleted or taken over by "
+                f"another run (which judged this one gone, e.g. after its heartbeat stalled "
+                f"for checkpoint.lock_stale_s): this run stopped after iteration "
+                f"{state.iteration} without writing it, so that one run writes there at a time")
         metrics.update(hooks.pop_step_metrics(source.num_microbatches, ctx.device))
         if builds_before is not None:
             # This rank's MSA layouts per microbatch: 1.0 when every layer and every virtual

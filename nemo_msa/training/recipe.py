@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from nemo_msa.megatron.layer_specs import te_unavailable_reason
 from nemo_msa.support import precision_refusal
+from nemo_msa.training.determinism import REQUIRED_MODEL_VALUES
 from nemo_msa.training.probes import check_probe_settings
 from nemo_msa.training.recipe_fields import RecipeError, require
 from nemo_msa.training.recipe_schema import (
@@ -209,6 +210,7 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "scheduler.start_weight_decay": (0, True, None, False),
     "scheduler.end_weight_decay": (0, True, None, False),
     "checkpoint.keep_last": (0, False, None, False),
+    "checkpoint.lock_stale_s": (0, False, None, False),
     "dist.timeout_minutes": (0, False, None, False),
     # One token id cannot be learned apart from another: at least two.
     "model.vocab_size": (2, True, None, False),
@@ -304,6 +306,11 @@ def _check_values(r: Recipe) -> None:
     require(impl in ("local", "transformer_engine"), "model.transformer_impl", impl,
             "'local' (torch modules) or 'transformer_engine'")
     _check_precision(r, impl)
+    if r.model.get("deterministic_mode"):
+        for key, value in REQUIRED_MODEL_VALUES.items():
+            require(bool(r.model.get(key, False)) == value, f"model.{key}", r.model.get(key),
+                    f"{str(value).lower()} with model.deterministic_mode=true (it has no "
+                    "deterministic form; Megatron-LM's --deterministic-mode requires the same)")
     require(r.dist.backend in ("auto", "nccl", "gloo"), "dist.backend", r.dist.backend,
             "'auto', 'nccl' or 'gloo'")
     require(r.logger.log_interval > 0, "logger.log_interval", r.logger.log_interval, "> 0")
@@ -320,6 +327,13 @@ def _check_values(r: Recipe) -> None:
             "scheduler.use_checkpoint_opt_param_scheduler", True,
             "false when scheduler.override_opt_param_scheduler is true (pick one)")
     c = r.checkpoint
+    _check_save_path(c.save)
+    if c.lock_stale_s is not None:
+        # Rank 0 may watch a foreign holder's heartbeat this long while the others wait.
+        require(c.lock_stale_s < r.dist.timeout_minutes * 60, "checkpoint.lock_stale_s",
+                c.lock_stale_s, f"less than dist.timeout_minutes x 60 = "
+                f"{r.dist.timeout_minutes * 60} s (the other ranks wait that long for rank 0 "
+                "to take the lock), or null")
     if c.save_interval is not None:
         require(c.save_interval > 0, "checkpoint.save_interval", c.save_interval, "> 0 or null")
         require(c.save is not None, "checkpoint.save", c.save,
@@ -353,6 +367,24 @@ def _check_values(r: Recipe) -> None:
     optimizer = r.optimizer.get("optimizer", "adam")
     require(optimizer in ("adam", "sgd"), "optimizer.optimizer", optimizer,
             "'adam' or 'sgd' (Megatron-Core's own optimizers)")
+
+
+def _check_save_path(save: str | None) -> None:
+    """``checkpoint.save`` names a directory, or a path whose first existing part is one.
+
+    Raises:
+        RecipeError: the path, or a part of it, is an existing file (naming which).
+    """
+    if save is None:
+        return
+    path = Path(save)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                what = "is an existing file" if part == path else f"lies under the file {part}"
+                require(False, "checkpoint.save", save,
+                        f"a checkpoint directory (or a path to create one at), but it {what}")
+            return
 
 
 def _check_precision(r: Recipe, impl: str) -> None:

@@ -158,6 +158,14 @@ class CheckpointConfig:
     #: When the newest checkpoint is damaged or the pointer file is missing/unreadable, resume
     #: from the newest intact checkpoint (with a warning) instead of stopping with an error.
     fallback: bool = False
+    #: A lock of ``save`` held on another machine (host name, boot or pid namespace) whose
+    #: heartbeat stopped this many seconds ago is taken over (ADR 0049); a holder on this
+    #: machine is judged by its pid at once. The holder beats every min(30, this / 4) s. Null:
+    #: a lock held elsewhere is never taken over.
+    lock_stale_s: float | None = 120.0
+    #: Resume although recipe keys that change the model or the data order differ from the
+    #: checkpoint's recipe (they are listed either way; ADR 0049).
+    allow_recipe_change: bool = False
 
 
 @dataclass

@@ -21,7 +21,7 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
 from nemo_msa.megatron import cpu_shim
-from nemo_msa.training import cpu_extras
+from nemo_msa.training import cpu_extras, determinism
 from nemo_msa.training.recipe import Recipe, RecipeError, check_parallel_layout
 
 #: What this module set up in this process, so that teardown() undoes exactly that.
@@ -33,6 +33,9 @@ _ERROR_STORE: list = [None]
 
 #: torch's intra-op thread count before :func:`init_distributed` chose one (None: not chosen).
 _THREADS_BEFORE: list = [None]
+
+#: What ``model.deterministic_mode`` changed in this process (None: nothing).
+_DETERMINISM: list = [None]
 
 
 #: torch threads per process of a CPU run without OMP_NUM_THREADS. One: torch's default (one per
@@ -62,9 +65,17 @@ def init_distributed(recipe: Recipe) -> RunContext:
     CPU, without ``OMP_NUM_THREADS``, torch gets :data:`CPU_THREADS_PER_RANK` threads instead of
     one per core, which oversubscribes a busy machine.
 
+    With ``model.deterministic_mode`` it first sets the mode's environment and
+    ``torch.use_deterministic_algorithms(True)`` (:mod:`nemo_msa.training.determinism`): before
+    CUDA and NCCL start, which read them once.
+
     Raises:
-        RecipeError: ``dist.backend`` is nccl on a run without CUDA.
+        RecipeError: ``dist.backend`` is nccl on a run without CUDA; with
+            ``model.deterministic_mode``, a determinism variable set to another value or CUDA
+            already initialised without ``CUBLAS_WORKSPACE_CONFIG``.
     """
+    if recipe.model.get("deterministic_mode") and _DETERMINISM[0] is None:
+        _DETERMINISM[0] = determinism.enable()
     dist = recipe.dist
     on_cpu = dist.force_cpu or not torch.cuda.is_available()
     backend = dist.backend if dist.backend != "auto" else ("gloo" if on_cpu else "nccl")
@@ -174,6 +185,9 @@ def teardown() -> None:
         cpu_extras.uninstall()
     _OWNED.update(process_group=False, cpu_shim=False)
     _ERROR_STORE[0] = None
+    if _DETERMINISM[0] is not None:
+        determinism.restore(_DETERMINISM[0])
+        _DETERMINISM[0] = None
     if _THREADS_BEFORE[0] is not None:
         torch.set_num_threads(_THREADS_BEFORE[0])
         _THREADS_BEFORE[0] = None

@@ -26,9 +26,10 @@ from nemo_msa.training.checkpoint_integrity import (
     find_resume_iteration,
     finished_iterations_everywhere,
 )
-from nemo_msa.training.checkpoint_lock import acquire_on_rank0, release
+from nemo_msa.training.checkpoint_lock import CheckpointLock, acquire_on_rank0, release
 from nemo_msa.training.loop import LoopResult, run_steps
 from nemo_msa.training.recipe import Recipe, RecipeError
+from nemo_msa.training.recipe_changes import check_recipe_changes
 from nemo_msa.training.setup import (
     RunContext,
     init_distributed,
@@ -70,8 +71,12 @@ def _make_directories(recipe: Recipe) -> None:
                               "this user; expected a directory this run can write to")
 
 
-def _resume(recipe: Recipe, objs: TrainingObjects) -> tuple[TrainState, int | None]:
+def _resume(recipe: Recipe, objs: TrainingObjects, rank: int) -> tuple[TrainState, int | None]:
     """Load the checkpoint the recipe resumes from, if any; collective.
+
+    The recipe keys that differ from the checkpoint's recipe are printed in one block (rank 0);
+    those that change the model or the data order stop a training run unless
+    ``checkpoint.allow_recipe_change`` (:mod:`nemo_msa.training.recipe_changes`).
 
     Returns:
         The training state to continue from and the iteration resumed at (None: fresh start).
@@ -79,7 +84,8 @@ def _resume(recipe: Recipe, objs: TrainingObjects) -> tuple[TrainState, int | No
     Raises:
         RecipeError: ``checkpoint.load`` names a directory without a finished checkpoint, or
             ``checkpoint.save`` holds finished checkpoints this run did not resume from (they
-            would be overwritten) and ``checkpoint.overwrite`` is false.
+            would be overwritten) and ``checkpoint.overwrite`` is false, or a key that changes
+            the model or the data order differs from the checkpoint's recipe.
         CheckpointError: the checkpoint to resume from is damaged (no fallback taken) or
             Megatron cannot load it.
     """
@@ -105,8 +111,13 @@ def _resume(recipe: Recipe, objs: TrainingObjects) -> tuple[TrainState, int | No
                 "checkpoint.overwrite=true")
     if resume_at is None:
         return TrainState(), None
+
+    def compare(saved: dict | None, path: Path) -> None:
+        check_recipe_changes(saved, recipe.resolved, path, training=not recipe.train.skip_train,
+                             allowed=ck.allow_recipe_change, rank=rank)
+
     state = load_checkpoint(load_root, objs.chunks, objs.optimizer, objs.scheduler,
-                            iteration=resume_at, recipe=recipe.resolved)
+                            iteration=resume_at, recipe=recipe.resolved, on_saved_recipe=compare)
     if not ck.verify:
         warn_on_suspicious_parameters(objs.chunks, checkpoint_name(load_root, resume_at))
     return state, state.iteration
@@ -182,27 +193,30 @@ def pretrain(recipe: Recipe) -> dict[str, Any]:
             or an output or cache directory that cannot be created.
         CheckpointError: the checkpoint to resume from is damaged or cannot be loaded, or a save
             failed (disk full, ...).
-        CheckpointLockError: another run holds ``checkpoint.save`` (or left a stale lock).
+        CheckpointLockError: another run holds ``checkpoint.save``, or took it over from this
+            one (which it judged gone).
     """
     _make_directories(recipe)
     ctx = init_distributed(recipe)
-    # Before anything reads checkpoint.save: one writer per directory (ADR 0024).
-    lock = acquire_on_rank0(recipe.checkpoint.save)
+    # Before anything reads checkpoint.save: one writer per directory (ADR 0024); a lock whose
+    # holder is provably gone is taken over (ADR 0049).
+    lock = acquire_on_rank0(recipe.checkpoint.save, recipe.checkpoint.lock_stale_s)
     try:
-        return _locked_pretrain(recipe, ctx)
+        return _locked_pretrain(recipe, ctx, lock)
     finally:
         release(lock)
 
 
-def _locked_pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
+def _locked_pretrain(recipe: Recipe, ctx: RunContext,
+                     lock: CheckpointLock | None) -> dict[str, Any]:
     """:func:`pretrain` after the process group is up and the checkpoint directory locked."""
     dp = init_model_parallel(recipe, ctx)
     set_seeds(recipe.train.seed)
     objs = build_training(recipe, ctx)
-    state, resumed_from = _resume(recipe, objs)
+    state, resumed_from = _resume(recipe, objs, ctx.rank)
     source = build_microbatch_source(recipe, ctx, dp, state.consumed_samples)
     out_dir = _output_dir(recipe)
-    result = run_steps(recipe, ctx, objs, source, state, resumed_from, out_dir)
+    result = run_steps(recipe, ctx, objs, source, state, resumed_from, out_dir, lock)
     summary = _summary(recipe, ctx, objs, dp, state, resumed_from, result, out_dir)
     hist = state.history
     is_rank0 = ctx.rank == 0

@@ -70,21 +70,32 @@ class Progress:
 
 
 class MetricsLog:
-    """Appends one JSON line per step to ``metrics.jsonl`` in the output directory."""
+    """Appends one JSON line per step to ``metrics.jsonl`` in the output directory.
+
+    On resume the lines past the checkpoint belong to a run that was lost: they are dropped, so
+    the log is the continued curve rather than two overlapping ones. A line that is not a JSON
+    record (cut short by a kill while it was written) is dropped too, and said so in one
+    ``warning:`` line on stderr.
+    """
 
     def __init__(self, out_dir: Path, start_iteration: int) -> None:
         self.path = out_dir / "metrics.jsonl"
         out_dir.mkdir(parents=True, exist_ok=True)
-        # On resume, lines past the checkpoint belong to a run that was lost; drop them so the
-        # log is the continued curve rather than two overlapping ones.
-        kept = []
+        kept, cut = [], []
         if self.path.exists():
-            for line in self.path.read_text().splitlines():
+            for number, line in enumerate(self.path.read_text().splitlines(), start=1):
                 try:
-                    if json.loads(line).get("iteration", 0) <= start_iteration:
-                        kept.append(line)
+                    record = json.loads(line)
                 except json.JSONDecodeError:
+                    cut.append((number, len(line)))
                     continue
+                if isinstance(record, dict) and record.get("iteration", 0) <= start_iteration:
+                    kept.append(line)
+        if cut and start_iteration > 0:
+            where = ", ".join(f"line {n} ({size} bytes)" for n, size in cut)
+            print(f"warning: {self.path}: {where} cut short, not a whole record (the run that "
+                  f"wrote it was killed while writing): dropped; the log continues after "
+                  f"iteration {start_iteration}", file=sys.stderr, flush=True)
         self.path.write_text("".join(k + "\n" for k in kept))
 
     def write(self, metrics: dict[str, Any]) -> None:

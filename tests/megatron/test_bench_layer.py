@@ -286,3 +286,17 @@ def test_profile_traces_of_packed_and_one_document_rows_are_kept_apart(tmp_path)
     assert all("union_mean" in row and not set(PAIR_FIELDS) & set(row) for row in rows), rows
     assert sorted(p.name for p in traces.iterdir()) == [
         "msa_sparse_loss_128.json", "msa_sparse_loss_128_mean64.json"]
+
+
+def test_deterministic_rows_drop_the_cudnn_rows(tmp_path):
+    """--deterministic (ADR 0050): the rows run under torch's deterministic algorithms with
+    Megatron's deterministic_mode; cuDNN's attention rows and pair rate are left out."""
+    proc = _run(tmp_path, "--tokens", "64", "--cases", "dense,msa_sparse_loss",
+                "--deterministic")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--deterministic: no cuDNN attention rows and no pair rate" in proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "layer.json").read_text())
+    assert result["deterministic"] is True
+    assert [(r["case"], r["status"]) for r in result["rows"]] == [("dense", "ok"),
+                                                                  ("msa_sparse_loss", "ok")]
+    assert not any(set(PAIR_FIELDS) & set(r) for r in result["rows"])

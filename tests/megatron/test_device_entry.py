@@ -146,6 +146,8 @@ DRY_RUNS = {
         "{out}/sparse_peers.json >> {out}/sparse_peers.log"],
     "pretrain": ["timeout -k 30 240 {py} scripts/pretrain.py model.bf16=true", "train.train_iters"
                  "=300 logger.output_dir={out}/pretrain >> {out}/pretrain.log"],
+    "determinism": ["timeout -k 30 540 {py} benchmarks/determinism_check.py --out "
+                    "{out}/determinism --steps 40 --interrupt-at 20 -- >> {out}/determinism.log"],
     "pp1": ["timeout -k 30 90 {py} scripts/pretrain.py --recipe recipes/msa_pp2_vpp2_tp2.yaml",
             "# copy metrics.jsonl and loss_curve.png from /tmp/pp1_checkpoints"],
     "quality_runs": ["# when /tmp/corpus_qr/args does not hold the corpus options:",

@@ -92,6 +92,37 @@ def test_the_layer_refuses_tensor_parallelism_that_splits_a_kv_head():
             check_msa_layer_config(config, tp_size=tp, cp_size=1)
 
 
+@pytest.mark.usefixtures("single_rank")
+def test_deterministic_mode_needs_torchs_switch_and_drops_cudnn_attention():
+    """deterministic_mode is a config field; the deterministic CUDA forms of the layer's torch
+    ops (flash SDPA's backward, index_add_) come only with torch's global switch (ADR 0050)."""
+    from nemo_msa.attention.dense import (
+        DETERMINISTIC_SDPA_BACKENDS,
+        GPU_SDPA_BACKENDS,
+        gpu_sdpa_backends,
+    )
+    from nemo_msa.megatron.msa_attention import check_msa_layer_config
+
+    config = tiny_config(deterministic_mode=True)
+    refusal = r"deterministic_mode=True needs torch.use_deterministic_algorithms\(True\) \(not " \
+              r"warn_only\) before the layer is built"
+    with pytest.raises(ValueError, match=refusal):
+        check_msa_layer_config(config, tp_size=1, cp_size=1)
+    assert gpu_sdpa_backends() == GPU_SDPA_BACKENDS
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.raises(ValueError, match=refusal):
+            check_msa_layer_config(config, tp_size=1, cp_size=1)
+        torch.use_deterministic_algorithms(True)
+        assert check_msa_layer_config(config, tp_size=1, cp_size=1).backend
+        # cuDNN's SDPA backward has no deterministic form: flash, then memory-efficient.
+        assert gpu_sdpa_backends() == DETERMINISTIC_SDPA_BACKENDS
+        assert torch.nn.attention.SDPBackend.CUDNN_ATTENTION not in gpu_sdpa_backends()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert gpu_sdpa_backends() == GPU_SDPA_BACKENDS
+
+
 def test_layer_pattern_forms():
     assert normalize_layer_pattern("DS|S S", 4) == (False, True, True, True)
     assert normalize_layer_pattern([0, 1, 1, 0], 4) == (False, True, True, False)

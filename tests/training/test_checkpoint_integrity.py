@@ -190,12 +190,14 @@ def test_fallback_resumes_bit_exactly_and_replaces_the_damaged_checkpoint(refere
 def test_megatron_load_errors_name_the_path_and_the_cause(reference, tmp_path):
     ref_root, _ = reference
     copy_checkpoint(ref_root, 3, tmp_path / "other")
-    # A checkpoint of another model: Megatron's shape error, with the recipe key that differs.
+    # A checkpoint of another model, resumed although the recipe change is refused by default
+    # (ADR 0049): Megatron's shape error, with the recipe key that differs.
     with pytest.raises(CheckpointError, match=r"loading checkpoint .*other/iter_0000003 failed "
                        r"inside Megatron dist-checkpointing \(rank 0: CheckpointingException: "
                        r"Global shape mismatch.*\)\. It was saved with another model "
                        r"\(model.hidden_size differs from this recipe\)"):
-        train([*REFERENCE, f"checkpoint.save={tmp_path / 'other'}", "model.hidden_size=32"])
+        train([*REFERENCE, f"checkpoint.save={tmp_path / 'other'}", "model.hidden_size=32",
+               "checkpoint.allow_recipe_change=true"])
     # Damage that verification would have caught, with verification off: a bare EOFError or
     # torch's zip-reader error before, now wrapped with the path and what to do.
     copy_checkpoint(ref_root, 3, tmp_path / "unverified")

@@ -239,10 +239,16 @@ def test_cli_out_of_memory_is_one_line_naming_the_sizes_and_exits_1(tmp_path):
     ("dataset.split=99,1,0,5", r"'dataset.split' = '99,1,0,5': expected one to three"),
     ("train.train_iters=[1,", r"override 'train.train_iters=\[1,': the value is not valid YAML "
                               r"\(.*did not find expected node content at line \d+, column \d+\)"),
+    ("checkpoint.lock_stale_s=0", r"'checkpoint.lock_stale_s' = 0.0: expected 0 < value"),
+    ("checkpoint.lock_stale_s=600", r"'checkpoint.lock_stale_s' = 600.0: expected less than "
+                                    r"dist.timeout_minutes x 60 = 600 s"),
+    ("model.deterministic_mode=true model.cross_entropy_loss_fusion=true",
+     r"'model.cross_entropy_loss_fusion' = True: expected false with "
+     r"model.deterministic_mode=true"),
 ])
 def test_values_are_typed_and_range_checked(override, message):
     with pytest.raises(RecipeError, match=message) as err:
-        load_recipe(None, [override])
+        load_recipe(None, override.split(" "))
     assert "\n" not in str(err.value)  # one `error:` line in the CLI
 
 
@@ -385,3 +391,15 @@ def test_a_directory_that_cannot_be_created_is_named_before_the_run(tmp_path, ke
                                           r"directory \(Not a directory: .*a_file.*\); expected a "
                                           r"directory this run can create and write to$"):
         train([f"{key}={where}", "checkpoint.save=null"])
+
+
+def test_a_checkpoint_save_that_names_a_file_is_refused_at_load(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(RecipeError, match=rf"^recipe key 'checkpoint.save' = "
+                                          rf"'{tmp_path / 'file'}': expected a checkpoint "
+                                          r"directory \(or a path to create one at\), but it is "
+                                          r"an existing file$"):
+        load_recipe(None, [f"checkpoint.save={tmp_path / 'file'}"])
+    with pytest.raises(RecipeError, match=rf"but it lies under the file {tmp_path / 'file'}$"):
+        load_recipe(None, [f"checkpoint.save={tmp_path / 'file' / 'ckpt'}"])
+    assert load_recipe(None, [f"checkpoint.save={tmp_path / 'new' / 'ckpt'}"])

@@ -146,6 +146,8 @@ def test_dense_warmup_raises_recall_on_structured_attention(tmp_path: Path):
             f"checkpoint.load={tmp_path / 'phase1'}", f"checkpoint.save={tmp_path / name}",
             # A longer run than phase 1's schedule: continue with this recipe's (lr is constant).
             "scheduler.override_opt_param_scheduler=true",
+            # Another warm-up and indexer-loss weight than phase 1's: a deliberate change.
+            "checkpoint.allow_recipe_change=true",
         ])
         assert summary["last phase"] == "dense-warmup"
         hist = summary["history"]  # phase 1's history travels with the checkpoint

@@ -6,6 +6,7 @@ from . import (
     ab,
     bench,
     bridge,
+    determinism,
     fla_peer,
     layer,
     long_rows,
@@ -44,6 +45,7 @@ STAGES = (
     peer_part,
     sparse_peers,
     pretrain,
+    determinism,
     pp1,
     quality_runs,
 )
