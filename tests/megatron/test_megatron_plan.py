@@ -265,7 +265,9 @@ def test_the_layers_norms_and_rope_get_their_kernel_from_the_plan():
         norm(torch.randn(4, 32))
     freqs = torch.randn(4, 1, 16)
     with pytest.raises(ValueError, match=r"MSAKernels.rope=True but"):
-        apply_rope(torch.randn(4, 2, 32), rope_factors(freqs, config, fused=True), config)
+        apply_rope(torch.randn(4, 2, 32), rope_factors(freqs, config, fused=True,
+                                                        te_fused=False), config)
     unplanned.reset()
+    # A direct caller without the plan's fields decides both RoPE kernels itself.
     apply_rope(torch.randn(4, 2, 32), rope_factors(freqs, config), config)
-    assert unplanned.counts() == {"rope": 1}
+    assert unplanned.counts() == {"rope": 1, "te_rope": 1}

@@ -129,6 +129,16 @@ def test_nonfinite_rows_reach_only_their_own_keys():
     _finite_parts_close(dk.cpu(), want_k, 1e-2)
 
 
+def _same_rows(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit on the GPU, where a row's products do not depend on the tile's other rows.
+    Under the interpreter a tile's dot is one numpy matmul, whose blocking (and so its last
+    bit) can follow the tile's other rows: there, within a few units in the last place."""
+    if torch.device(KERNEL_DEVICE).type == "cuda":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=4e-6, atol=1e-6)
+
+
 def test_query_subset_rows_are_the_full_launch_rows():
     msa, q2k, iq, ik, dscore = _inputs([[70, 5], [33, 64]], 128, 16, 2, 3, 16, 3)
     full = _triton(msa, q2k, iq, ik, dscore)
@@ -137,8 +147,8 @@ def test_query_subset_rows_are_the_full_launch_rows():
         qs = torch.arange(r, msa.num_tokens, 3)
         dq, dk, keys, scores, _ = _triton(msa, q2k[:, qs], iq[qs], ik, dscore[:, qs], qs)
         assert torch.equal(keys.cpu(), full[2].cpu()[:, qs])
-        assert torch.equal(scores.cpu(), full[3].cpu()[:, qs])
-        assert torch.equal(dq.cpu(), full[0].cpu()[qs])
+        _same_rows(scores.cpu(), full[3].cpu()[:, qs])
+        _same_rows(dq.cpu(), full[0].cpu()[qs])
         want_k = _reference(msa, q2k[:, qs], iq[qs], ik, dscore[:, qs], qs)[1]
         assert rel_err(dk.float().cpu(), want_k) < 1e-2
         dk_sum += dk.float().cpu()
