@@ -7,6 +7,7 @@ function of this module and returns a picklable result through a queue.
 
 from __future__ import annotations
 
+import io
 import os
 import traceback
 import zlib
@@ -215,7 +216,11 @@ def _worker(rank: int, world_size: int, port: int, fn_name: str, kwargs: dict, q
         cpu_shim.install()
         cpu_shim.init_gloo_process_group(rank, world_size, port)
         result = globals()[fn_name](rank=rank, world_size=world_size, **kwargs)
-        queue.put((rank, "ok", result))
+        # As bytes: a tensor sent as is travels as a shared-memory handle that its sender must
+        # outlive, and a rank that finishes first exits before the parent reads it.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # report every failure to the parent instead of hanging it
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -250,7 +255,7 @@ def spawn(fn: Callable, world_size: int, timeout: float = 240.0, **kwargs) -> di
             rank, status, payload = queue.get(timeout=timeout)
             if status != "ok":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for process in processes:
             process.join(timeout=30)
