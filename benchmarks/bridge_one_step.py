@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -240,11 +239,11 @@ def one_rank_world(cpu: bool) -> Iterator[Any]:
     with cpu_shim.enabled() if cpu else contextlib.nullcontext():
         if owns_group:
             if cpu:
-                cpu_shim.init_gloo_process_group(0, 1, _free_port())
+                cpu_shim.init_gloo_process_group(0, 1)
             else:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
                 torch.distributed.init_process_group(
-                    "nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+                    "nccl", store=torch.distributed.HashStore(), rank=0, world_size=1
                 )
         try:
             ps.initialize_model_parallel(1, 1)
@@ -254,12 +253,6 @@ def one_rank_world(cpu: bool) -> Iterator[Any]:
             ps.destroy_model_parallel()
             if owns_group:
                 torch.distributed.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def one_step(

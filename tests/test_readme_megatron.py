@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-from _ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -21,7 +20,7 @@ def test_readme_megatron_snippet_trains_a_step():
     block = re.search(r"## MSA layers in a Megatron-Core GPT model.*?```python\n(.*?)```", text,
                       re.S)
     assert block is not None, "README lost its Megatron snippet"
-    code = block.group(1).replace("master_port=29533", f"master_port={free_port()}")
+    code = block.group(1)
     code += (
         "\nassert loss.shape == (2, 1024)\n"
         "grads = [p.grad for p in model.parameters() if p.requires_grad]\n"

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -259,19 +260,31 @@ def check_cpu_config(config: Any) -> None:
 
 
 def init_gloo_process_group(
-    rank: int, world_size: int, master_port: int, master_addr: str = "127.0.0.1"
+    rank: int = 0, world_size: int = 1, rendezvous_file: str | os.PathLike | None = None
 ) -> None:
-    """Initialise ``torch.distributed`` with gloo over TCP on this host.
+    """Initialise ``torch.distributed`` with gloo on this host.
+
+    The ranks meet through a file, not a TCP port: a port picked free can be taken by another
+    process on the host before the first rank binds it.
 
     Args:
         rank: this process's global rank.
         world_size: number of processes.
-        master_port: a free TCP port shared by all ranks.
-        master_addr: the rendezvous host.
+        rendezvous_file: a path every rank opens, absent or empty before the first rank starts;
+            needed when ``world_size`` > 1 (one rank keeps its store in memory).
+
+    Raises:
+        ValueError: ``world_size`` > 1 without ``rendezvous_file``.
     """
+    if world_size == 1:
+        store = torch.distributed.HashStore()
+    elif rendezvous_file is None:
+        raise ValueError(
+            f"rendezvous_file=None with world_size={world_size}: expected a path every rank "
+            "opens (absent or empty before the first rank starts)"
+        )
+    else:
+        store = torch.distributed.FileStore(os.fspath(rendezvous_file), world_size)
     torch.distributed.init_process_group(
-        backend="gloo",
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=world_size,
+        backend="gloo", store=store, rank=rank, world_size=world_size
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import tempfile
 import traceback
 import zlib
 from collections.abc import Callable, Iterator
@@ -16,7 +17,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from _ports import free_port
 
 VOCAB = 96
 SEQ = 128
@@ -207,14 +207,16 @@ def full_gradients(chunks: list) -> dict[str, torch.Tensor]:
     return out
 
 
-def _worker(rank: int, world_size: int, port: int, fn_name: str, kwargs: dict, queue) -> None:
+def _worker(
+    rank: int, world_size: int, rendezvous: str, fn_name: str, kwargs: dict, queue
+) -> None:
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(1)
         from nemo_msa.megatron import cpu_shim
 
         cpu_shim.install()
-        cpu_shim.init_gloo_process_group(rank, world_size, port)
+        cpu_shim.init_gloo_process_group(rank, world_size, rendezvous)
         result = globals()[fn_name](rank=rank, world_size=world_size, **kwargs)
         # As bytes: a tensor sent as is travels as a shared-memory handle that its sender must
         # outlive, and a rank that finishes first exits before the parent reads it.
@@ -242,9 +244,12 @@ def spawn(fn: Callable, world_size: int, timeout: float = 240.0, **kwargs) -> di
     """
     context = torch.multiprocessing.get_context("spawn")
     queue = context.Queue()
-    port = free_port()
+    scratch = tempfile.TemporaryDirectory(prefix="gloo-rendezvous-")
+    rendezvous = os.path.join(scratch.name, "store")
     processes = [
-        context.Process(target=_worker, args=(rank, world_size, port, fn.__name__, kwargs, queue))
+        context.Process(
+            target=_worker, args=(rank, world_size, rendezvous, fn.__name__, kwargs, queue)
+        )
         for rank in range(world_size)
     ]
     for process in processes:
@@ -261,6 +266,7 @@ def spawn(fn: Callable, world_size: int, timeout: float = 240.0, **kwargs) -> di
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
+        scratch.cleanup()
     return results
 
 

@@ -41,8 +41,6 @@ def single_rank():
     Module-scoped and fully undone afterwards (shim, parallel state, process group), so tests
     outside this package never see the shim.
     """
-    from _megatron_harness import free_port
-
     from nemo_msa.megatron import cpu_shim
 
     # Reuse a one-rank group another test module left behind; never tear down what we did not
@@ -52,7 +50,7 @@ def single_rank():
         pytest.fail("single_rank needs a one-rank process group; another one is initialized")
     with cpu_shim.enabled():
         if owns_group:
-            cpu_shim.init_gloo_process_group(0, 1, free_port())
+            cpu_shim.init_gloo_process_group(0, 1)
         with _megatron_parallel_state(owns_group):
             yield
 

@@ -25,8 +25,6 @@ import textwrap
 import time
 from pathlib import Path
 
-from _ports import free_port
-
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "pretrain.py"
 
@@ -82,7 +80,7 @@ def command(script: Path, args: list[str], nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, str(script), *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(free_port()), str(script), *args]
+            "--standalone", str(script), *args]
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from _ports import free_port
 from _runs import SMALL, copy_checkpoint, losses, train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +25,7 @@ SCHEDULE = ["train.train_iters=6", "model.msa_dense_warmup_steps=2"]
 def _torchrun(nproc: int, overrides: list[str], out: Path, layout: str) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(REPO / "scripts" / "pretrain.py"), *SMALL,
+           "--standalone", str(REPO / "scripts" / "pretrain.py"), *SMALL,
            *SCHEDULE, "logger.plot=false", f"checkpoint.save={out}", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from _ports import free_port
 from _runs import SMALL, copy_checkpoint, train
 
 from nemo_msa.training.evaluate import bucket_names, position_bucket_edges
@@ -120,7 +119,7 @@ def test_pp2_vpp2_evaluates_like_one_process(reference, tmp_path):
     one = train([*evals, f"checkpoint.save={tmp_path / 'one'}"])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), str(REPO / "scripts" / "pretrain.py"), *SMALL,
+           "--standalone", str(REPO / "scripts" / "pretrain.py"), *SMALL,
            *evals, "model.pipeline_model_parallel_size=2",
            "model.virtual_pipeline_model_parallel_size=2", f"checkpoint.save={tmp_path / 'pp'}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO, env=env)

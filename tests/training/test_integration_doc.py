@@ -8,8 +8,6 @@ import re
 import subprocess
 import sys
 
-from _ports import free_port
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "integration.md"
 
@@ -26,8 +24,6 @@ def _example() -> str:
 def test_integration_example_trains_and_the_indexer_learns():
     """Three steps (one dense warm-up step) give finite losses and indexer gradients."""
     code = _example()
-    assert "master_port=29534" in code
-    code = code.replace("master_port=29534", f"master_port={free_port()}")
     code += (
         "\nimport math\n"
         "from nemo_msa.megatron import indexer_parameters, non_indexer_parameters\n"

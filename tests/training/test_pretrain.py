@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ports import free_port
 from _runs import SMALL, copy_checkpoint, losses, train
 
 from nemo_msa.training.checkpoint_integrity import (
@@ -106,7 +105,7 @@ def test_torchrun_resume_with_another_schedule_is_one_error_line(reference, tmp_
     copy_checkpoint(ref_root, 3, tmp_path / "ckpt")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), str(REPO / "scripts" / "pretrain.py"), *SMALL,
+           "--standalone", str(REPO / "scripts" / "pretrain.py"), *SMALL,
            "train.train_iters=8", "model.msa_dense_warmup_steps=2",
            f"checkpoint.save={tmp_path / 'ckpt'}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
@@ -207,7 +206,7 @@ def test_pipeline_integration_recipe_runs_on_four_gloo_processes(tmp_path):
     dense warm-up, two sparse, a checkpoint at the last."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-port", str(free_port()), str(REPO / "scripts" / "pretrain.py"),
+           "--standalone", str(REPO / "scripts" / "pretrain.py"),
            "--recipe", str(REPO / "recipes" / "msa_pp2_vpp2_tp2.yaml"), "train.train_iters=3",
            "model.msa_dense_warmup_steps=1", "scheduler.lr_warmup_iters=1",
            f"checkpoint.save={tmp_path}", "checkpoint.save_interval=3",

@@ -213,13 +213,12 @@ def test_a_failure_that_is_not_the_file_systems_cleans_up_and_keeps_its_own_erro
     _assert_previous_intact(root)
 
 
-def _agree_in_two_ranks(rank: int, port: int, results) -> None:
+def _agree_in_two_ranks(rank: int, rendezvous: str, results) -> None:
     import torch.distributed as dist
 
     from nemo_msa.training.save_failures import agreed_save_step
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+    dist.init_process_group("gloo", store=dist.FileStore(rendezvous, 2), rank=rank, world_size=2)
     try:
         def rank0_bug():
             raise RuntimeError("not a file-system error")
@@ -239,17 +238,14 @@ def _agree_in_two_ranks(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def test_every_rank_agrees_on_a_failure_that_is_not_the_file_systems():
+def test_every_rank_agrees_on_a_failure_that_is_not_the_file_systems(tmp_path):
     """Two gloo ranks: rank 0's unrecognized error reaches rank 1 as a failure naming the rank
     (before, rank 1 waited at the agreement until the group's timeout), and rank 0 keeps its own
     exception to re-raise; a file-system failure on rank 1 alone reaches rank 0."""
     import torch.multiprocessing as mp
-    from _ports import free_port
-
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_agree_in_two_ranks, args=(rank, port, results))
+    procs = [ctx.Process(target=_agree_in_two_ranks, args=(rank, str(tmp_path / "store"), results))
              for rank in range(2)]
     for p in procs:
         p.start()
