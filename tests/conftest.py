@@ -2,7 +2,8 @@
 
 - Without CUDA, Triton kernels run under the interpreter. Triton fixes compile-vs-interpret when
   a kernel module is imported, and any test may import the Triton backend first (the registry
-  loads it lazily), so the variable is set here, before any test module is collected.
+  loads it lazily), so the variable is set here, before any test module is collected. The
+  interpreter patches ``triton.language`` once per launch (``tests/_triton_interpreter.py``).
 - Tests marked ``gpu`` or ``te`` skip, with the reason, where CUDA or transformer-engine is
   missing.
 - Tests marked ``bench`` (those of the benchmark tooling under benchmarks/) are deselected unless
@@ -23,6 +24,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from _triton_interpreter import install as _patch_the_interpreter_once_per_launch
+
+    _patch_the_interpreter_once_per_launch()
 
 
 BENCH_ENV = "NEMO_MSA_BENCH_TESTS"
