@@ -43,3 +43,11 @@ def test_cpu_config_check_names_the_field():
     config.batch_p2p_comm = True
     with pytest.raises(ValueError, match="config.batch_p2p_comm=True"):
         cpu_shim.check_cpu_config(config)
+
+
+def test_several_ranks_need_a_rendezvous_file():
+    """Ranks meet through a file (a TCP port picked free could be taken before it is bound);
+    without one, several ranks are refused before any process group starts."""
+    with pytest.raises(ValueError, match=r"rendezvous_file=None with world_size=2: expected"):
+        cpu_shim.init_gloo_process_group(rank=0, world_size=2)
+    assert not torch.distributed.is_initialized()
