@@ -2,9 +2,10 @@
 
 The reference is the session's CP=1 run of the small recipe (tests/training/conftest.py: 6
 steps, 2 of dense warm-up, checkpoints at 3 and 6). CP=2 from scratch must follow its loss
-and gradient-norm curve within fp32 tolerance, and its checkpoint must resume at CP=1; TP2 x CP2
+and gradient-norm curve within fp32 tolerance, and its checkpoint must resume at CP=1; TP2 x CP2,
 PP2 x CP2 and PP2 x VPP2 x CP2 (every virtual stage sharing one CP layout per microbatch)
-continue the reference from its iteration-3 checkpoint.
+continue the reference from its iteration-3 checkpoint and end with an evaluation that gives one
+process's validation losses (the forward-only schedule: 1F1B and interleaved 1F1B under CP).
 """
 
 from __future__ import annotations
@@ -66,6 +67,22 @@ def test_cp2_follows_cp1_and_its_checkpoint_resumes_at_cp1(reference, tmp_path):
         assert got[it] == pytest.approx(ref_losses[it], rel=1e-5), it
 
 
+#: Two steps from the reference's iteration-3 checkpoint, then the final evaluation (2 batches).
+CONTINUE = ["train.exit_interval=2", "train.eval_interval=3", "train.eval_iters=2"]
+
+
+@pytest.fixture(scope="module")
+def one_process_evaluation(reference, tmp_path_factory) -> dict:
+    """The metrics row of iteration 5 of ``CONTINUE`` in this process (CP = 1, no pipeline)."""
+    ref_root, _ = reference
+    root = tmp_path_factory.mktemp("one")
+    copy_checkpoint(ref_root, 3, root)
+    summary = train([*SCHEDULE, *CONTINUE, f"checkpoint.save={root}"])
+    rows = {r["iteration"]: r for r in _reference_rows(root).values() if "val_loss" in r}
+    assert sorted(rows) == [5] and summary["val loss"] == rows[5]["val_loss"]
+    return rows[5]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("overrides", "layout"),
                          [(["model.tensor_model_parallel_size=2"], "2x1x1x1"),
@@ -73,10 +90,18 @@ def test_cp2_follows_cp1_and_its_checkpoint_resumes_at_cp1(reference, tmp_path):
                           (["model.pipeline_model_parallel_size=2",
                             "model.virtual_pipeline_model_parallel_size=2"], "1x2x2x1")],
                          ids=["tp2xcp2", "pp2xcp2", "pp2xvpp2xcp2"])
-def test_four_process_layouts_with_cp2_follow_cp1(reference, tmp_path, overrides, layout):
+def test_four_process_layouts_with_cp2_follow_cp1(reference, one_process_evaluation, tmp_path,
+                                                  overrides, layout):
     ref_root, _ = reference
     start = tmp_path / "start"
     copy_checkpoint(ref_root, 3, start)
-    rows = _torchrun(4, [*overrides, "model.context_parallel_size=2", "train.exit_interval=2",
+    rows = _torchrun(4, [*overrides, "model.context_parallel_size=2", *CONTINUE,
                          f"checkpoint.load={start}"], tmp_path / "out", layout)
     _assert_follows(rows, _reference_rows(ref_root), [4, 5])
+    # The evaluation (no gradients, its own schedule) gives one process's validation losses.
+    evaluated = [r for r in rows if "val_loss" in r]
+    assert [r["iteration"] for r in evaluated] == [5]
+    want = {k: v for k, v in one_process_evaluation.items() if k.startswith("val_loss")}
+    assert len(want) == 4  # val_loss and its three position buckets
+    for key, value in want.items():
+        assert evaluated[0][key] == pytest.approx(value, rel=1e-5), key
