@@ -5,7 +5,8 @@ steps, 2 of dense warm-up, checkpoints at 3 and 6). CP=2 from scratch must follo
 and gradient-norm curve within fp32 tolerance, and its checkpoint must resume at CP=1; TP2 x CP2
 and PP2 x VPP2 x CP2 (every virtual stage sharing one CP layout per microbatch) continue the
 reference from its iteration-3 checkpoint and end with an evaluation that gives one process's
-validation losses (the forward-only schedule, interleaved under PP).
+validation losses (the forward-only schedule, interleaved under PP); their own checkpoints (TP
+shards, virtual stages) resume in one process on the reference curve.
 
 The pipeline runs with CP (4 processes each, the costliest here) are the interleaved schedule's:
 the CP split of a microbatch is the same code under either schedule, and the non-interleaved
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import pytest
 from _runs import SMALL, copy_checkpoint, losses, train
+
+from nemo_msa.training.checkpoint_integrity import latest_iteration
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEDULE = ["train.train_iters=6", "model.msa_dense_warmup_steps=2"]
@@ -96,7 +99,7 @@ def one_process_evaluation(reference, tmp_path_factory) -> dict:
                          ids=["tp2xcp2", "pp2xvpp2xcp2"])
 def test_four_process_layouts_with_cp2_follow_cp1(reference, one_process_evaluation, tmp_path,
                                                   overrides, layout):
-    ref_root, _ = reference
+    ref_root, ref = reference
     start = tmp_path / "start"
     copy_checkpoint(ref_root, 3, start)
     rows = _torchrun(4, [*overrides, "model.context_parallel_size=2", *CONTINUE,
@@ -111,3 +114,10 @@ def test_four_process_layouts_with_cp2_follow_cp1(reference, one_process_evaluat
     assert len(want) == 4  # val_loss and its three position buckets
     for key, value in want.items():
         assert evaluated[0][key] == pytest.approx(value, rel=1e-5), key
+    # The layout's own checkpoint (saved at the exit, iteration 5) resumes in one process on
+    # the reference curve: what the TP shards or the virtual stages wrote is the whole model.
+    assert latest_iteration(tmp_path / "out") == 5
+    copy_checkpoint(tmp_path / "out", 5, tmp_path / "one")
+    resumed = train([*SCHEDULE, f"checkpoint.save={tmp_path / 'one'}"])
+    assert "(resumed at 5)" in resumed["steps"]
+    assert losses(resumed["history"])[6] == pytest.approx(losses(ref["history"])[6], rel=1e-5)
