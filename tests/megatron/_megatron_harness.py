@@ -236,6 +236,15 @@ def _worker(
             torch.distributed.destroy_process_group()
 
 
+def several_workers(rank: int, world_size: int, jobs: dict[str, tuple[str, dict]]) -> dict:
+    """``{key: worker(rank=, world_size=, **kwargs)}`` for ``jobs = {key: (worker name,
+    kwargs)}``, one after another in the same ranks: one spawn (each rank's torch + Megatron
+    import, seconds) serves several workers. Every worker sets its parallel state up and
+    destroys it again."""
+    return {key: globals()[name](rank=rank, world_size=world_size, **kwargs)
+            for key, (name, kwargs) in jobs.items()}
+
+
 def spawn(fn: Callable, world_size: int, timeout: float = 240.0, **kwargs) -> dict[int, Any]:
     """Runs ``fn(rank=, world_size=, **kwargs)`` on ``world_size`` gloo ranks; rank -> result.
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _megatron_harness import CP_VARIANTS, spawn
+from _megatron_harness import CP_VARIANTS, several_workers, spawn
 
 from nemo_msa.context_parallel import split_for_context_parallel
 
@@ -22,10 +22,16 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def runs():
-    from _megatron_harness import context_parallel_worker
+def two_ranks():
+    """The CP variants and the THD checks, in one spawn of two ranks."""
+    return spawn(several_workers, 2, timeout=500, jobs={
+        "cp": ("context_parallel_worker", {"variants": list(CP_VARIANTS)}),
+        "thd": ("thd_worker", {})})
 
-    return spawn(context_parallel_worker, 2, timeout=400, variants=list(CP_VARIANTS))
+
+@pytest.fixture(scope="module")
+def runs(two_ranks):
+    return {rank: result["cp"] for rank, result in two_ranks.items()}
 
 
 @pytest.mark.parametrize("name", list(CP_VARIANTS))
@@ -91,10 +97,8 @@ def _check_cp_against_reference(runs, name, cp_size):
 
 
 @pytest.fixture(scope="module")
-def thd_runs():
-    from _megatron_harness import thd_worker
-
-    return spawn(thd_worker, 2, timeout=400)
+def thd_runs(two_ranks):
+    return {rank: result["thd"] for rank, result in two_ranks.items()}
 
 
 @pytest.mark.parametrize("cp", [1, 2])

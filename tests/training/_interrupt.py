@@ -25,8 +25,7 @@ import textwrap
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "pretrain.py"
+from _runs import REPO, SCRIPT
 
 _DRIVER = textwrap.dedent("""
     import importlib, os, runpy, signal, sys, time

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -50,6 +52,37 @@ def copy_checkpoint(src_root: Path, iteration: int, dst_root: Path, pointer: boo
 
 
 REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "pretrain.py"
+
+
+def pretrain_script():
+    """scripts/pretrain.py as a module, so that its ``main()`` runs in this process."""
+    spec = importlib.util.spec_from_file_location("pretrain_cli", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cli(*args: str) -> int:
+    """``python scripts/pretrain.py ARGS`` minus the interpreter start: the script's ``main()``
+    in this process (its ``error:`` lines go to this process's stderr); returns the exit code.
+
+    Each new interpreter pays the torch + Megatron import (seconds); one subprocess test per
+    entry point (test_recipe.py's) proves the script's own wiring, the rest call ``main()``.
+    """
+    # main() quiets Megatron's loggers and torch's C++ log for a user's run; the tests after
+    # this one (and the processes they start) keep theirs.
+    levels = {name: logging.getLogger(name).level for name in ("megatron", "megatron.core")}
+    cpp_log = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    try:
+        return pretrain_script().main(list(args))
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+        if cpp_log is None:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+        else:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = cpp_log
 
 
 def pretrain_cli(out: Path, *overrides: str, recipe: str | None = None,

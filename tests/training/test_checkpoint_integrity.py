@@ -13,13 +13,11 @@ import json
 import os
 import re
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _runs import REFERENCE, SMALL, copy_checkpoint, losses, train
+from _runs import REFERENCE, SMALL, cli, copy_checkpoint, losses, train
 
 from nemo_msa.training.checkpoint_integrity import (
     MANIFEST,
@@ -31,7 +29,6 @@ from nemo_msa.training.checkpoint_integrity import (
     verify_checkpoint,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 SHARD = "__0_0.distcp"
 
 
@@ -209,19 +206,17 @@ def test_megatron_load_errors_name_the_path_and_the_cause(reference, tmp_path):
                "checkpoint.verify=false"])
 
 
-def test_cli_with_a_lost_pointer_stops_and_overwrites_nothing(reference, tmp_path):
-    """The issue's case 2: the same command used to restart at 0 and rewrite iter_3 and iter_6."""
+def test_cli_with_a_lost_pointer_stops_and_overwrites_nothing(reference, tmp_path, capsys):
+    """The issue's case 2: the same command used to restart at 0 and rewrite iter_3 and iter_6.
+    (The script's main() in this process: test_recipe.py starts the script itself.)"""
     root = _both(reference, tmp_path)
     (root / POINTER).unlink()
     before = {p.relative_to(root): file_digest(p) for p in root.rglob("*") if p.is_file()}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "pretrain.py"), *SMALL, *REFERENCE,
-         f"checkpoint.save={root}", "checkpoint.save_interval=3"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    code = cli(*SMALL, *REFERENCE, f"checkpoint.save={root}", "checkpoint.save_interval=3")
+    stderr = capsys.readouterr().err
+    assert code == 1, stderr[-3000:]
     assert re.search(r"^error: cannot resume: .*latest_checkpointed_iteration.txt is missing",
-                     proc.stderr, re.M), proc.stderr[-3000:]
+                     stderr, re.M), stderr[-3000:]
     after = {p.relative_to(root): file_digest(p) for p in root.rglob("*") if p.is_file()}
     assert after == before
 

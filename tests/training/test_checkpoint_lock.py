@@ -13,7 +13,6 @@ training.
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import os
 import re
@@ -25,8 +24,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _interrupt import SCRIPT, command, driver, finish, release_hold, start, wait_for
-from _runs import SMALL, train
+from _interrupt import command, driver, finish, release_hold, start, wait_for
+from _runs import SMALL, cli, train
 
 from nemo_msa.training import checkpoint_lock
 from nemo_msa.training.checkpoint_integrity import (
@@ -60,14 +59,6 @@ def _snapshot(root: Path) -> dict:
             if p.is_file() and p.name != LOCK_NAME}
 
 
-def _cli():
-    """scripts/pretrain.py as a module: its ``main()`` runs in this process."""
-    spec = importlib.util.spec_from_file_location("pretrain_cli", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_second_run_is_refused_then_sigterm_releases_and_the_same_command_resumes(
         tmp_path, capfd):
     root = tmp_path / "ckpt"
@@ -85,7 +76,7 @@ def test_a_second_run_is_refused_then_sigterm_releases_and_the_same_command_resu
             time.sleep(0.1)
         before = _snapshot(root)
         capfd.readouterr()
-        assert _cli().main([*args, "train.seed=7"]) == 1
+        assert cli(*args, "train.seed=7") == 1
         errors = [x for x in capfd.readouterr().err.splitlines() if x.startswith("error:")]
         assert len(errors) == 1, errors
         assert re.fullmatch(

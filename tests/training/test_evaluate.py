@@ -1,26 +1,22 @@
 """Evaluation in the training loop: val_loss rows, no effect on training, buckets, layouts.
 
-Runs use the shrunk default recipe of ``_runs.SMALL`` (Megatron mock documents); the pipeline
-case goes through torchrun with 2 gloo processes and resumes from the shared reference
-checkpoint, so that both layouts evaluate the same weights.
+Runs use the shrunk default recipe of ``_runs.SMALL`` (Megatron mock documents), in this process.
+The forward-only schedule under the parallel layouts (TP2, PP2 and PP2 x VPP2, each with CP2)
+gives the single-process validation losses: tests/training/test_context_parallel_runs.py, whose
+torchrun runs end with an evaluation of the weights one process evaluates.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _runs import SMALL, copy_checkpoint, train
+from _runs import train
 
 from nemo_msa.training.evaluate import bucket_names, position_bucket_edges
 from nemo_msa.training.recipe import RecipeError
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _rows(path: Path) -> list[dict]:
@@ -108,26 +104,3 @@ def test_copy_marker_is_a_token_id_of_a_run_without_context_parallelism():
                            "model.seq_length=256"])
     assert load_recipe(None, ["train.eval_copy_marker=0"]).train.eval_copy_marker == 0
 
-
-def test_pp2_vpp2_evaluates_like_one_process(reference, tmp_path):
-    """The forward-only schedule under interleaved 1F1B gives the single-process val_loss."""
-    ref_root, _ = reference
-    evals = ["train.train_iters=6", "model.msa_dense_warmup_steps=2", "train.eval_interval=3",
-             "train.eval_iters=2"]
-    for name in ("one", "pp"):
-        copy_checkpoint(ref_root, 3, tmp_path / name)
-    one = train([*evals, f"checkpoint.save={tmp_path / 'one'}"])
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", str(REPO / "scripts" / "pretrain.py"), *SMALL,
-           *evals, "model.pipeline_model_parallel_size=2",
-           "model.virtual_pipeline_model_parallel_size=2", f"checkpoint.save={tmp_path / 'pp'}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = {r["iteration"]: r for r in _rows(tmp_path / "pp") if "val_loss" in r}
-    want = {r["iteration"]: r for r in _rows(tmp_path / "one") if "val_loss" in r}
-    assert sorted(got) == sorted(want) == [6]
-    for key, value in want[6].items():
-        if key.startswith("val_loss"):
-            assert got[6][key] == pytest.approx(value, rel=1e-5), key
-    assert one["val loss"] == want[6]["val_loss"]

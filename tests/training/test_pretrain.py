@@ -3,8 +3,9 @@
 All runs use the embedded default recipe shrunk by overrides (4 MSA layers of width 64, 256-token
 rows of Megatron mock documents, 32-token blocks, top-2), so the suite stays within minutes on
 2 cores. Single-process runs happen in this process (pretrain + teardown); the pipeline runs go
-through torchrun with gloo processes. PP=2 x VPP=2 on two processes against one process is
-tests/training/test_restart.py's two-rank run (killed and resumed there).
+through torchrun with gloo processes. PP=2 on two processes against one process is
+tests/training/test_restart.py's two-rank run (killed and resumed there); PP=2 x VPP=2 x CP=2
+against one process is tests/training/test_context_parallel_runs.py's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Restart by repeating the command, and deterministic runs, on the CPU (ADRs 0049 and 0050).
 
 A run of ``scripts/pretrain.py`` is SIGKILLed (an OOM kill, a preemption): during a save (no
-manifest yet), in the middle of a metrics line, and, on two gloo ranks (PP=2 x VPP=2), between
+manifest yet), in the middle of a metrics line, and, on two gloo ranks (PP=2, 1F1B), between
 a checkpoint's rename and its pointer. The same command then takes the dead run's lock over with
 one line and resumes from the newest verified checkpoint. Every run here has
 ``model.deterministic_mode=true`` and is compared with the uninterrupted reference run
@@ -138,7 +138,8 @@ def test_sigkill_then_the_same_command_resumes_bit_for_bit(reference, reference_
 
 @pytest.mark.slow
 def test_two_pipeline_ranks_killed_before_the_pointer_resume_bit_for_bit(reference, tmp_path):
-    """torchrun, PP=2 x VPP=2 on two gloo ranks, continuing the reference from its iteration 3;
+    """torchrun, PP=2 on two gloo ranks (1F1B; PP=2 x VPP=2 runs in test_context_parallel_runs.py
+    and test_pretrain.py), continuing the reference from its iteration 3;
     the whole job (agent and workers) is SIGKILLed once iter_6 is renamed but the pointer still
     names 3, so iter_6 is the uninterrupted run's last checkpoint. The same torchrun command
     takes over and resumes from 3: the same losses as one process, and an iter_6 equal to the
@@ -147,8 +148,7 @@ def test_two_pipeline_ranks_killed_before_the_pointer_resume_bit_for_bit(referen
     want = losses(ref["history"])
     root = tmp_path / "ckpt"
     copy_checkpoint(ref_root, 3, root)
-    args = [*ARGS, f"checkpoint.save={root}", "model.pipeline_model_parallel_size=2",
-            "model.virtual_pipeline_model_parallel_size=2"]
+    args = [*ARGS, f"checkpoint.save={root}", "model.pipeline_model_parallel_size=2"]
     path, marker = driver(tmp_path, "nemo_msa.training.checkpoint", "_write_pointer",
                           "args[1] == 6", "hold")
     log = tmp_path / "job.log"
@@ -168,13 +168,13 @@ def test_two_pipeline_ranks_killed_before_the_pointer_resume_bit_for_bit(referen
                           timeout=400, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     _takeover_lines(proc.stderr, root, record["pid"])
-    assert "layout TPxPPxVPPxDP : 1x2x2x1" in proc.stdout
+    assert "layout TPxPPxVPPxDP : 1x2x1x1" in proc.stdout
     rows = [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
     assert {r["iteration"]: r["loss"] for r in rows} == tail
     for r in rows:
         want_idx = losses(ref["history"], "indexer_loss")[r["iteration"]]
         assert r["indexer_loss"] == pytest.approx(want_idx, rel=1e-4), r
-    # Rank 0 holds two virtual chunks with MSA layers; both used one layout per microbatch.
+    # Rank 0's two MSA layers used one layout per microbatch.
     assert all(r["layouts_per_microbatch"] == 1.0 for r in rows)
     assert latest_iteration(root) == 6 and verify_checkpoint(root / "iter_0000006") == []
     resumed = content_digests(root / "iter_0000006")

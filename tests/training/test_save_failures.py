@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from _runs import SMALL, train
+from _save_agreement import agree_in_two_ranks
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -213,31 +214,6 @@ def test_a_failure_that_is_not_the_file_systems_cleans_up_and_keeps_its_own_erro
     _assert_previous_intact(root)
 
 
-def _agree_in_two_ranks(rank: int, rendezvous: str, results) -> None:
-    import torch.distributed as dist
-
-    from nemo_msa.training.save_failures import agreed_save_step
-
-    dist.init_process_group("gloo", store=dist.FileStore(rendezvous, 2), rank=rank, world_size=2)
-    try:
-        def rank0_bug():
-            raise RuntimeError("not a file-system error")
-
-        # A rank-0-only step (as publishing is) that fails for another reason on rank 0.
-        failure, error = agreed_save_step(rank0_bug, Path("/nowhere"), [], rank == 0)
-
-        # Then a step on every rank whose file-system failure is on rank 1 only.
-        def rank1_full():
-            if rank == 1:
-                raise OSError(errno.ENOSPC, "No space left on device", "/ckpt/shard_1")
-
-        second, second_error = agreed_save_step(rank1_full, Path("/ckpt"), [], True)
-        results.put((rank, failure, type(error).__name__ if error else None, second,
-                     second_error))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_every_rank_agrees_on_a_failure_that_is_not_the_file_systems(tmp_path):
     """Two gloo ranks: rank 0's unrecognized error reaches rank 1 as a failure naming the rank
     (before, rank 1 waited at the agreement until the group's timeout), and rank 0 keeps its own
@@ -245,7 +221,7 @@ def test_every_rank_agrees_on_a_failure_that_is_not_the_file_systems(tmp_path):
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_agree_in_two_ranks, args=(rank, str(tmp_path / "store"), results))
+    procs = [ctx.Process(target=agree_in_two_ranks, args=(rank, str(tmp_path / "store"), results))
              for rank in range(2)]
     for p in procs:
         p.start()
