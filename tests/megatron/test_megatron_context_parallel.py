@@ -18,7 +18,8 @@ from _megatron_harness import CP_VARIANTS, several_workers, spawn
 
 from nemo_msa.context_parallel import split_for_context_parallel
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs the whole module: its module-scoped runs then happen once (ADR 0038).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("megatron_context_parallel")]
 
 
 @pytest.fixture(scope="module")

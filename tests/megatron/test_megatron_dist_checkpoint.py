@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from _megatron_harness import checkpoint_worker, spawn
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs the whole module: its module-scoped runs then happen once (ADR 0038).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("megatron_dist_checkpoint")]
 
 DIRECTIONS = [(2, 1), (1, 2)]
 

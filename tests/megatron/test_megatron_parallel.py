@@ -12,7 +12,8 @@ import pytest
 import torch
 from _megatron_harness import PARALLEL_LAYOUTS, spawn
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs the whole module: its module-scoped runs then happen once (ADR 0038).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("megatron_parallel")]
 
 
 @pytest.fixture(scope="module")

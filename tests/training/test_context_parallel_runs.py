@@ -27,6 +27,9 @@ from _runs import SMALL, copy_checkpoint, losses, train
 
 from nemo_msa.training.checkpoint_integrity import latest_iteration
 
+# One xdist worker runs the whole module: its module-scoped runs then happen once (ADR 0038).
+pytestmark = pytest.mark.xdist_group("context_parallel_runs")
+
 REPO = Path(__file__).resolve().parents[2]
 SCHEDULE = ["train.train_iters=6", "model.msa_dense_warmup_steps=2"]
 

@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+# One xdist worker runs the whole module: its module-scoped runs then happen once (ADR 0038).
+pytestmark = pytest.mark.xdist_group("corpus_and_quality_bench")
+
 REPO = Path(__file__).resolve().parents[2]
 
 
