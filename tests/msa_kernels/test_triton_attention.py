@@ -24,13 +24,17 @@ from nemo_msa.triton.launch import ForwardLaunch
 TOL = 1e-2  # bf16 operands: MSA_SPEC.md's bound on ||x - ref|| / ||ref||
 
 
-def _run_case(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own=False, repeat=False):
+def _run_case(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own=False, repeat=False,
+              reuse_unions=False):
     """Forward and backward against float64; ``repeat`` also asks a bitwise-equal second
-    backward (the backward has no atomics)."""
-    _run_case_with_config(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own, repeat)
+    backward (the backward has no atomics); ``reuse_unions`` hands the forward's union lists
+    to the backward (as the backend does) instead of letting dq build its own."""
+    _run_case_with_config(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own, repeat,
+                          reuse_unions)
 
 
-def _run_case_with_config(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own, repeat):
+def _run_case_with_config(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own, repeat,
+                          reuse_unions=False):
     gen = torch.Generator().manual_seed(seed)
     msa = make_layout(rows, seq_len, bs)
     t = msa.num_tokens
@@ -44,7 +48,9 @@ def _run_case_with_config(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own, 
         q, k, v, q2k, msa, scale, bs, dout)
     dmsa = layout_on_kernel_device(msa)
     dev = on_kernel_device(q, k, v, q2k, dout)
-    out, lse = triton_attention_forward(*dev[:4], dmsa, scale, block_size=bs)
+    out, lse, unions = triton_attention_forward(*dev[:4], dmsa, scale, block_size=bs,
+                                                return_unions=True)
+    unions = unions if reuse_unions else None
     out, lse = out.cpu(), lse.cpu()
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == torch.float32 and lse.shape == (hq, t)
@@ -54,7 +60,7 @@ def _run_case_with_config(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own, 
     assert rel_err(lse[fin], ref_lse[fin]) < 1e-4
     assert (out[~fin.t()] == 0).all()
     grads = triton_attention_backward(dev[4], *dev[:3], *on_kernel_device(out, lse), dev[3],
-                                      dmsa, scale, block_size=bs)
+                                      dmsa, scale, block_size=bs, unions=unions)
     dq, dk, dv = (g.cpu() for g in grads)
     for name, x, ref in (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)):
         assert x.dtype == torch.bfloat16
@@ -64,7 +70,7 @@ def _run_case_with_config(rows, seq_len, bs, hq, hkv, d, top_k, seed, drop_own, 
         return
     # Deterministic: a second backward is bitwise identical.
     grads2 = triton_attention_backward(dev[4], *dev[:3], *on_kernel_device(out, lse), dev[3],
-                                       dmsa, scale, block_size=bs)
+                                       dmsa, scale, block_size=bs, unions=unions)
     assert all(torch.equal(a, b.cpu()) for a, b in zip((dq, dk, dv), grads2, strict=True))
 
 
@@ -107,14 +113,16 @@ def test_attention_rejects_bad_inputs():
 @pytest.mark.parametrize("qt,max_count", [(2, 1000), (4, 1000), (4, 3), (8, 2)])
 def test_union_forward_and_dq_match_reference(set_launch, qt, max_count):
     """The query-tile union forward and dq alone (max_count 1000), and the hybrids (tiles with
-    more than ``max_count`` union blocks go to the per-token kernels), against float64."""
+    more than ``max_count`` union blocks go to the per-token kernels), against float64; dq
+    builds its own union lists. No second backward: test_dq_reuses_the_forward_union_lists
+    runs a hybrid backward (union and per-token dq, dk/dv) twice and asks the same bits."""
     set_launch({"fwd.union_qt": qt})
     set_launch({"fwd.union_max": max_count})
     set_launch({"bwd.dq_union_qt": qt})
     set_launch({"bwd.dq_union_max": max_count})
     # G = 4 (padded to 16 rows) at bs 16, and G = 16 with tiles that straddle a document end.
     rows, seq_len, hq, hkv = ([[1, 37], [18, 3]], 40, 8, 2) if qt < 8 else ([[45, 30]], 80, 16, 1)
-    _run_case(rows, seq_len, 16, hq, hkv, 16, 2, seed=13 + qt, drop_own=True, repeat=True)
+    _run_case(rows, seq_len, 16, hq, hkv, 16, 2, seed=13 + qt, drop_own=True)
 
 
 def test_dq_reuses_the_forward_union_lists(monkeypatch, set_launch):
@@ -158,17 +166,21 @@ def test_dq_reuses_the_forward_union_lists(monkeypatch, set_launch):
 
 def test_union_pointer_loads_match_reference(set_launch):
     """The union kernels with the whole blocks read by pointer loads (the path of GPUs without
-    TMA; the default, by TMA, runs in the test above)."""
+    TMA; the default, by TMA, runs in the test above); dq takes the forward's union lists
+    (their build is not what this test is about)."""
     for prefix in ("fwd.union_", "bwd.dq_union_"):
         set_launch({prefix + "qt": 4, prefix + "max": 1000, prefix + "tma": False})
-    _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=5, drop_own=True)
+    _run_case([[75, 1], [40]], 80, 16, 8, 2, 16, 3, seed=5, drop_own=True, reuse_unions=True)
 
 
-@pytest.mark.parametrize("maxnreg", [None, pytest.param(128, marks=pytest.mark.skipif(
-    INTERPRET, reason="the interpreter ignores the register cap: the [None] case is this one"))])
+# The interpreter ignores the cap, so there both cases are the uncapped union forward (TMA,
+# qt 4, max 1000) of test_union_forward_and_dq_match_reference[4-1000]: they run compiled only.
+@pytest.mark.skipif(INTERPRET, reason="the interpreter ignores the register cap: the union "
+                    "forward it would run is test_union_forward_and_dq_match_reference[4-1000]")
+@pytest.mark.parametrize("maxnreg", [None, 128])
 def test_union_forward_register_cap_matches_reference(set_launch, maxnreg):
-    """The union forward without and with its register cap (ignored by the interpreter; on a
-    GPU the cap spills, which must not change the result), against float64."""
+    """The union forward without and with its register cap (on a GPU the cap spills, which
+    must not change the result), against float64."""
     set_launch({"fwd.union_qt": 4})
     set_launch({"fwd.union_max": 1000})
     set_launch({"fwd.union_maxnreg": maxnreg})
@@ -185,15 +197,14 @@ def test_union_register_cap_only_with_the_own_block_by_tma():
     assert tf.union_register_cap(128, False) is None
 
 
-@pytest.mark.parametrize("own_tma", [False, True])
-def test_union_flat_loop_and_own_block_by_tma_match_reference(set_launch, own_tma):
+def test_union_flat_loop_and_own_block_by_tma_match_reference(set_launch):
     """The union forward's flat whole-block loop (one 64-key tile per step, d = 128 and block
-    128 so that a block is two tiles) and its own block read by TMA, with the union dq, against
-    float64. The documents end inside a block, the next document starts with infinite K and V
-    rows (a zero probability or dS must not meet them), and some rows select a block past
-    their own (it holds no visible key and must contribute nothing)."""
-    set_launch({"fwd.union_max": 1000, "fwd.union_own_tma": own_tma,
-                "bwd.dq_union_max": 1000})
+    128 so that a block is two tiles) with its own block read by pointer loads and by TMA, and
+    the union dq (which ``fwd.union_own_tma`` does not touch: run once, on the forward's union
+    lists), against float64. The documents end inside a block, the next document starts with
+    infinite K and V rows (a zero probability or dS must not meet them), and some rows select a
+    block past their own (it holds no visible key and must contribute nothing)."""
+    set_launch({"fwd.union_max": 1000, "bwd.dq_union_max": 1000})
     bs, hq, hkv, d, top_k = 128, 16, 1, 128, 3
     gen = torch.Generator().manual_seed(31)
     msa = make_layout([[200, 60], [140]], 300, bs)
@@ -207,40 +218,49 @@ def test_union_flat_loop_and_own_block_by_tma_match_reference(set_launch, own_tm
     past_own = (pos < bs) & (torch.arange(t) % 3 == 0)
     q2k[0, past_own, top_k - 1] = 1  # block 1: past the own block 0 of these rows
     scale = 1.0 / math.sqrt(d)
-    ref_out, ref_lse, ref_dq, _, _ = attention_grads_f64(q, k, v, q2k, msa, scale, bs,
-                                                               dout)
-    dev = on_kernel_device(q, k, v, q2k, dout)
-    dmsa = layout_on_kernel_device(msa)
-    out, lse = triton_attention_forward(*dev[:4], dmsa, scale, block_size=bs)
-    dq, _, _ = triton_attention_backward(dev[4], *dev[:3], out, lse, dev[3], dmsa, scale,
-                                         block_size=bs)
-    out, lse, dq = out.cpu(), lse.cpu(), dq.cpu()
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = attention_grads_f64(q, k, v, q2k, msa, scale,
+                                                                   bs, dout)
     # The rows that never see the inf rows: documents 1 and 3 (document 2 sees its own).
     clean = torch.isfinite(ref_out).flatten(1).all(1) & torch.isfinite(ref_dq).flatten(1).all(1)
     assert clean[:200].all() and clean[260:].all() and not clean[200:260].all()
-    assert rel_err(out[clean], ref_out[clean]) < TOL
     fin = torch.isfinite(ref_lse) & clean[None, :]
-    assert rel_err(lse[fin], ref_lse[fin]) < 1e-4
+    dev = on_kernel_device(q, k, v, q2k, dout)
+    dmsa = layout_on_kernel_device(msa)
+    for own_tma in (False, True):
+        set_launch({"fwd.union_own_tma": own_tma})
+        out, lse, unions = triton_attention_forward(*dev[:4], dmsa, scale, block_size=bs,
+                                                    return_unions=True)
+        host_out, host_lse = out.cpu(), lse.cpu()
+        assert rel_err(host_out[clean], ref_out[clean]) < TOL, own_tma
+        assert rel_err(host_lse[fin], ref_lse[fin]) < 1e-4, own_tma
+    dq, dk, dv = (x.cpu() for x in triton_attention_backward(
+        dev[4], *dev[:3], out, lse, dev[3], dmsa, scale, block_size=bs, unions=unions))
     assert rel_err(dq[clean], ref_dq[clean]) < TOL
+    # The keys of documents 1 and 3: only their (clean) rows attend them.
+    keys = torch.ones(t, dtype=torch.bool)
+    keys[200:260] = False
+    assert rel_err(dk[keys], ref_dk[keys]) < TOL and rel_err(dv[keys], ref_dv[keys]) < TOL
 
 
-@pytest.mark.parametrize("max_count", [1000, 2])
 @pytest.mark.parametrize("tiles,build_tiles", [(1, 1), (3, 4)])
-def test_per_token_grids_match_reference(set_launch, max_count, tiles, build_tiles):
+def test_per_token_grids_match_reference(set_launch, tiles, build_tiles):
     """The hybrid's variants together against float64: the per-token kernels' grid with one
     union tile per program doing the tokens the union kernel left, or 3 (a count that leaves
-    the last program short), with union builds of one and of four tiles per program; every
-    tile to the union kernel, and a mix (max_count 2)."""
+    the last program short), with union builds of one and of four tiles per program, on a mix
+    (max_count 2) of union tiles, which the per-token programs skip, and per-token tiles.
+    Every tile to the union kernel (per-token programs that skip every tile) is
+    test_union_forward_and_dq_match_reference's max_count 1000, dq's grid 8 tiles a program."""
     for prefix in ("fwd.", "bwd.dq_"):
         set_launch({prefix + "tile_grid_tiles": tiles, prefix + "union_qt": 4,
-                    prefix + "union_max": max_count, prefix + "union_build_tiles": build_tiles})
+                    prefix + "union_max": 2, prefix + "union_build_tiles": build_tiles})
     _run_case([[37, 1], [18, 3]], 40, 16, 8, 2, 16, 3, seed=17, drop_own=True)
 
 
 def test_union_build_programs_write_only_their_tiles():
     """With several tiles per program the last program's surplus tiles write nothing: the
-    lists and counts sit in larger buffers whose tails must keep their sentinel."""
-    msa = make_layout([[300, 20]], 320, 16)
+    lists and counts sit in larger buffers whose tails must keep their sentinel (the
+    production width, 8 tokens x top-16 = 128 entries per tile, on 22 tiles: 3 programs)."""
+    msa = make_layout([[130, 20]], 160, 16)
     q2k = random_q2k(msa, 1, 16, 16, torch.Generator().manual_seed(5))
     want, want_count = tile_unions_reference(q2k, kernel_layout(msa, 16), 8)
     tiles = want.shape[1]
@@ -349,17 +369,17 @@ def test_tile_unions_by_kernel_equal_the_reference():
     want = tile_unions_reference(q2k16, kernel_layout(big, 16), 8)
     dbig = kernel_layout(layout_on_kernel_device(big), 16)
     # Several tiles per program, with a tile count that is not a multiple of them (the last
-    # program's surplus tiles must write nothing).
+    # program's surplus tiles must write nothing). The production width with 8 tiles per
+    # program is test_union_build_programs_write_only_their_tiles (whose larger buffers also
+    # show the surplus tiles write nothing).
     assert want[0].shape[1] % 8 != 0
     for tp, warps in ((1, 4), (8, 2)):
         by_kernel = tu.tile_unions(on_kernel_device(q2k), dview, 4, tiles_per_program=tp,
                                    warps=warps)
         assert torch.equal(by_kernel[0].cpu(), whole), tp
         assert torch.equal(by_kernel[1].cpu(), whole_count), tp
-        got = tu.tile_unions(on_kernel_device(q2k16), dbig, 8, tiles_per_program=tp,
-                             warps=warps)
-        assert torch.equal(got[0].cpu(), want[0]), tp
-        assert torch.equal(got[1].cpu(), want[1]), tp
+    got = tu.tile_unions(on_kernel_device(q2k16), dbig, 8, tiles_per_program=1, warps=4)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
     assert int(want[1].max()) > 16  # the tiles' tokens disagree: real unions
     tok_tile = (view.token_first_block + view.token_pos // 16) * 4 + (view.token_pos % 16) // 4
     for g in range(2):

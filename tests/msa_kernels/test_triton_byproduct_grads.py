@@ -93,9 +93,12 @@ def test_keys_and_gradients_equal_the_torch_version(rows, seq_len, bs, heads, to
     unused = torch.ones(msa.num_tokens, dtype=torch.bool)
     unused[want_keys[want_keys >= 0].long()] = False
     assert unused.any() and bool((dk.cpu()[unused] == 0).all())
-    # No atomics: a second run gives the same bits.
-    again = _triton(msa, q2k, iq, ik, dscore, chunk=chunk)
-    assert all(torch.equal(a, b) for a, b in zip((dq, dk, keys, scores), again[:4], strict=True))
+    # No atomics: a second run gives the same bits (asked once: on split blocks, whose
+    # partial sums are added by a second kernel; the others run the same kernels).
+    if chunk == 5:
+        again = _triton(msa, q2k, iq, ik, dscore, chunk=chunk)
+        assert all(torch.equal(a, b)
+                   for a, b in zip((dq, dk, keys, scores), again[:4], strict=True))
 
 
 def test_plan_chunk_gives_short_rows_several_chunks_per_sm():

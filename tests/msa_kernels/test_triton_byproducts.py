@@ -19,6 +19,7 @@ from nemo_msa.attention.triton_fwd import triton_attention_forward
 from nemo_msa.indexer_loss.triton_byproducts import block_scores_triton
 from nemo_msa.selection.triton_select import triton_select_blocks
 from nemo_msa.testing.oracle import block_scores_f64, doc_spans, rel_err, select_f64
+from nemo_msa.triton.kernel_layout import INTERPRET
 
 
 def block_mass_f64(q, k, q2k, msa, scale, block_size):
@@ -88,11 +89,15 @@ def test_selected_block_scores_and_keys(rows, seq_len, bs, d, top_k, init, local
                 assert attained == pytest.approx(want, rel=1e-5, abs=1e-5)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [{}, {"union_qt": 0}, {"union_max": 3}],
-    ids=["union", "per-token", "hybrid"],
-)
+# Under the interpreter the hybrid case runs the mass-writing code of both kernels (the union
+# kernel's, and the per-token one's, shared by the per-token grid; it asserts both kinds of
+# tiles); compiled on a GPU every schedule runs (ADR 0038).
+@pytest.mark.parametrize("config", [
+    pytest.param(config, id=name, marks=pytest.mark.skipif(
+        INTERPRET and name != "hybrid",
+        reason="the [hybrid] case runs this schedule's kernels under the interpreter"))
+    for name, config in (("union", {}), ("per-token", {"union_qt": 0}),
+                         ("hybrid", {"union_max": 3}))])
 def test_forward_block_mass(set_launch, config):
     set_launch({f"fwd.{key}": value for key, value in config.items()})
     gen = torch.Generator().manual_seed(11)
@@ -105,8 +110,12 @@ def test_forward_block_mass(set_launch, config):
     q2k = random_q2k(msa, hkv, top_k, bs, gen, drop_own=True)
     scale = 1.0 / math.sqrt(d)
     dev = on_kernel_device(q, k, v, q2k)
-    out, lse, mass = triton_attention_forward(*dev, layout_on_kernel_device(msa), scale,
-                                              block_size=bs, return_block_mass=True)
+    out, lse, unions, mass = triton_attention_forward(*dev, layout_on_kernel_device(msa), scale,
+                                                      block_size=bs, return_unions=True,
+                                                      return_block_mass=True)
+    if config.get("union_max"):  # the hybrid: union tiles and per-token ones
+        used = unions.count[unions.count > 0]
+        assert (used <= config["union_max"]).any() and (used > config["union_max"]).any()
     plain, plain_lse = triton_attention_forward(*dev, layout_on_kernel_device(msa), scale,
                                                 block_size=bs)
     assert torch.equal(out.cpu(), plain.cpu()) and torch.equal(lse.cpu(), plain_lse.cpu())

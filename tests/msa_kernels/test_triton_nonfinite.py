@@ -51,20 +51,25 @@ SCHEDULES = {
 
 
 class _Attention(torch.autograd.Function):
+    """The kernels' forward and backward; with ``reuse`` the backward takes the forward's union
+    lists and NaN/Inf row counts (as the backend does), else dq builds and counts its own."""
+
     @staticmethod
-    def forward(ctx, q, k, v, q2k, msa, scale, queries=None):
-        out, lse = triton_attention_forward(q, k, v, q2k, msa, scale, block_size=BS,
-                                            queries=queries)
+    def forward(ctx, q, k, v, q2k, msa, scale, queries=None, reuse=False):
+        out, lse, unions = triton_attention_forward(q, k, v, q2k, msa, scale, block_size=BS,
+                                                    queries=queries, return_unions=True)
         ctx.save_for_backward(q, k, v, q2k, out, lse)
         ctx.msa, ctx.scale, ctx.queries = msa, scale, queries
+        ctx.unions = unions if reuse else None
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, q2k, out, lse = ctx.saved_tensors
         grads = triton_attention_backward(dout.contiguous(), q, k, v, out, lse, q2k, ctx.msa,
-                                          ctx.scale, block_size=BS, queries=ctx.queries)
-        return (*grads, None, None, None, None)
+                                          ctx.scale, block_size=BS, queries=ctx.queries,
+                                          unions=ctx.unions)
+        return (*grads, None, None, None, None, None)
 
 
 def _random_case(seed: int):
@@ -99,7 +104,11 @@ def test_sparse_attention_kernels_contain_a_non_finite_key_or_value(set_launch, 
     dmsa = layout_on_kernel_device(msa)
     dq2k = on_kernel_device(q2k)
     scale = 1.0 / math.sqrt(D)
-    run = lambda q_, k_, v_: _Attention.apply(q_, k_, v_, dq2k, dmsa, scale)  # noqa: E731
+    # The hybrid's dq takes the forward's lists and counts, as in production; the union
+    # schedule's dq builds its own lists and counts the poisoned row itself.
+    reuse = schedule == "hybrid"
+    run = lambda q_, k_, v_: _Attention.apply(q_, k_, v_, dq2k, dmsa, scale, None,  # noqa: E731
+                                              reuse)
     check_containment(run, q, k, v, dout, visible_pairs(msa, BS, q2k), scale, which,
                       *BAD[where], value, tol=1e-2, device=KERNEL_DEVICE)
 
@@ -120,7 +129,8 @@ def test_sparse_attention_kernels_contain_with_a_query_subset(set_launch, which,
     dmsa = layout_on_kernel_device(msa)
     dq2k, dqueries = on_kernel_device(q2k, queries)
     scale = 1.0 / math.sqrt(D)
-    run = lambda q_, k_, v_: _Attention.apply(q_, k_, v_, dq2k, dmsa, scale, dqueries)  # noqa: E731
+    run = lambda q_, k_, v_: _Attention.apply(q_, k_, v_, dq2k, dmsa, scale,  # noqa: E731
+                                              dqueries, True)
     check_containment(run, q, k, v, dout, visible_pairs(msa, BS, q2k, queries), scale, which,
                       *BAD["last_of_block"], value, tol=1e-2, device=KERNEL_DEVICE)
 
@@ -162,10 +172,13 @@ def test_union_kernels_unguarded_launch_equals_the_guarded_one_on_finite_inputs(
     dq, dk, dv, dq2k, ddout = on_kernel_device(q, k, v, q2k, dout)
 
     def run():
-        out, lse, mass = triton_attention_forward(dq, dk, dv, dq2k, dmsa, block_size=BS,
-                                                  return_block_mass=True)
+        # dq takes the forward's union lists and NaN/Inf row counts (the backend's path);
+        # in the guarded run those counts name every row.
+        out, lse, unions, mass = triton_attention_forward(dq, dk, dv, dq2k, dmsa, block_size=BS,
+                                                          return_unions=True,
+                                                          return_block_mass=True)
         grads = triton_attention_backward(ddout, dq, dk, dv, out, lse, dq2k, dmsa,
-                                          block_size=BS)
+                                          block_size=BS, unions=unions)
         return [x.cpu() for x in (out, lse, mass, *grads)]
 
     unguarded = run()
