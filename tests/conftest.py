@@ -10,6 +10,10 @@
   ``--run-bench`` is given, ``NEMO_MSA_BENCH_TESTS=1`` is set or ``-m`` names ``bench``
   (ADR 0038): the default run tests the product in minutes; the device validation sets the
   variable, so its ``-m gpu`` calls still run them.
+- Under ``--dist loadgroup`` a worker refuses to run if pytest-xdist did not put the
+  ``xdist_group`` name into the test ids (pytest-xdist 3.8 with pytest 9): the groups keep the
+  process-spawning modules' shared runs to one start each, and without them those start once
+  per worker.
 - ``kernel_backends_on_the_cpu``: GPU-less doubles of the kernel backends' device checks.
 """
 
@@ -41,12 +45,26 @@ def pytest_addoption(parser):
     )
 
 
+def _check_xdist_groups(config, items) -> None:
+    if not getattr(getattr(config, "option", None), "loadgroup", False):
+        return
+    ungrouped = [item.nodeid for item in items
+                 if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid]
+    if ungrouped:
+        raise pytest.UsageError(
+            f"--dist loadgroup: pytest-xdist did not group {len(ungrouped)} tests marked "
+            f"xdist_group (first: {ungrouped[0]}); pytest {pytest.__version__} with this "
+            f"pytest-xdist does not support it: install the versions of constraints.txt")
+
+
 def _runs_bench_tests(config) -> bool:
     return (config.getoption("--run-bench") or os.environ.get(BENCH_ENV) == "1"
             or "bench" in (config.getoption("markexpr") or ""))
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    _check_xdist_groups(config, items)
     if not _runs_bench_tests(config):
         bench = [item for item in items if item.get_closest_marker("bench") is not None]
         if bench:

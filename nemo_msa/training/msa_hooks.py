@@ -153,8 +153,15 @@ class MSAHooks(DenseGPTHooks):
     msa = True
 
     def __init__(self, config: Any) -> None:
+        from nemo_msa.megatron.indexer_loss import MSAIndexerLossAutoScaler, MSAIndexerMetrics
+
         super().__init__(config)
         self.dense_warmup_steps = int(getattr(config, "msa_dense_warmup_steps", 0) or 0)
+        # The indexer's metrics and loss scale are process-wide too: what an earlier run or
+        # model in this process recorded and never popped (a failed step, a forward outside the
+        # trainer) would otherwise be logged as this run's first step.
+        MSAIndexerMetrics.reset()
+        MSAIndexerLossAutoScaler.reset()
 
     def layer_spec(self, vp_stage: int | None, pp_rank: int | None):
         """The MSA decoder spec of one model chunk."""

@@ -1,8 +1,9 @@
 """Shared pieces of the Megatron tests: tiny MSA GPT models, packed batches, gloo workers.
 
-Multi-rank tests spawn ``world_size`` processes (torch.multiprocessing, spawn) on localhost with
-gloo; each installs nemo_msa.megatron.cpu_shim, initializes Megatron's parallel state, runs a
-function of this module and returns a picklable result through a queue.
+Multi-rank tests start ``world_size`` processes (forked from a server that imported torch and
+Megatron once: tests/_rank_processes.py) on localhost with gloo; each installs
+nemo_msa.megatron.cpu_shim, initializes Megatron's parallel state, runs a function of this module
+and returns a picklable result through a queue.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from _rank_processes import rank_context
 
 VOCAB = 96
 SEQ = 128
@@ -238,8 +240,8 @@ def _worker(
 
 def several_workers(rank: int, world_size: int, jobs: dict[str, tuple[str, dict]]) -> dict:
     """``{key: worker(rank=, world_size=, **kwargs)}`` for ``jobs = {key: (worker name,
-    kwargs)}``, one after another in the same ranks: one spawn (each rank's torch + Megatron
-    import, seconds) serves several workers. Every worker sets its parallel state up and
+    kwargs)}``, one after another in the same ranks: one start of the ranks (a process group
+    and its rendezvous) serves several workers. Every worker sets its parallel state up and
     destroys it again."""
     return {key: globals()[name](rank=rank, world_size=world_size, **kwargs)
             for key, (name, kwargs) in jobs.items()}
@@ -251,7 +253,7 @@ def spawn(fn: Callable, world_size: int, timeout: float = 240.0, **kwargs) -> di
     Raises:
         RuntimeError: with the failing rank's traceback.
     """
-    context = torch.multiprocessing.get_context("spawn")
+    context = rank_context()
     queue = context.Queue()
     scratch = tempfile.TemporaryDirectory(prefix="gloo-rendezvous-")
     rendezvous = os.path.join(scratch.name, "store")

@@ -22,6 +22,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _rank_processes import rank_context
 from _runs import SMALL, train
 from _save_agreement import agree_in_two_ranks
 from megatron.core import dist_checkpointing
@@ -218,8 +219,7 @@ def test_every_rank_agrees_on_a_failure_that_is_not_the_file_systems(tmp_path):
     """Two gloo ranks: rank 0's unrecognized error reaches rank 1 as a failure naming the rank
     (before, rank 1 waited at the agreement until the group's timeout), and rank 0 keeps its own
     exception to re-raise; a file-system failure on rank 1 alone reaches rank 0."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=agree_in_two_ranks, args=(rank, str(tmp_path / "store"), results))
              for rank in range(2)]
