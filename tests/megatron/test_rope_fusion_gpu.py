@@ -58,8 +58,10 @@ def _reference(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torc
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
 @pytest.mark.parametrize(("heads", "dim", "rot"), [(4, 128, 64), (1, 64, 64)])
-def test_fused_rope_is_the_unfused_function_at_document_positions(dtype, interleaved, heads,
-                                                                   dim, rot):
+def test_fused_rope_is_the_unfused_function_at_document_positions(cuda_single_rank, dtype,
+                                                                   interleaved, heads, dim, rot):
+    # cuda_single_rank: Megatron's unfused interleaved RoPE looks the context-parallel group up
+    # when given none, as it is in a run.
     from types import SimpleNamespace
 
     from nemo_msa.megatron.rope import apply_rope, rope_factors
@@ -107,19 +109,15 @@ def _model_config(fused: bool):
 
 
 def test_fused_rope_model_matches_the_unfused_model(cuda_single_rank, monkeypatch):
-    """One fp32 model (TE spec, reference backend, a dense-document and an MSA layer), built
-    with apply_rope_fusion=True, run with the flag on and off on one packed batch (documents
-    that restart mid-row, tail padding): logits and every gradient agree to fp32 rounding."""
+    """Two fp32 models (TE spec, reference backend, a dense-document and an MSA layer) with the
+    same weights, one built with apply_rope_fusion=True and one with False (the layers' plans
+    decide at construction), on one packed batch (documents that restart mid-row, tail
+    padding): logits and every gradient agree to fp32 rounding, and only the first calls TE."""
     from megatron.core.models.gpt import GPTModel
 
     from layer_specs import get_msa_decoder_block_spec
     from nemo_msa.megatron import rope, set_training_iteration
 
-    config = _model_config(fused=True)
-    torch.manual_seed(1234)
-    model = GPTModel(config, get_msa_decoder_block_spec(config), vocab_size=VOCAB,
-                     max_sequence_length=SEQ, position_embedding_type="rope",
-                     rotary_percent=0.5, rotary_base=5_000_000).cuda()
     calls = []
     te_rope = rope.fused_apply_rotary_pos_emb
     monkeypatch.setattr(rope, "fused_apply_rotary_pos_emb",
@@ -132,12 +130,19 @@ def test_fused_rope_model_matches_the_unfused_model(cuda_single_rank, monkeypatc
     positions = torch.arange(SEQ, device="cuda").expand(MICRO_BATCH, SEQ)
     labels, mask = tokens.roll(-1, 1), (ids > 0).float()
 
-    results = {}
+    results, weights = {}, None
     for fused in (True, False):
-        config.apply_rope_fusion = fused  # the layers read it per call; the gate ran at build
+        config = _model_config(fused=fused)
+        torch.manual_seed(1234)
+        model = GPTModel(config, get_msa_decoder_block_spec(config), vocab_size=VOCAB,
+                         max_sequence_length=SEQ, position_embedding_type="rope",
+                         rotary_percent=0.5, rotary_base=5_000_000).cuda()
+        if weights is None:
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+        else:
+            model.load_state_dict(weights)
         calls.clear()
         set_training_iteration(0)
-        model.zero_grad(set_to_none=True)
         logits = model(tokens, positions, ids)
         losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                  reduction="none").view_as(mask)
