@@ -206,6 +206,10 @@ def apply_rope(t: torch.Tensor, factors: RopeFactors, config, cp_group=None) -> 
         )
         return rotated.squeeze(1)
     if factors.interleaved:
-        return apply_rotary_pos_emb(t, factors.freqs, config=config, cp_group=cp_group)
+        # Megatron's bshd function indexes [s, b, h, d] and takes [s, 1, 1, d] angles: b = 1,
+        # as on TE's path.
+        rotated = apply_rotary_pos_emb(t.unsqueeze(1), factors.freqs.view(t.shape[0], 1, 1, -1),
+                                       config=config, cp_group=cp_group)
+        return rotated.squeeze(1)
     cos, sin_signed = factors.tables(t.dtype)
     return _Rope.apply(t, cos, sin_signed, factors.fused)

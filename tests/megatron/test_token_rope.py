@@ -49,13 +49,19 @@ def test_apply_rope_is_megatrons_function_bit_for_bit(dtype, heads, dim, rot):
 
 
 def test_interleaved_rope_is_megatrons_and_shared_factors_are_built_once():
+    """At the layers' shapes (t [tokens, heads, dim], angles [tokens, 1, rot]): Megatron's
+    interleaved function on its [s, b, h, d] layout, forward and gradient."""
     t, freqs, grad = _inputs(torch.bfloat16, 9, 2, 32, 16, seed=1)
     config = _config(interleaved=True)
-    want = apply_rotary_pos_emb(t.view(9, 1, 2, 32), freqs.view(9, 1, 1, 16), config=config,
-                                cp_group=_CP)
-    got = apply_rope(t.view(9, 1, 2, 32), rope_factors(freqs.view(9, 1, 1, 16), config), config,
-                     _CP)
-    assert torch.equal(got, want)
+    a = t.view(9, 1, 2, 32).clone().requires_grad_()
+    b = t.clone().requires_grad_()
+    want = apply_rotary_pos_emb(a, freqs.view(9, 1, 1, 16), config=config, cp_group=_CP)
+    got = apply_rope(b, rope_factors(freqs, config), config, _CP)
+    want.backward(grad.view(9, 1, 2, 32))
+    got.backward(grad)
+    assert got.shape == t.shape and torch.equal(got, want.view(9, 2, 32))
+    assert torch.equal(b.grad, a.grad.view(9, 2, 32))
+    assert not torch.equal(got, apply_rope(t, rope_factors(freqs, _config()), _config()))
     factors = rope_factors(freqs, _config())
     assert factors.tables(torch.bfloat16) is factors.tables(torch.bfloat16)
     assert rope_factors(None, _config()) is None
