@@ -21,6 +21,7 @@ PRELOAD = [
     "megatron.core.dist_checkpointing",
     "nemo_msa.megatron",
     "nemo_msa.training.save_failures",
+    "nemo_msa.training.trainer",
 ]
 
 

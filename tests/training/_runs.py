@@ -1,4 +1,5 @@
-"""Shared helpers of the training tests: the small model, one in-process run, checkpoint copies."""
+"""Shared helpers of the training tests: the small model, one in-process run, multi-rank runs in
+forked processes, checkpoint copies."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+from _rank_processes import rank_context
 
 from nemo_msa.training.checkpoint_integrity import POINTER
 from nemo_msa.training.recipe import load_recipe
@@ -101,3 +108,78 @@ def pretrain_cli(out: Path, *overrides: str, recipe: str | None = None,
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "loss" in r]
+
+
+@dataclass
+class RanksResult:
+    """What :func:`pretrain_ranks` gives back, as ``subprocess.run`` would for torchrun."""
+
+    #: 0 when every rank returned 0, else the first non-zero exit code in rank order.
+    returncode: int
+    #: The ranks' standard output, rank 0's first.
+    stdout: str
+    #: The ranks' standard error, rank 0's first.
+    stderr: str
+
+
+def pretrain_ranks(nproc: int, args: list[str], timeout: float = 400) -> RanksResult:
+    """``torchrun --standalone --nproc-per-node NPROC scripts/pretrain.py ARGS`` minus the
+    interpreter starts: ``nproc`` processes forked from the fork server
+    (tests/_rank_processes.py) each run the script's ``main()`` with torchrun's environment.
+
+    torchrun's own part (its agent, its report of failed ranks) is what the torchrun tests
+    (test_pretrain.py's resume refusal, test_restart.py's two-rank job) test; the rest take
+    this. The ranks meet at a TCP store this process holds on a port the system picked, as
+    torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``), so that no port is chosen before
+    it is bound.
+
+    Raises:
+        TimeoutError: a rank still ran after ``timeout`` seconds (every rank is killed).
+    """
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size=nproc, is_master=True,
+                                       wait_for_workers=False)
+    context = rank_context()
+    with tempfile.TemporaryDirectory(prefix="pretrain-ranks-") as logs:
+        ranks = [context.Process(target=_pretrain_rank,
+                                 args=(rank, nproc, store.port, list(args), logs))
+                 for rank in range(nproc)]
+        for rank in ranks:
+            rank.start()
+        try:
+            for rank in ranks:
+                rank.join(timeout)
+            hung = [i for i, rank in enumerate(ranks) if rank.is_alive()]
+            if hung:
+                raise TimeoutError(f"ranks {hung} still ran after {timeout} s")
+        finally:
+            for rank in ranks:
+                if rank.is_alive():
+                    rank.kill()
+                    rank.join(10)
+        codes = [rank.exitcode for rank in ranks]
+        out = "".join(Path(logs, f"{i}.out").read_text() for i in range(nproc))
+        err = "".join(Path(logs, f"{i}.err").read_text() for i in range(nproc))
+    return RanksResult(next((c for c in codes if c), 0), out, err)
+
+
+def _pretrain_rank(rank: int, nproc: int, port: int, args: list[str], logs: str) -> None:
+    """One rank of :func:`pretrain_ranks`, in its forked process."""
+    # The process's own output files, open until it exits (C-level writes go there too).
+    out = open(Path(logs, f"{rank}.out"), "w", buffering=1)
+    err = open(Path(logs, f"{rank}.err"), "w", buffering=1)
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    sys.stdout, sys.stderr = out, err
+    os.chdir(REPO)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                      OMP_NUM_THREADS="1")
+    try:
+        code = pretrain_script().main(args)
+    except BaseException:  # as an uncaught exception in a torchrun rank: its traceback, code 1
+        traceback.print_exc()
+        code = 1
+    out.flush()
+    err.flush()
+    sys.exit(code)

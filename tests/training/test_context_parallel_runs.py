@@ -1,4 +1,6 @@
-"""Context-parallel training end to end on gloo (torchrun, CPU, reference backend).
+"""Context-parallel training end to end on gloo (CPU, reference backend), each job's ranks
+running scripts/pretrain.py's ``main()`` with torchrun's environment in forked processes
+(``_runs.pretrain_ranks``).
 
 The reference is the session's CP=1 run of the small recipe (tests/training/conftest.py: 6
 steps, 2 of dense warm-up, checkpoints at 3 and 6). CP=2 from scratch must follow its loss
@@ -17,29 +19,22 @@ resumed bit for bit).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _runs import SMALL, copy_checkpoint, losses, train
+from _runs import SMALL, copy_checkpoint, losses, pretrain_ranks, train
 
 from nemo_msa.training.checkpoint_integrity import latest_iteration
 
 # One xdist worker runs the whole module: its module-scoped runs then happen once (ADR 0038).
 pytestmark = pytest.mark.xdist_group("context_parallel_runs")
 
-REPO = Path(__file__).resolve().parents[2]
 SCHEDULE = ["train.train_iters=6", "model.msa_dense_warmup_steps=2"]
 
 
-def _torchrun(nproc: int, overrides: list[str], out: Path, layout: str) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--standalone", str(REPO / "scripts" / "pretrain.py"), *SMALL,
-           *SCHEDULE, "logger.plot=false", f"checkpoint.save={out}", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
+def _run_ranks(nproc: int, overrides: list[str], out: Path, layout: str) -> list[dict]:
+    proc = pretrain_ranks(nproc, [*SMALL, *SCHEDULE, "logger.plot=false",
+                                  f"checkpoint.save={out}", *overrides])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"layout TPxPPxVPPxDP : {layout}" in proc.stdout
     assert "context parallel    : 2" in proc.stdout
@@ -66,7 +61,7 @@ def test_cp2_follows_cp1_and_its_checkpoint_resumes_at_cp1(reference, tmp_path):
     ref_root, ref = reference
     want = _reference_rows(ref_root)
     out = tmp_path / "cp2"
-    rows = _torchrun(2, ["model.context_parallel_size=2", "checkpoint.save_interval=3"], out,
+    rows = _run_ranks(2, ["model.context_parallel_size=2", "checkpoint.save_interval=3"], out,
                      "1x1x1x1")
     _assert_follows(rows, want, [1, 2, 3, 4, 5, 6])
     assert [r["phase"] for r in rows] == ["dense-warmup"] * 2 + ["sparse"] * 4
@@ -105,7 +100,7 @@ def test_four_process_layouts_with_cp2_follow_cp1(reference, one_process_evaluat
     ref_root, ref = reference
     start = tmp_path / "start"
     copy_checkpoint(ref_root, 3, start)
-    rows = _torchrun(4, [*overrides, "model.context_parallel_size=2", *CONTINUE,
+    rows = _run_ranks(4, [*overrides, "model.context_parallel_size=2", *CONTINUE,
                          f"checkpoint.load={start}"], tmp_path / "out", layout)
     _assert_follows(rows, _reference_rows(ref_root), [4, 5])
     # Rank 0's MSA layers (in two virtual chunks under VPP) shared one layout per microbatch.

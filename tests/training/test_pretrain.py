@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _runs import SMALL, copy_checkpoint, losses, train
+from _runs import SMALL, copy_checkpoint, losses, pretrain_ranks, train
 
 from nemo_msa.training.checkpoint_integrity import (
     MANIFEST,
@@ -204,15 +204,13 @@ def test_trains_on_a_real_indexed_corpus(tmp_path):
 @pytest.mark.slow
 def test_pipeline_integration_recipe_runs_on_four_gloo_processes(tmp_path):
     """recipes/msa_pp2_vpp2_tp2.yaml as shipped (TP=2 x PP=2 x VPP=2), three steps: one of
-    dense warm-up, two sparse, a checkpoint at the last."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--standalone", str(REPO / "scripts" / "pretrain.py"),
-           "--recipe", str(REPO / "recipes" / "msa_pp2_vpp2_tp2.yaml"), "train.train_iters=3",
-           "model.msa_dense_warmup_steps=1", "scheduler.lr_warmup_iters=1",
-           f"checkpoint.save={tmp_path}", "checkpoint.save_interval=3",
-           "logger.progress_bar=false"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=REPO, env=env)
+    dense warm-up, two sparse, a checkpoint at the last; four forked ranks with torchrun's
+    environment (``_runs.pretrain_ranks``)."""
+    proc = pretrain_ranks(4, ["--recipe", str(REPO / "recipes" / "msa_pp2_vpp2_tp2.yaml"),
+                              "train.train_iters=3", "model.msa_dense_warmup_steps=1",
+                              "scheduler.lr_warmup_iters=1", f"checkpoint.save={tmp_path}",
+                              "checkpoint.save_interval=3", "logger.progress_bar=false"],
+                          timeout=500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "layout TPxPPxVPPxDP : 2x2x2x1" in proc.stdout
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
