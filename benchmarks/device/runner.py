@@ -3,9 +3,10 @@ folder, its exit status and duration in the stage's record; or, with ``--dry-run
 as the shell line that would run it, and nothing run or written.
 
 A bound works as coreutils ``timeout -k 30`` did in the shell script this replaced: the command
-runs in its own process group; when the bound passes the group gets SIGTERM (SIGINT for pytest,
-which then still prints its counts), SIGKILL 30 s later if it has not ended, and the status is
-124 (137 where it had to be killed).
+runs in its own process group, with SIGINT's default action even where this process ignores it;
+when the bound passes the group gets SIGTERM (SIGINT for pytest, which then still prints its
+counts), SIGKILL 30 s later if it has not ended, and the status is 124 (137 where it had to be
+killed).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class _Running:
             stdout=out,
             stderr=subprocess.STDOUT if out is not None else None,
             start_new_session=True,
+            preexec_fn=_default_sigint,
         )
 
     def poll(self) -> int | None:
@@ -256,3 +258,10 @@ def table_or_tail(log: Path, header: str, fallback: Callable[[str], bool]) -> st
         if line.startswith(header):
             return "\n".join(lines[i:])
     return "\n".join([line[:300] for line in lines if fallback(line)] + lines[-15:])
+
+
+def _default_sigint() -> None:
+    # A process started with SIGINT ignored (a background job of a non-interactive shell) passes
+    # the ignore on, and Python then raises no KeyboardInterrupt: the bound's SIGINT would not
+    # stop pytest with its counts, only the SIGKILL after it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

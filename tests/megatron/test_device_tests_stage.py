@@ -6,6 +6,7 @@ output names the last test it finished."""
 from __future__ import annotations
 
 import json
+import signal
 
 from _device import run_stage
 
@@ -20,10 +21,16 @@ def test_each_call_has_its_bound_status_counts_and_last_test(tmp_path, monkeypat
     out = tmp_path / "out"
     # The bound interrupts the first call in test_slow; the second ends inside its own. No
     # wheels to install (a checkout may hold .whl/), so the two pytest calls are the only steps.
-    status = run_stage(monkeypatch, "tests", "--out", out, "--wheels", tmp_path / "no_wheels",
-                       "--paths", tmp_path / "test_probe.py",
-                       "--seconds", "10", "--marked-paths", tmp_path / "test_marked.py",
-                       "--marked-seconds", "120")
+    # This process ignores SIGINT, as a background job of a non-interactive shell does: the
+    # bound's SIGINT must still stop pytest with its counts (the runner restores its default).
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        status = run_stage(monkeypatch, "tests", "--out", out, "--wheels",
+                           tmp_path / "no_wheels", "--paths", tmp_path / "test_probe.py",
+                           "--seconds", "10", "--marked-paths", tmp_path / "test_marked.py",
+                           "--marked-seconds", "120")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert status == 1  # a call ended non-zero (its bound stopped it)
     log = (out / "gpu_tests.log").read_text()
     first, second = log.split("\nrc 124\n")
