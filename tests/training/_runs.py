@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,9 +146,10 @@ def pretrain_ranks(nproc: int, args: list[str], timeout: float = 400) -> RanksRe
                  for rank in range(nproc)]
         for rank in ranks:
             rank.start()
+        deadline = time.monotonic() + timeout
         try:
             for rank in ranks:
-                rank.join(timeout)
+                rank.join(max(0.0, deadline - time.monotonic()))
             hung = [i for i, rank in enumerate(ranks) if rank.is_alive()]
             if hung:
                 raise TimeoutError(f"ranks {hung} still ran after {timeout} s")
